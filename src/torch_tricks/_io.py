@@ -1,0 +1,36 @@
+"""Atomic file writes: a reader never sees a half-written file, and a failed write
+leaves the previous file (if any) in place."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from torch_tricks.errors import UserError
+
+__all__ = ["atomic_path"]
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it onto ``path`` if the block succeeds.
+
+    ``suffix`` lets writers that look at the extension (e.g. gzip for ``.gz``) see the
+    right one on the temporary name.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise UserError(f"{str(target)!r} is a directory: give a file name")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=suffix)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,279 @@
+"""The ``torch-tricks`` command line: parses arguments, calls the library, prints.
+
+Bad input (an unknown model, a wrong shape, a missing file) prints one line on stderr
+and exits with status 2; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from torch_tricks.errors import UserError
+
+DEFAULT_MODEL = "resnet18"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.debug = "--debug" in argv  # accepted before or after the command
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"torch-tricks: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("torch-tricks: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="torch-tricks",
+        description="Measure which PyTorch speed and memory tricks help your model, then apply them.",
+    )
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    p.set_defaults(debug=False)
+    sub = p.add_subparsers(title="commands", metavar="COMMAND")
+
+    def model_args(sp: argparse.ArgumentParser, batch: int = 1) -> None:
+        sp.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"built-in model name (see `torch-tricks models`) or package.module:factory "
+                             f"(default {DEFAULT_MODEL})")
+        sp.add_argument("--input", action="append", metavar="SPEC",
+                        help="input shape without the batch, e.g. 3x224x224; integer tokens as long:128:VOCAB; "
+                             "repeat or comma-separate for several inputs (default: the model's own)")
+        sp.add_argument("--batch", type=int, default=batch, help=f"batch size (default {batch})")
+        sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default cpu)")
+        sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        sp.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+
+    sp = sub.add_parser("models", help="list the built-in models")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--debug", action="store_true")
+    sp.set_defaults(func=cmd_models)
+
+    sp = sub.add_parser("summary", help="per-layer shapes, parameters, MACs/FLOPs, memory access cost, advice")
+    model_args(sp)
+    sp.add_argument("--depth", type=int, default=3, help="deepest module level shown (default 3)")
+    sp.add_argument("--no-advice", dest="advice", action="store_false", help="skip the design advice")
+    sp.set_defaults(func=cmd_summary)
+
+    sp = sub.add_parser("memory", help="parameter, gradient, optimizer and activation memory; leak check")
+    model_args(sp, batch=8)
+    sp.add_argument("--optimizer", default="adamw", help="sgd, adam or adamw (default adamw)")
+    sp.add_argument("--leak-steps", type=int, default=0,
+                    help="also run this many training steps and check that memory stops growing")
+    sp.set_defaults(func=cmd_memory)
+
+    sp = sub.add_parser("time", help="forward, forward+backward and training-step time (synchronised median)")
+    model_args(sp, batch=8)
+    sp.add_argument("--optimizer", default="sgd", help="sgd, adam or adamw (default sgd)")
+    sp.add_argument("--warmup", type=int, default=3)
+    sp.add_argument("--repeats", type=int, default=10)
+    sp.set_defaults(func=cmd_time)
+
+    sp = sub.add_parser("profile", help="cProfile and torch.profiler hot spots of a training step")
+    model_args(sp, batch=8)
+    sp.add_argument("--optimizer", default="sgd")
+    sp.add_argument("--top-k", type=int, default=15)
+    sp.add_argument("--trace", metavar="PATH", help="also write a Chrome trace (open in Perfetto)")
+    sp.set_defaults(func=cmd_profile)
+
+    sp = sub.add_parser("graph", help="autograd graph as DOT/SVG, ONNX for Netron, or TensorBoard graph")
+    model_args(sp)
+    sp.add_argument("--out", required=True, metavar="PATH",
+                    help="model.dot, model.svg (needs graphviz), model.onnx, or a directory for TensorBoard")
+    sp.set_defaults(func=cmd_graph)
+    return p
+
+
+# -- shared ------------------------------------------------------------------------------
+
+def _load(args: argparse.Namespace):
+    """Model and example inputs from --model/--input/--batch/--device."""
+    import torch
+
+    from torch_tricks.inspect.inputs import make_inputs, parse_input_specs
+    from torch_tricks.models import load_model
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UserError(f"unknown --device {args.device!r}: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda asked for, but this torch sees no CUDA device: use --device cpu")
+    model, default_input = load_model(args.model)
+    spec = args.input or default_input
+    if not spec:
+        raise UserError(f"--input is required for {args.model}: give its input shape, e.g. --input 3x224x224")
+    inputs = make_inputs(parse_input_specs(spec), args.batch, model=model, device=device)
+    return model.to(device), inputs
+
+
+def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print(text)
+
+
+# -- commands ----------------------------------------------------------------------------
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from torch_tricks._format import table
+    from torch_tricks.models import list_models, model_spec
+
+    specs = [model_spec(n) for n in list_models()]
+    data = {"models": [{"name": s.name, "input": s.default_input, "description": s.description} for s in specs]}
+    _emit(args, data, table(["model", "input", "description"], [[s.name, s.default_input, s.description] for s in specs], "lll"))
+    return 0
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    from torch_tricks._format import human_bytes, shape_str, si, table
+    from torch_tricks.inspect.advisor import advise
+    from torch_tricks.inspect.summary import summary
+
+    if args.depth < 0:
+        raise UserError("--depth must be >= 0")
+    model, inputs = _load(args)
+    s = summary(model, inputs, depth=args.depth)
+    advice = advise(s) if args.advice else []
+    data = s.to_dict()
+    data["model"] = args.model
+    data["advice"] = [a.to_dict() for a in advice]
+    rows = [
+        ["  " * (r.depth - 1) + r.name + (f" x{r.calls}" if r.calls > 1 else ""), r.type, shape_str(r.output_shapes),
+         f"{r.params:,}", si(r.macs), human_bytes(r.mac_bytes), human_bytes(r.activation_bytes)]
+        for r in s.rows
+    ]
+    t = s.totals
+    lines = [
+        f"{args.model}: input {s.inputs}",
+        table(["layer", "type", "output", "params", "MACs", "mem access", "activations"], rows, "lllrrrr"),
+        "",
+        f"params: {t['params']:,} ({t['trainable_params']:,} trainable, {t['frozen_params']:,} frozen), "
+        f"{human_bytes(t['param_bytes'])} with buffers",
+        f"MACs: {si(t['macs'])}   FLOPs: {si(t['flops'])} (= 2 x MACs; conv, linear, matmul, attention, RNN)",
+        f"memory access cost: {human_bytes(t['mac_bytes'])} "
+        f"({t['pointwise_bytes'] / max(t['mac_bytes'], 1):.0%} in element-wise ops)   "
+        f"activations (leaf outputs): {human_bytes(t['activation_bytes'])}",
+        "by operator: " + ", ".join(f"{k} {si(v)}" for k, v in s.by_operator.items()),
+    ]
+    if advice:
+        shown = advice[:12]
+        lines += ["", f"advice ({len(advice)}; ShuffleNetV2 G1-G4, tensor-core dims T23):"]
+        lines += [f"  [{a.rule} {a.severity}] {a.module}: {a.message}" for a in shown]
+        if len(advice) > len(shown):
+            lines.append(f"  ... {len(advice) - len(shown)} more (use --json for all)")
+    _emit(args, data, "\n".join(lines))
+    return 0
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from torch_tricks._format import human_bytes, table
+    from torch_tricks.inspect.memory import leak_check, memory_report
+    from torch_tricks.inspect.step import Workloads
+
+    model, inputs = _load(args)
+    rep = memory_report(model, inputs, optimizer=args.optimizer)
+    data = {"model": args.model, "batch": args.batch, **rep.to_dict()}
+    rows = [
+        ["parameters", human_bytes(rep.param_bytes)],
+        ["buffers", human_bytes(rep.buffer_bytes)],
+        ["gradients", human_bytes(rep.grad_bytes)],
+        [f"optimizer state ({rep.optimizer})", human_bytes(rep.optimizer_state_bytes)],
+        ["= model state between steps", human_bytes(rep.model_state_bytes)],
+        [f"activations saved for backward ({rep.saved_tensors} tensors)", human_bytes(rep.activation_bytes)],
+        ["input batch", human_bytes(rep.input_bytes)],
+        ["peak of tensors allocated in a step", human_bytes(rep.step_tensor_peak_bytes)],
+    ]
+    if rep.device_peak_bytes is not None:
+        rows.append(["device peak during a step (max_memory_allocated)", human_bytes(rep.device_peak_bytes)])
+    if rep.process_peak_bytes is not None:
+        rows.append([f"process peak RSS during a step ({rep.process_peak_method})", human_bytes(rep.process_peak_bytes)])
+    text = [f"{args.model}, batch {args.batch}, {rep.device}:", table(["memory", "bytes"], rows)]
+    top = list(rep.activation_by_module.items())[:8]
+    if top:
+        text += ["", "largest saved activations by module:"]
+        text += [f"  {name or '(model)'}: {human_bytes(b)}" for name, b in top]
+    if args.leak_steps:
+        wl = Workloads(model, inputs, optimizer=args.optimizer)
+        leak = leak_check(wl.step, steps=args.leak_steps, device=args.device)
+        data["leak_check"] = leak.to_dict()
+        text += ["", f"leak check: {'LEAK: ' if leak.leaking else ''}{leak.message}"]
+    _emit(args, data, "\n".join(text))
+    return 0
+
+
+def cmd_time(args: argparse.Namespace) -> int:
+    from torch_tricks._format import table
+    from torch_tricks.inspect.step import Workloads
+    from torch_tricks.inspect.timing import benchmark
+
+    if args.repeats < 1 or args.warmup < 0:
+        raise UserError("--repeats must be >= 1 and --warmup >= 0")
+    model, inputs = _load(args)
+    wl = Workloads(model, inputs, optimizer=args.optimizer)
+    results = {}
+    model.eval()
+    results["forward (eval, no_grad)"] = benchmark(wl.forward, warmup=args.warmup, repeats=args.repeats, device=args.device)
+    model.train()
+    results["forward+backward"] = benchmark(wl.forward_backward, warmup=args.warmup, repeats=args.repeats, device=args.device)
+    results[f"training step ({args.optimizer})"] = benchmark(wl.step, warmup=args.warmup, repeats=args.repeats, device=args.device)
+    data = {"model": args.model, "batch": args.batch, "timings": {k: v.to_dict() for k, v in results.items()}}
+    rows = [[k, f"{v.median_s * 1e3:.2f}", f"{v.iqr_s * 1e3:.2f}", f"{args.batch / v.median_s:.1f}"]
+            for k, v in results.items()]
+    text = f"{args.model}, batch {args.batch}, {args.device} (median of {args.repeats} after {args.warmup} warm-up):\n"
+    text += table(["workload", "median ms", "IQR ms", "samples/s"], rows)
+    _emit(args, data, text)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from torch_tricks._format import table
+    from torch_tricks.inspect.profile import profile_step
+    from torch_tricks.inspect.step import Workloads
+
+    model, inputs = _load(args)
+    model.train()
+    wl = Workloads(model, inputs, optimizer=args.optimizer)
+    rep = profile_step(wl.step, top_k=args.top_k, trace_path=args.trace)
+    data = {"model": args.model, "batch": args.batch, **rep.to_dict()}
+    text = [f"{args.model}, batch {args.batch}: hot spots of one training step"]
+    if rep.ops:
+        text += ["", f"torch.profiler operators (by self CPU time, {rep.steps} steps):",
+                 table(["operator", "calls", "self ms", "total ms"],
+                       [[o.name, o.count, f"{o.self_cpu_ms:.2f}", f"{o.cpu_total_ms:.2f}"] for o in rep.ops])]
+    if rep.python:
+        text += ["", "cProfile functions (by cumulative time):",
+                 table(["function", "calls", "cumulative ms", "own ms"],
+                       [[f.function[-70:], f.ncalls, f"{f.cumtime_ms:.2f}", f"{f.tottime_ms:.2f}"]
+                        for f in rep.python], "lrrr")]
+    if args.trace:
+        text += ["", f"Chrome trace written to {args.trace}"]
+    _emit(args, data, "\n".join(text))
+    return 0
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    from torch_tricks.inspect.graph import save_graph
+
+    model, inputs = _load(args)
+    path = save_graph(model, inputs, args.out)
+    _emit(args, {"model": args.model, "written": str(path)}, f"graph written to {path}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

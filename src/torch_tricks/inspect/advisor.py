@@ -1,0 +1,117 @@
+"""Design advice from a summary: the ShuffleNetV2 rules (T8) and tensor-core dims (T23).
+
+ShuffleNetV2 (Ma et al., 2018) found that FLOPs do not predict speed; memory access
+cost (MAC) and parallelism do. Its four guidelines, checked here per layer:
+
+* G1: equal input and output channels minimise MAC for a given FLOP count; for a 1×1
+  conv the excess is ``(c1 + c2) / (2·sqrt(c1·c2))``.
+* G2: group convolutions raise MAC (depthwise convs most: few FLOPs per byte moved).
+* G3: network fragmentation (many small parallel branches) hurts parallelism.
+* G4: element-wise operators (ReLU, add, bias) cost memory traffic, not FLOPs.
+
+T23: tensor cores (fp16/bf16 on NVIDIA, and AMX/oneDNN blocking on CPUs) want the
+matmul dims — channels, features, head dims — to be multiples of 8.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch_tricks.inspect.summary import Summary
+
+__all__ = ["Advice", "advise"]
+
+
+@dataclass
+class Advice:
+    rule: str  # G1..G4, T23
+    severity: str  # "info" | "warn"
+    module: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def advise(
+    s: Summary,
+    *,
+    channel_ratio: float = 4.0,
+    branches: int = 3,
+    pointwise_share: float = 0.3,
+    multiple: int = 8,
+) -> list[Advice]:
+    """Advice for every module of ``s`` (all depths), most important first.
+
+    Thresholds: G1 flags an in/out channel ratio of at least ``channel_ratio`` (either
+    way); G3 a block whose input feeds ``branches`` or more compute operators; G4 a
+    model whose element-wise operators move at least ``pointwise_share`` of its bytes,
+    and a block where they do and their share is 10 points above the model's; T23 dims not divisible by ``multiple``.
+    """
+    out: list[Advice] = []
+    g4_flagged: list[str] = []
+    model_share = s.totals["pointwise_bytes"] / s.totals["mac_bytes"] if s.totals.get("mac_bytes") else 0.0
+    compute = [r.name for r in s.all_rows if r.is_leaf and _matmul_dims(r)]
+    first_compute, last_compute = (compute[0], compute[-1]) if compute else (None, None)
+    for r in s.all_rows:
+        e = r.extra
+        if "in_channels" in e:
+            c1, c2, g = e["in_channels"], e["out_channels"], e["groups"]
+            ratio = max(c1, c2) / max(min(c1, c2), 1)
+            if g == 1 and ratio >= channel_ratio and r.name != first_compute:
+                excess = (c1 + c2) / (2 * math.sqrt(c1 * c2))
+                out.append(Advice("G1", "info", r.name,
+                    f"{c1}->{c2} channels (ratio {ratio:.0f}): a 1x1 conv at this ratio moves "
+                    f"{(excess - 1) * 100:.0f}% more activation bytes than equal widths at the same FLOPs"))
+            if g > 1:
+                kind = "depthwise" if g == c1 == c2 or (g == c1 and c2 % c1 == 0) else f"{g}-group"
+                out.append(Advice("G2", "info", r.name,
+                    f"{kind} conv: few FLOPs per byte moved, so it runs far below peak; "
+                    "fewer groups or fused kernels help"))
+        if not r.is_leaf and r.branches >= branches:
+            out.append(Advice("G3", "warn", r.name,
+                f"its input feeds {r.branches} parallel compute ops (fragmentation); "
+                "merge branches for inference (re-parameterize, torch-tricks deploy)"))
+        share = r.pointwise_bytes / r.mac_bytes if r.mac_bytes else 0.0
+        nested = any(r.name.startswith(f + ".") for f in g4_flagged)  # say it once per subtree
+        if not r.is_leaf and r.name and not nested and share >= max(pointwise_share, model_share + 0.1):
+            g4_flagged.append(r.name)
+            out.append(Advice("G4", "info", r.name,
+                f"element-wise ops move {r.pointwise_bytes / r.mac_bytes:.0%} of its bytes; "
+                "fuse them (Conv-BN-ReLU fusion, torch.compile, inplace activations)"))
+        for dim_name, value in _matmul_dims(r).items():
+            if value % multiple:
+                reads_input = r.name == first_compute or (r.input_shapes or None) == s.input_shapes
+                edge = (reads_input and dim_name in ("in_channels", "in_features")) or (
+                    r.name == last_compute and dim_name in ("out_channels", "out_features"))
+                out.append(Advice("T23", "info" if edge else "warn", r.name,
+                    f"{dim_name}={value} is not a multiple of {multiple}: tensor cores and blocked "
+                    f"CPU kernels pad it; use {math.ceil(value / multiple) * multiple}"
+                    + (" (set by the data or the classes: pad only if this layer dominates)" if edge else "")))
+    total = s.totals
+    if total.get("mac_bytes") and total["pointwise_bytes"] / total["mac_bytes"] >= pointwise_share:
+        out.insert(0, Advice("G4", "warn", "(model)",
+            f"element-wise ops move {total['pointwise_bytes'] / total['mac_bytes']:.0%} of all bytes: "
+            "fusion (deploy fuse, torch.compile) will pay off"))
+    order = {"warn": 0, "info": 1}
+    return sorted(out, key=lambda a: order[a.severity])
+
+
+def _matmul_dims(r) -> dict[str, int]:
+    e = r.extra
+    if "in_channels" in e:
+        if e["groups"] > 1:  # per-group dims are what the kernel sees
+            return {"in_channels": e["in_channels"] // e["groups"], "out_channels": e["out_channels"] // e["groups"]} \
+                if e["in_channels"] // e["groups"] > 1 else {}
+        return {"in_channels": e["in_channels"], "out_channels": e["out_channels"]}
+    if "in_features" in e:
+        return {"in_features": e["in_features"], "out_features": e["out_features"]}
+    if "head_dim" in e:
+        return {"embed_dim": e["embed_dim"], "head_dim": e["head_dim"]}
+    if "hidden_size" in e:
+        return {"input_size": e["input_size"], "hidden_size": e["hidden_size"]}
+    if "embedding_dim" in e:
+        return {"embedding_dim": e["embedding_dim"]}
+    return {}

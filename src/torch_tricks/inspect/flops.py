@@ -1,0 +1,335 @@
+"""Operator-level cost counting, attributed to the modules that ran each operator.
+
+Conventions (the ones every table of torch-tricks uses):
+
+* **MACs** are multiply-accumulates of the matmul-like operators: convolutions, linear
+  layers (``addmm``/``mm``), ``bmm``/``matmul``/``einsum`` (they reach ATen as ``bmm``/``mm``),
+  scaled-dot-product attention, and the recurrent matmuls of ``nn.RNN``/``nn.GRU``/``nn.LSTM``.
+* **FLOPs = 2 × MACs**, exactly: normalisation, activations and other element-wise ops
+  are memory-bound, so they are *not* counted as FLOPs; they show up in the memory
+  access cost instead.
+* **Memory access cost** (bytes, the ShuffleNetV2 sense) of an operator is the bytes of
+  its tensor inputs read (weights included) plus the bytes of its outputs written; views
+  and other metadata-only operators cost nothing. A module's cost is the sum over the
+  operators it ran.
+
+Why not ``FlopCounterMode`` alone: with torch 2.13 it counts 0 for ``nn.LSTM`` (the
+CPU kernel is ``mkldnn_rnn_layer``, cuDNN's is ``_cudnn_rnn``; neither has a formula),
+0 for CPU attention (``_scaled_dot_product_flash_attention_for_cpu``) and 0 for
+``nn.TransformerEncoderLayer`` under ``no_grad`` (the fused fast path is one opaque
+operator), and it does not measure memory traffic. We reuse its formula registry for
+everything it knows, add the missing formulas, count recurrent layers analytically from
+their shapes, and switch the attention fast path off while counting (the same matmuls
+run, unfused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+__all__ = ["OpStats", "ModuleRecord", "OpCounter", "rnn_macs"]
+
+_aten = torch.ops.aten
+
+
+@dataclass
+class OpStats:
+    """Costs of a set of operators."""
+
+    macs: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    pointwise_bytes: int = 0  # memory traffic of element-wise operators (ShuffleNetV2 G4)
+    ops: int = 0
+    by_op: dict[str, int] = field(default_factory=dict)  # MACs per operator name
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.macs
+
+    @property
+    def mac_bytes(self) -> int:
+        """Memory access cost: bytes read plus bytes written."""
+        return self.read_bytes + self.write_bytes
+
+    def add(self, other: "OpStats") -> None:
+        self.macs += other.macs
+        self.read_bytes += other.read_bytes
+        self.write_bytes += other.write_bytes
+        self.pointwise_bytes += other.pointwise_bytes
+        self.ops += other.ops
+        for k, v in other.by_op.items():
+            self.by_op[k] = self.by_op.get(k, 0) + v
+
+
+@dataclass
+class ModuleRecord:
+    """What happened inside one module, over all of its calls."""
+
+    name: str
+    module: nn.Module
+    calls: int = 0
+    total: OpStats = field(default_factory=OpStats)  # this module and everything it called
+    self_: OpStats = field(default_factory=OpStats)  # operators run directly by this module
+    input_shapes: list[Any] | None = None
+    output_shapes: Any = None
+    output_bytes: int = 0
+    branches: int = 0  # most distinct compute ops reading one call's input (G3)
+
+
+def rnn_macs(module: nn.RNNBase, args: tuple[Any, ...]) -> int:
+    """Multiply-accumulates of one call of ``nn.RNN``/``nn.GRU``/``nn.LSTM``.
+
+    Per time step, layer and direction: ``gates × hidden × (input + recurrent)`` for the
+    input and recurrent matmuls, plus ``hidden × proj`` for an LSTM projection. A
+    ``PackedSequence`` counts only its real (unpadded) steps.
+    """
+    x = args[0]
+    if isinstance(x, nn.utils.rnn.PackedSequence):
+        steps = int(x.batch_sizes.sum())
+    else:
+        if x.dim() == 2:  # unbatched (T, F)
+            steps = x.shape[0]
+        else:
+            steps = x.shape[0] * x.shape[1]
+    gates = {"LSTM": 4, "GRU": 3}.get(module.mode, 1)
+    dirs = 2 if module.bidirectional else 1
+    hidden = module.hidden_size
+    proj = getattr(module, "proj_size", 0) or 0
+    out = proj or hidden
+    macs = 0
+    for layer in range(module.num_layers):
+        inp = module.input_size if layer == 0 else out * dirs
+        per_step = gates * hidden * (inp + out) + (hidden * proj if proj else 0)
+        macs += per_step * dirs * steps
+    return macs
+
+
+def _sdpa_cpu_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+# Formulas ``flop_registry`` lacks (torch 2.13), by operator packet.
+_EXTRA_FORMULAS = {}
+for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable"):
+    if hasattr(_aten, _name):
+        _EXTRA_FORMULAS[getattr(_aten, _name)] = _sdpa_cpu_flops
+
+
+# Operators whose first input is a table they read only a few rows of.
+_GATHERS = {_aten.embedding, _aten.embedding_bag, _aten._embedding_bag, _aten.index_select}
+
+
+def _op_flops(func, args, kwargs, out) -> int:
+    packet = func._overloadpacket
+    formula = flop_registry.get(packet)
+    if formula is not None:
+        return int(formula(*args, **kwargs, out_val=out))
+    formula = _EXTRA_FORMULAS.get(packet)
+    if formula is not None:
+        return int(formula(*args, **kwargs, out_val=out))
+    return 0
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # tensor subclasses, sparse, meta without storage
+        return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes an operator touches for ``t``: its elements, but never more than its storage
+    (a broadcast ``expand`` reads each stored element once)."""
+    n = t.numel() * t.element_size()
+    try:
+        st = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    except Exception:
+        return n
+    return min(n, max(st, 0))
+
+
+class _Frame:
+    __slots__ = ("rec", "inputs", "branch_ops", "is_rnn")
+
+    def __init__(self, rec: ModuleRecord, inputs: set[int], is_rnn: bool):
+        self.rec = rec
+        self.inputs = inputs
+        self.branch_ops = 0
+        self.is_rnn = is_rnn
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every ATen operator of the code run inside it (see module docstring).
+
+    Use :func:`count_ops` unless you need the raw records. Module attribution uses
+    global forward hooks, so only modules of ``model`` (named by their first registered
+    name) get records; operators outside any of them go to the root record ``""``.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.records: dict[str, ModuleRecord] = {}
+        self.order: list[str] = []  # first-call order
+        self.stack: list[_Frame] = []
+        self.failed_in: _Frame | None = None
+        self._hooks: list[Any] = []
+        self._rnn_depth = 0
+
+    # -- module tracking ------------------------------------------------------------
+    def _record(self, module: nn.Module) -> ModuleRecord | None:
+        name = self.names.get(id(module))
+        if name is None:
+            return None
+        rec = self.records.get(name)
+        if rec is None:
+            rec = self.records[name] = ModuleRecord(name, module)
+            self.order.append(name)
+        return rec
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        rec = self._record(module)
+        if rec is None:
+            return
+        flat, _ = tree_flatten(args)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        if rec.input_shapes is None:
+            rec.input_shapes = [tuple(t.shape) for t in tensors]
+        keys = {k for k in map(_storage_key, tensors) if k is not None}
+        is_rnn = isinstance(module, nn.RNNBase)
+        self.stack.append(_Frame(rec, keys, is_rnn))
+        if is_rnn:
+            self._rnn_depth += 1
+            macs = rnn_macs(module, args)
+            stats = OpStats(macs=macs, by_op={f"rnn.{module.mode.lower()}": macs})
+            self._attribute(stats)
+
+    def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not self.stack or self.stack[-1].rec.module is not module:
+            return
+        frame = self.stack.pop()
+        rec = frame.rec
+        rec.calls += 1
+        rec.branches = max(rec.branches, frame.branch_ops)
+        if frame.is_rnn:
+            self._rnn_depth -= 1
+        flat, spec = tree_flatten(output)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        rec.output_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        if rec.output_shapes is None:
+            rec.output_shapes = _shapes_of(output)
+
+    def __enter__(self):
+        self.records.clear()
+        self.order.clear()
+        root = self._record(self.model)
+        if root is not None:
+            root.calls = 0
+        self._hooks = [
+            nn.modules.module.register_module_forward_pre_hook(self._pre),
+            nn.modules.module.register_module_forward_hook(self._post),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if exc_type is not None and self.stack:
+            self.failed_in = self.stack[-1]
+        self.stack.clear()
+        self._rnn_depth = 0
+        return super().__exit__(exc_type, exc, tb)
+
+    # -- operator accounting -------------------------------------------------------
+    def _attribute(self, stats: OpStats) -> None:
+        seen: set[int] = set()
+        frames = self.stack or []
+        if not frames:
+            root = self.records.get("")
+            if root is not None:
+                root.total.add(stats)
+                root.self_.add(stats)
+            return
+        for frame in frames:
+            if id(frame.rec) not in seen:
+                seen.add(id(frame.rec))
+                frame.rec.total.add(stats)
+        frames[-1].rec.self_.add(stats)
+        if self.stack and self.stack[0].rec.name != "":
+            root = self.records.get("")
+            if root is not None and id(root) not in seen:
+                root.total.add(stats)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        in_flat, _ = tree_flatten((args, kwargs))
+        ins = [t for t in in_flat if isinstance(t, torch.Tensor)]
+        out_flat, _ = tree_flatten(out)
+        outs = [t for t in out_flat if isinstance(t, torch.Tensor)]
+        in_keys = [_storage_key(t) for t in ins]
+        mutable = func._schema.is_mutable
+        view_like = func.is_view or (
+            not mutable and bool(outs) and all(_storage_key(t) in in_keys for t in outs)
+        )
+        stats = OpStats(ops=1)
+        if not view_like:
+            if func._overloadpacket in _GATHERS:  # reads the gathered rows, not the whole table
+                stats.read_bytes = sum(_nbytes(t) for t in ins[1:]) + sum(_nbytes(t) for t in outs)
+            else:
+                stats.read_bytes = sum(_nbytes(t) for t in ins)
+            stats.write_bytes = sum(_nbytes(t) for t in outs)
+            if torch.Tag.pointwise in func.tags:
+                stats.pointwise_bytes = stats.mac_bytes
+            if self._rnn_depth == 0:
+                macs = _op_flops(func, args, kwargs, out) // 2
+                if macs:
+                    stats.macs = macs
+                    stats.by_op[func._overloadpacket.__name__] = macs
+            # G3: compute operators (not views, not element-wise) reading a block's input.
+            if torch.Tag.pointwise not in func.tags:
+                for frame in self.stack:
+                    if frame.inputs and any(k in frame.inputs for k in in_keys):
+                        frame.branch_ops += 1
+        self._attribute(stats)
+        return out
+
+
+def _shapes_of(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return tuple(obj.shape)
+    if isinstance(obj, dict):
+        return {k: _shapes_of(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_shapes_of(v) for v in obj) if not hasattr(obj, "_fields") else tuple(
+            _shapes_of(v) for v in obj
+        )
+    if isinstance(obj, nn.utils.rnn.PackedSequence):
+        return ("packed", tuple(obj.data.shape))
+    return type(obj).__name__
+
+
+@contextlib.contextmanager
+def _unfused_attention() -> Iterator[None]:
+    """Switch off the fused MHA / encoder-layer fast path so its matmuls are visible."""
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not hasattr(mha, "set_fastpath_enabled"):
+        yield
+        return
+    before = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(before)

@@ -1,0 +1,403 @@
+"""See the model's graph (catalogue item P6): autograd DOT/SVG, ONNX for Netron, TensorBoard.
+
+Three views, each from PyTorch's own machinery where one exists:
+
+* :func:`autograd_dot` walks ``grad_fn.next_functions`` and writes Graphviz DOT: the graph
+  that backward will actually run, with parameters named and shaped.
+* :func:`export_onnx` uses ``torch.onnx.export`` (the ``torch.export``-based "dynamo"
+  exporter); open the file in Netron.
+* :func:`tensorboard_graph` uses ``SummaryWriter.add_graph`` (a TorchScript trace).
+
+:func:`save_graph` picks one of them from the file extension.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from torch_tricks._io import atomic_path
+from torch_tricks.errors import UserError
+from torch_tricks.inspect.inputs import as_input_tuple
+
+__all__ = [
+    "autograd_dot",
+    "model_graph",
+    "render_dot",
+    "export_onnx",
+    "tensorboard_graph",
+    "save_graph",
+    "GRAPH_FORMATS",
+]
+
+#: Formats :func:`save_graph` understands (file extension without the dot, or "tensorboard").
+GRAPH_FORMATS = ("dot", "svg", "png", "pdf", "onnx", "tensorboard")
+_RENDER_FORMATS = ("svg", "png", "pdf")
+# Above this many bytes of weights ONNX must keep them in a side file (protobuf's 2 GiB limit).
+_ONNX_INLINE_LIMIT = 1_800_000_000
+
+
+def autograd_dot(
+    outputs: Any,
+    params: Mapping[str, torch.Tensor] | None = None,
+    *,
+    show_saved: bool = False,
+    max_nodes: int = 5000,
+) -> str:
+    """The autograd graph behind ``outputs`` (a tensor, or a tuple/list/dict of them) as DOT.
+
+    Nodes are backward functions (``AddmmBackward0``...), leaf tensors (named from
+    ``params``, e.g. ``dict(model.named_parameters())``, with their shapes) and the outputs.
+    ``show_saved`` adds the tensors each function saved for backward (the activation
+    memory). Written by hand: torchviz does the same walk but needs the ``graphviz`` Python
+    package and is unmaintained, while DOT is plain text that any Graphviz can render.
+    Stops after ``max_nodes`` nodes and says so in the graph label.
+    """
+    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+        raise UserError(f"max_nodes must be an integer >= 1, got {max_nodes!r}")
+    tensors = [t for t in _flatten(outputs) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise UserError("autograd_dot needs the model's output tensor(s); got no tensors")
+    if not any(t.grad_fn is not None or t.requires_grad for t in tensors):
+        raise UserError(
+            "the outputs carry no autograd graph: run the forward outside torch.no_grad()/"
+            "inference_mode() with parameters that require grad"
+        )
+    names = {id(t): name for name, t in (params or {}).items() if isinstance(t, torch.Tensor)}
+
+    lines = [
+        "digraph autograd {",
+        '  graph [rankdir=TB, fontname="monospace", fontsize=10];',
+        '  node [shape=box, style="rounded,filled", fillcolor="#eeeeee", fontname="monospace", fontsize=10];',
+        '  edge [fontname="monospace", fontsize=9];',
+    ]
+    ids: dict[int, str] = {}
+    keep: list[Any] = []  # hold references so id() values stay unique during the walk
+    truncated = False
+
+    def node_id(obj: Any) -> str:
+        key = id(obj)
+        if key not in ids:
+            ids[key] = f"n{len(ids)}"
+            keep.append(obj)
+        return ids[key]
+
+    def add_leaf(t: torch.Tensor) -> str:
+        nid = node_id(t)
+        name = names.get(id(t))
+        label = f"{name}\n{_shape(t)}" if name else f"(leaf tensor)\n{_shape(t)}"
+        lines.append(f"  {nid} [label={_q(label)}, fillcolor=lightblue];")
+        return nid
+
+    # Outputs first, then a breadth-first walk from their grad_fns.
+    queue: list[Any] = []
+    done: set[int] = set()
+    for i, t in enumerate(tensors):
+        out_id = f"out{i}"
+        label = f"output{'' if len(tensors) == 1 else f' {i}'}\n{_shape(t)}"
+        lines.append(f"  {out_id} [label={_q(label)}, fillcolor=darkolivegreen1];")
+        if t.grad_fn is not None:
+            lines.append(f"  {node_id(t.grad_fn)} -> {out_id};")
+            queue.append(t.grad_fn)
+        elif t.requires_grad:  # the output is itself a leaf
+            if id(t) not in done:
+                done.add(id(t))
+                add_leaf(t)
+            lines.append(f"  {node_id(t)} -> {out_id};")
+
+    head = 0
+    while head < len(queue):
+        fn = queue[head]
+        head += 1
+        if id(fn) in done:
+            continue
+        if len(done) >= max_nodes:
+            truncated = True
+            break
+        done.add(id(fn))
+        nid = node_id(fn)
+        variable = getattr(fn, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if isinstance(variable, torch.Tensor):
+            name = names.get(id(variable))
+            label = f"{name}\n{_shape(variable)}" if name else f"(leaf tensor)\n{_shape(variable)}"
+            lines.append(f"  {nid} [label={_q(label)}, fillcolor=lightblue];")
+        else:
+            label = type(fn).__name__
+            if show_saved:
+                label += "".join(f"\n{k}: {v}" for k, v in _saved(fn))
+            lines.append(f"  {nid} [label={_q(label)}];")
+        for nxt, _ in getattr(fn, "next_functions", ()):
+            if nxt is not None:
+                lines.append(f"  {node_id(nxt)} -> {nid};")
+                queue.append(nxt)
+
+    if truncated:
+        described = {ids[k] for k in done if k in ids}
+        for nid in ids.values():
+            if nid not in described:
+                lines.append(f'  {nid} [label="...", style=dashed];')
+        lines.append(f"  graph [label={_q(f'truncated after {max_nodes} nodes (max_nodes)')}, labelloc=t];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def model_graph(model: torch.nn.Module, inputs: Any, *, show_saved: bool = False, max_nodes: int = 5000) -> str:
+    """Run ``model(*inputs)`` with grad enabled and return its autograd graph as DOT."""
+    with torch.enable_grad():
+        out = model(*as_input_tuple(inputs))
+    return autograd_dot(out, dict(model.named_parameters()), show_saved=show_saved, max_nodes=max_nodes)
+
+
+def render_dot(dot: str, path: str | os.PathLike[str], format: str = "svg") -> Path:
+    """Render DOT text with Graphviz's ``dot`` program into ``path`` (written atomically)."""
+    exe = shutil.which("dot")
+    if exe is None:
+        raise UserError(
+            "rendering needs Graphviz's `dot` program: install Graphviz (apt-get install graphviz, "
+            "brew install graphviz) or save a .dot file and view it elsewhere"
+        )
+    fmt = format.lower().lstrip(".")
+    if not fmt.isalnum():
+        raise UserError(f"bad Graphviz output format {format!r}: use e.g. svg, png or pdf")
+    with atomic_path(path) as tmp:
+        proc = subprocess.run(
+            [exe, f"-T{fmt}", "-o", str(tmp)], input=dot.encode(), capture_output=True, check=False
+        )
+        if proc.returncode != 0:
+            msg = " ".join(proc.stderr.decode(errors="replace").split())[:300]
+            raise UserError(f"Graphviz could not render {format!r}: {msg}")
+    return Path(path)
+
+
+def export_onnx(
+    model: torch.nn.Module,
+    inputs: Any,
+    path: str | os.PathLike[str],
+    *,
+    opset: int | None = None,
+    dynamic_batch: bool = True,
+) -> Path:
+    """Export ``model`` to an ONNX file (for Netron or onnxruntime) with ``torch.onnx.export``.
+
+    Uses the ``torch.export``-based exporter (``dynamo=True``, PyTorch's default since 2.9):
+    the TorchScript one is deprecated, and on torch 2.13 the dynamo one exports CNNs,
+    ``nn.TransformerEncoder`` (batch_first) and LSTMs that match eager to ~1e-7. It needs the
+    ``onnx`` and ``onnxscript`` packages. The model is exported in eval mode (each module's
+    mode is restored afterwards) with the fused attention fast path off.
+
+    ``dynamic_batch`` makes dim 0 symbolic for every tensor input whose dim 0 matches the
+    first input's. torch.export silently specialises a size-1 dim for some models, so a
+    batch of 1 is repeated to 2 for tracing; pass ``dynamic_batch=False`` for a model that
+    hard-codes its batch size. Weights above ~1.8 GB go to a ``.data`` side
+    file next to ``path``. Export errors from torch are raised as they are.
+    """
+    try:
+        import onnx  # noqa: F401
+        import onnxscript  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "ONNX export needs the onnx and onnxscript packages: pip install 'torch-tricks[onnx]'"
+        ) from None
+    if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset < 7):
+        raise UserError(f"opset must be an ONNX opset number such as 18, got {opset!r}")
+    args = as_input_tuple(inputs)
+    dynamic_shapes = None
+    if dynamic_batch:
+        args, dynamic_shapes = _batch_dynamic(args)
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+    target = Path(path)
+    if target.is_dir():
+        raise UserError(f"ONNX path {str(target)!r} is a directory: give a file name such as model.onnx")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Export into a private folder beside the target (with the final file name, since a .data
+    # side file is referenced by name), then move the files into place.
+    tmpdir = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        with _eval_mode(model), _quiet_export():
+            torch.onnx.export(
+                model,
+                args,
+                str(tmpdir / target.name),
+                dynamo=True,
+                opset_version=opset,
+                dynamic_shapes=dynamic_shapes,
+                external_data=weight_bytes > _ONNX_INLINE_LIMIT,
+                verbose=False,
+            )
+        produced = sorted(tmpdir.iterdir(), key=lambda p: p.name == target.name)  # model file last
+        for p in produced:
+            os.replace(p, target.parent / p.name)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return target
+
+
+def tensorboard_graph(model: torch.nn.Module, inputs: Any, logdir: str | os.PathLike[str]) -> Path:
+    """Write the model graph as a TensorBoard event file in ``logdir`` (``tensorboard --logdir``).
+
+    ``add_graph`` traces with TorchScript and re-runs the model to check the trace, so the
+    model is traced in eval mode (dropout would make the runs differ) with the fused
+    attention fast path off (it takes another code path under the check's no_grad).
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError(
+            "TensorBoard export needs the tensorboard package: pip install 'torch-tricks[tensorboard]'"
+        ) from None
+    logdir = Path(logdir)
+    if logdir.exists() and not logdir.is_dir():
+        raise UserError(f"TensorBoard log dir {str(logdir)!r} is a file: give a directory")
+    args = as_input_tuple(inputs)
+    writer = SummaryWriter(log_dir=str(logdir))
+    try:
+        # add_graph prints the exception before re-raising it; the library must not print.
+        with _eval_mode(model), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            # add_graph has no other tracer; its deprecation is torch's to solve, not the user's.
+            warnings.filterwarnings("ignore", r"`torch\.jit\.trace", DeprecationWarning)
+            writer.add_graph(model, args, use_strict_trace=False)
+    finally:
+        writer.close()
+    return logdir
+
+
+def save_graph(model: torch.nn.Module, inputs: Any, path: str | os.PathLike[str], fmt: str | None = None) -> Path:
+    """Save the model graph in the format named by ``fmt`` or, failing that, by ``path``'s extension.
+
+    ``.dot`` writes DOT text; ``.svg``/``.png``/``.pdf`` render it with Graphviz; ``.onnx``
+    exports ONNX; a directory (or a path without extension) gets a TensorBoard event file.
+    """
+    p = Path(path)
+    if fmt is None:
+        ext = p.suffix.lower().lstrip(".")
+        fmt = ext if ext else "tensorboard"
+        if p.is_dir():
+            fmt = "tensorboard"
+    fmt = fmt.lower().lstrip(".")
+    if fmt not in GRAPH_FORMATS:
+        raise UserError(
+            f"unknown graph format {fmt!r} for {str(p)!r}: use a .dot, .svg, .png, .pdf or .onnx "
+            "file, or a directory for TensorBoard"
+        )
+    if fmt == "onnx":
+        return export_onnx(model, inputs, p)
+    if fmt == "tensorboard":
+        return tensorboard_graph(model, inputs, p)
+    dot = model_graph(model, inputs)
+    if fmt == "dot":
+        with atomic_path(p) as tmp:
+            tmp.write_text(dot, encoding="utf-8")
+        return p
+    return render_dot(dot, p, fmt)
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _q(text: str) -> str:
+    """A DOT double-quoted string: backslashes and quotes escaped, newlines as ``\\n``."""
+    text = text.replace("\\", "\\\\").replace('"', '\\"')
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\n", "\\n")
+    return f'"{text}"'
+
+
+def _shape(t: torch.Tensor) -> str:
+    dtype = str(t.dtype).removeprefix("torch.")
+    return f"({', '.join(map(str, t.shape))}) {dtype}"
+
+
+def _saved(fn: Any) -> Iterator[tuple[str, str]]:
+    """What a backward node saved, from its ``_saved_*`` attributes (tensors as shapes)."""
+    for attr in sorted(a for a in dir(fn) if a.startswith("_saved_")):
+        try:
+            value = getattr(fn, attr)
+        except Exception:  # some saved values raise once freed by backward
+            continue
+        if isinstance(value, torch.Tensor):
+            text = _shape(value)
+        elif isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+            text = "[" + ", ".join(_shape(v) if isinstance(v, torch.Tensor) else repr(v) for v in value) + "]"
+        else:
+            text = repr(value)
+            if len(text) > 60:
+                text = text[:57] + "..."
+        yield attr.removeprefix("_saved_"), text
+
+
+def _flatten(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _flatten(v)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _flatten(v)
+
+
+def _batch_dynamic(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...] | None]:
+    """Mark dim 0 as ``batch`` on tensor inputs that share the first tensor's dim 0."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1]
+    if not tensors:
+        return args, None
+    batch = tensors[0].shape[0]
+    dim = torch.export.Dim("batch")
+    new_args, shapes = [], []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == batch:
+            if batch == 1:
+                a = torch.cat([a, a])
+            new_args.append(a)
+            shapes.append({0: dim})
+        else:
+            new_args.append(a)
+            shapes.append(None)
+    return tuple(new_args), tuple(shapes)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode and no MHA fast path for the duration; each module's own mode is restored."""
+    modes = [(m, m.training) for m in model.modules()]
+    get_fast = getattr(torch.backends.mha, "get_fastpath_enabled", None)
+    set_fast = getattr(torch.backends.mha, "set_fastpath_enabled", None)
+    fast = get_fast() if get_fast is not None else None
+    model.eval()
+    if set_fast is not None:
+        set_fast(False)
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        if set_fast is not None and fast is not None:
+            set_fast(fast)
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Hide torch-internal deprecation warnings and "torchvision is not installed" log lines."""
+    log = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            # nn.LSTM's flat-weights cache trips torch.export's attribute check; harmless.
+            warnings.filterwarnings("ignore", r"The tensor attributes .* were assigned during export")
+            yield
+    finally:
+        log.setLevel(level)

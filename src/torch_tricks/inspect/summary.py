@@ -1,0 +1,244 @@
+"""Per-layer summary: shapes, parameters, MACs/FLOPs, memory access cost, activations (P1, P2).
+
+One forward pass in eval mode under ``no_grad``, counted at the ATen operator level (see
+:mod:`torch_tricks.inspect.flops` for the conventions), so functional code that is not a
+module (``matmul``, attention, ``einsum``) is counted and attributed to the module whose
+``forward`` ran it, and a module called twice is counted twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from torch_tricks.errors import UserError
+from torch_tricks.inspect.flops import ModuleRecord, OpCounter, _unfused_attention
+from torch_tricks.inspect.inputs import as_input_tuple, describe_inputs
+
+__all__ = ["Row", "Summary", "summary", "ForwardError"]
+
+
+@dataclass
+class Row:
+    """One module of the table; cost columns include everything the module called."""
+
+    name: str
+    type: str
+    depth: int
+    calls: int
+    input_shapes: Any
+    output_shapes: Any
+    params: int
+    trainable: int
+    frozen: int
+    macs: int
+    flops: int
+    mac_bytes: int
+    activation_bytes: int
+    pointwise_bytes: int
+    is_leaf: bool
+    branches: int
+    extra: dict[str, Any] = field(default_factory=dict)  # layer hyper-parameters for the advisor
+
+
+@dataclass
+class Summary:
+    """The result of :func:`summary`. ``rows`` holds modules down to ``depth``; ``all_rows``
+    every module that ran; ``totals`` the whole model."""
+
+    model: str
+    inputs: str
+    rows: list[Row]
+    all_rows: list[Row]
+    totals: dict[str, int]
+    by_operator: dict[str, int]  # MACs per operator family
+    input_shapes: list[tuple[int, ...]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "inputs": self.inputs,
+            "conventions": {
+                "flops": "FLOPs = 2 x MACs; MACs of conv, linear, matmul/bmm/einsum, attention, RNN matmuls",
+                "mac_bytes": "memory access cost: bytes read (inputs + weights) + bytes written, summed over operators",
+                "activation_bytes": "bytes of each module's outputs; total = sum over leaf modules",
+            },
+            "totals": dict(self.totals),
+            "by_operator": dict(self.by_operator),
+            "rows": [_jsonable(asdict(r)) for r in self.rows],
+        }
+
+
+class ForwardError(UserError):
+    """The model's forward raised: names the innermost module and its input shapes."""
+
+
+def summary(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    depth: int = 3,
+    kwargs: dict[str, Any] | None = None,
+    train_mode: bool = False,
+) -> Summary:
+    """Table of what ``model`` costs on ``inputs`` (a tensor or a tuple of positional inputs).
+
+    ``depth`` limits the rows shown (``0`` = totals only); deeper modules are folded into
+    their ancestors, whose columns already include them. The model's train/eval mode
+    is restored afterwards.
+    """
+    inputs = as_input_tuple(inputs)
+    was_training = model.training
+    model.train(train_mode)
+    counter = OpCounter(model)
+    try:
+        with torch.no_grad(), _unfused_attention(), counter:
+            model(*inputs, **(kwargs or {}))
+    except UserError:
+        raise
+    except Exception as exc:
+        raise _forward_error(exc, counter, inputs) from exc
+    finally:
+        model.train(was_training)
+
+    all_rows = [_row(counter.records[n]) for n in _tree_order(model, counter)]
+    root = counter.records.get("")
+    trainable, frozen = _param_counts(model)
+    leaf_acts = sum(r.activation_bytes for r in all_rows if r.is_leaf)
+    totals = {
+        "params": trainable + frozen,
+        "trainable_params": trainable,
+        "frozen_params": frozen,
+        "param_bytes": _param_bytes(model),
+        "macs": root.total.macs if root else 0,
+        "flops": root.total.flops if root else 0,
+        "mac_bytes": root.total.mac_bytes if root else 0,
+        "pointwise_bytes": root.total.pointwise_bytes if root else 0,
+        "activation_bytes": leaf_acts,
+        "input_bytes": sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor)),
+    }
+    rows = [r for r in all_rows if r.name and r.depth <= depth]
+    return Summary(
+        model=type(model).__name__,
+        inputs=describe_inputs(inputs),
+        rows=rows,
+        all_rows=all_rows,
+        totals=totals,
+        by_operator=_families(root.total.by_op if root else {}),
+        input_shapes=[tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor)],
+    )
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+def _forward_error(exc: Exception, counter: OpCounter, inputs: tuple[Any, ...]) -> ForwardError:
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    frame = counter.failed_in
+    if frame is None or frame.rec.name == "":
+        where = f"the model's forward ({type(counter.model).__name__})"
+        shapes = describe_inputs(inputs)
+    else:
+        where = f"module '{frame.rec.name}' ({type(frame.rec.module).__name__})"
+        shapes = ", ".join(str(s) for s in frame.rec.input_shapes or []) or "no tensor inputs"
+    return ForwardError(
+        f"forward failed in {where} on input {shapes}: {type(exc).__name__}: {first} "
+        "(check --input: shape excludes the batch, e.g. 3x224x224)"
+    )
+
+
+def _tree_order(model: nn.Module, counter: OpCounter) -> list[str]:
+    """Modules that ran, in definition (tree) order, so nesting reads top-down."""
+    ran = counter.records
+    return [n for n, _ in model.named_modules() if n in ran]
+
+
+def _row(rec: ModuleRecord) -> Row:
+    m = rec.module
+    trainable, frozen = _param_counts(m)
+    return Row(
+        name=rec.name,
+        type=type(m).__name__,
+        depth=0 if rec.name == "" else rec.name.count(".") + 1,
+        calls=rec.calls,
+        input_shapes=rec.input_shapes,
+        output_shapes=rec.output_shapes,
+        params=trainable + frozen,
+        trainable=trainable,
+        frozen=frozen,
+        macs=rec.total.macs,
+        flops=rec.total.flops,
+        mac_bytes=rec.total.mac_bytes,
+        activation_bytes=rec.output_bytes,
+        pointwise_bytes=rec.total.pointwise_bytes,
+        is_leaf=next(m.children(), None) is None,
+        branches=rec.branches,
+        extra=_layer_extra(m),
+    )
+
+
+def _param_counts(module: nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) element counts, each shared parameter counted once."""
+    trainable = frozen = 0
+    for p in module.parameters():  # parameters() already de-duplicates shared tensors
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen += p.numel()
+    return trainable, frozen
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters()) + sum(
+        b.numel() * b.element_size() for b in module.buffers()
+    )
+
+
+def _layer_extra(m: nn.Module) -> dict[str, Any]:
+    if isinstance(m, nn.modules.conv._ConvNd):
+        return {
+            "in_channels": m.in_channels,
+            "out_channels": m.out_channels,
+            "groups": m.groups,
+            "kernel_size": tuple(m.kernel_size),
+        }
+    if isinstance(m, nn.Linear):
+        return {"in_features": m.in_features, "out_features": m.out_features}
+    if isinstance(m, nn.Embedding):
+        return {"num_embeddings": m.num_embeddings, "embedding_dim": m.embedding_dim}
+    if isinstance(m, nn.MultiheadAttention):
+        return {"embed_dim": m.embed_dim, "num_heads": m.num_heads, "head_dim": m.head_dim}
+    if isinstance(m, nn.RNNBase):
+        return {"input_size": m.input_size, "hidden_size": m.hidden_size}
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return {"num_features": m.num_features}
+    return {}
+
+
+_FAMILY = {
+    "convolution": "conv", "_convolution": "conv", "conv2d": "conv", "cudnn_convolution": "conv",
+    "_slow_conv2d_forward": "conv", "convolution_overrideable": "conv",
+    "addmm": "linear/matmul", "mm": "linear/matmul", "bmm": "linear/matmul", "baddbmm": "linear/matmul",
+    "_scaled_mm": "linear/matmul",
+}
+
+
+def _families(by_op: dict[str, int]) -> dict[str, int]:
+    """Group per-operator MACs into conv / linear-matmul / attention / rnn families."""
+    out: dict[str, int] = {}
+    for op, macs in by_op.items():
+        fam = _FAMILY.get(op)
+        if fam is None:
+            fam = "attention" if "attention" in op else ("rnn" if op.startswith("rnn.") else op)
+        out[fam] = out.get(fam, 0) + macs
+    return dict(sorted(out.items()))
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj

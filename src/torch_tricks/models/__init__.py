@@ -1,0 +1,126 @@
+"""Built-in reference models, written with plain ``torch.nn`` (no torchvision).
+
+Each model is a small factory registered with :func:`register_model`, together with
+the input it expects (``default_input``, in the CLI's input syntax, batch excluded),
+so the inspector, the tuner and the tests can run any of them without being told
+its shape. A user's own model is named ``package.module:factory`` instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from torch_tricks.errors import UserError
+
+__all__ = [
+    "ModelSpec",
+    "register_model",
+    "list_models",
+    "get_model",
+    "model_spec",
+    "load_model",
+]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the registry knows about a built-in model."""
+
+    name: str
+    factory: Callable[..., nn.Module]
+    default_input: str
+    description: str = ""
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register_model(
+    name: str, *, default_input: str, description: str = "", tags: tuple[str, ...] = ()
+) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
+    """Decorator: register ``factory`` under ``name`` (once; a second name clash is a bug)."""
+
+    def deco(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        if name in _REGISTRY:
+            raise ValueError(f"model {name!r} is registered twice")
+        _REGISTRY[name] = ModelSpec(name, factory, default_input, description, tuple(tags))
+        return factory
+
+    return deco
+
+
+def list_models(tag: str | None = None) -> list[str]:
+    """Names of the built-in models, sorted; only those carrying ``tag`` if given."""
+    return sorted(n for n, s in _REGISTRY.items() if tag is None or tag in s.tags)
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The registry entry for ``name``; a :class:`UserError` naming the choices if unknown."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UserError(
+            f"unknown model {name!r}: choose one of {', '.join(list_models())}, "
+            "or name your own as package.module:factory"
+        ) from None
+
+
+def get_model(name: str, **kwargs: Any) -> nn.Module:
+    """Build the built-in model ``name`` with the factory's keyword arguments."""
+    return model_spec(name).factory(**kwargs)
+
+
+def load_model(ref: str, **kwargs: Any) -> tuple[nn.Module, str | None]:
+    """Build a model from a built-in name or a ``package.module:factory`` reference.
+
+    Returns the model and its default input spec (``None`` for a user factory, unless
+    the factory carries a ``default_input`` attribute).
+    """
+    if ":" not in ref:
+        spec = model_spec(ref)
+        return spec.factory(**kwargs), spec.default_input
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise UserError(f"model reference {ref!r} must look like package.module:factory")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import failure is the user's to fix
+        raise UserError(
+            f"cannot import {module_name!r} for --model {ref}: {type(exc).__name__}: {exc} "
+            "(is it on PYTHONPATH, or run from its folder?)"
+        ) from None
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise UserError(f"module {module_name!r} has no attribute {attr!r} (from --model {ref})")
+    if isinstance(factory, nn.Module):
+        model = factory
+    elif callable(factory):
+        try:
+            model = factory(**kwargs)
+        except Exception as exc:
+            raise UserError(f"factory {ref} raised {type(exc).__name__}: {exc}") from None
+    else:
+        raise UserError(f"{ref} is neither a callable factory nor an nn.Module")
+    if not isinstance(model, nn.Module):
+        raise UserError(f"factory {ref} returned {type(model).__name__}, not an nn.Module")
+    return model, getattr(factory, "default_input", None)
+
+
+# Importing the model modules registers them.
+from torch_tricks.models import (  # noqa: E402,F401
+    lstm,
+    mlp,
+    mobilenet,
+    repvgg,
+    resnet,
+    resnet_cifar,
+    small_cnn,
+    transformer,
+)

@@ -1,0 +1,110 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torch_tricks.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_summary_resnet50_json(capsys):
+    code, out, err = run(capsys, "summary", "--model", "resnet50", "--input", "3x224x224", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["totals"]["params"] == 25_557_032
+    assert abs(data["totals"]["macs"] - 4.1e9) / 4.1e9 < 0.01
+    assert data["totals"]["flops"] == 2 * data["totals"]["macs"]
+    assert data["rows"] and isinstance(data["advice"], list)
+
+
+def test_summary_table_of_default_model(capsys):
+    code, out, _ = run(capsys, "summary", "--depth", "1")
+    assert code == 0
+    assert out.startswith("resnet18: input (1, 3, 224, 224) float32")
+    assert "11,689,512" in out and "MACs: 1.81 G" in out
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["summary", "--model", "resnet5O"], "unknown model 'resnet5O'"),
+        (["summary", "--model", "resnet50", "--input", "5x224x224"], "module 'conv1' (Conv2d)"),
+        (["summary", "--model", "resnet50", "--input", "3x224"], "forward failed"),
+        (["summary", "--model", "mlp", "--input", "3xx4"], "bad input spec"),
+        (["summary", "--model", "no_such_pkg.mod:factory"], "cannot import 'no_such_pkg.mod'"),
+        (["summary", "--model", "torch_tricks.models:nope"], "has no attribute 'nope'"),
+        (["summary", "--model", "mlp", "--batch", "0"], "--batch must be >= 1"),
+        (["memory", "--model", "mlp", "--optimizer", "lion"], "unknown optimizer 'lion'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert needle in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert out == ""
+
+
+def test_debug_shows_the_traceback():
+    from torch_tricks.errors import UserError
+
+    with pytest.raises(UserError):
+        main(["--debug", "summary", "--model", "nope"])
+
+
+def test_user_factory_and_token_inputs(capsys):
+    code, out, _ = run(capsys, "summary", "--model", "torch_tricks.models.transformer:transformer",
+                       "--input", "long:32:1000", "--batch", "2", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["by_operator"]["attention"] > 0 and data["inputs"] == "(2, 32) int64"
+
+
+def test_models_lists_builtins(capsys):
+    code, out, _ = run(capsys, "models", "--json")
+    names = {m["name"] for m in json.loads(out)["models"]}
+    assert {"resnet18", "resnet50", "resnet9", "mobilenet_v2", "repvgg", "transformer", "lstm", "mlp"} <= names
+
+
+def test_memory_command_reports_activations_and_leak_check(capsys):
+    code, out, err = run(capsys, "memory", "--model", "mlp", "--batch", "16", "--leak-steps", "4", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["activation_bytes"] > 0 and data["optimizer_state_bytes"] >= 2 * data["param_bytes"]
+    assert data["leak_check"]["leaking"] is False
+
+
+def test_time_command(capsys):
+    code, out, err = run(capsys, "time", "--model", "mlp", "--batch", "4", "--warmup", "1", "--repeats", "3", "--json")
+    assert code == 0, err
+    timings = json.loads(out)["timings"]
+    assert len(timings) == 3 and all(t["repeats"] == 3 and t["median_s"] > 0 for t in timings.values())
+
+
+def test_profile_command(capsys):
+    code, out, err = run(capsys, "profile", "--model", "mlp", "--batch", "4", "--top-k", "5")
+    assert code == 0, err
+    assert "aten::" in out and "cProfile" in out
+
+
+def test_graph_command_writes_dot(capsys, tmp_path):
+    target = tmp_path / "mlp.dot"
+    code, out, err = run(capsys, "graph", "--model", "mlp", "--out", str(target))
+    assert code == 0, err
+    text = target.read_text()
+    assert text.startswith("digraph") and "AddmmBackward0" in text
+
+
+def test_console_script_entry_point():
+    """The installed `torch-tricks` script (python -m for the venv in use) exits 2 on bad input."""
+    proc = subprocess.run([sys.executable, "-m", "torch_tricks.cli", "summary", "--model", "nope"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("torch-tricks: error: unknown model 'nope'")

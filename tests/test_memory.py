@@ -1,0 +1,119 @@
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from torch_tricks.inspect.memory import LiveTensors, leak_check, memory_report, saved_activation_bytes
+from torch_tricks.models import get_model
+
+F32 = 4
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def test_memory_report_breakdown_is_exact_for_an_mlp():
+    model = mlp()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(64, 256)
+    rep = memory_report(model, x, optimizer="adamw")
+    n_params = sum(p.numel() for p in model.parameters())
+    assert rep.param_bytes == n_params * F32
+    assert rep.grad_bytes == rep.param_bytes
+    # AdamW keeps exp_avg and exp_avg_sq per parameter, plus a scalar step tensor each.
+    assert 2 * rep.param_bytes <= rep.optimizer_state_bytes <= 2 * rep.param_bytes + 4 * 8
+    # Saved for backward: the input x (first Linear) and the ReLU output (ReLU and second
+    # Linear share that storage, counted once); weights are parameters, not activations.
+    assert rep.activation_bytes == (64 * 256 + 64 * 512) * F32
+    assert rep.saved_tensors == 2
+    assert rep.process_peak_bytes is None or rep.process_peak_bytes > 0
+    assert rep.step_tensor_peak_bytes >= rep.grad_bytes  # the step allocates fresh gradients
+    for k, v in model.state_dict().items():  # the user's model is untouched
+        assert torch.equal(v, before[k])
+
+
+def test_sgd_momentum_state_equals_params():
+    rep = memory_report(mlp(), torch.randn(8, 256), optimizer="sgd")
+    assert rep.optimizer_state_bytes == rep.param_bytes
+
+
+def test_activation_memory_scales_with_batch_and_names_modules():
+    model = get_model("resnet50")
+    one, two, three = (saved_activation_bytes(model, torch.randn(b, 3, 64, 64)) for b in (1, 2, 3))
+    # Affine in the batch: per-sample activations plus BN's per-channel saved statistics.
+    assert two - one == three - two > 0
+    assert 0 < 2 * one - two < 0.05 * one
+    rep = memory_report(get_model("resnet18"), torch.randn(2, 3, 64, 64), optimizer="sgd")
+    assert rep.activation_by_module and sum(rep.activation_by_module.values()) == rep.activation_bytes
+    assert any(name.startswith("layer1") for name in rep.activation_by_module)
+
+
+def test_live_tensors_tracks_alloc_and_free():
+    with LiveTensors() as live:
+        a = torch.empty(1000)  # 4000 bytes
+        b = a.view(10, 100)  # a view: no new storage
+        assert live.live_bytes == 4000
+        c = torch.empty(500)
+        assert live.live_bytes == 6000 and live.peak_bytes == 6000
+        del a, b
+        assert live.live_bytes == 2000
+        del c
+        assert live.live_bytes == 0 and live.peak_bytes == 6000
+
+
+def _loop(accumulate):
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 64)
+    state = {"total_loss": 0, "outputs": []}
+
+    def step():
+        opt.zero_grad()
+        out = model(x)
+        loss = out.square().mean()
+        loss.backward()
+        opt.step()
+        accumulate(state, loss, out)
+
+    return step
+
+
+def test_leak_check_flags_total_loss_plus_equals_loss():
+    def leak(state, loss, out):
+        state["total_loss"] += loss  # keeps every step's graph alive
+
+    rep = leak_check(_loop(leak), steps=6)
+    assert rep.leaking
+    assert rep.graph_growth_per_step >= 1
+    assert "total_loss += loss" in rep.message
+
+
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
+@pytest.mark.parametrize("fix", ["item", "detach", "float"])
+def test_leak_check_quiet_for_item(fix):
+    def ok(state, loss, out):
+        if fix == "item":
+            state["total_loss"] += loss.item()
+        elif fix == "detach":
+            state["total_loss"] += loss.detach()
+        else:
+            state["total_loss"] += float(loss)
+
+    rep = leak_check(_loop(ok), steps=6)
+    assert not rep.leaking, rep.message
+    assert rep.growth_per_step_bytes <= 1024 and rep.graph_growth_per_step < 1
+
+
+def test_leak_check_flags_outputs_kept_in_a_list():
+    def keep(state, loss, out):
+        state["outputs"].append(out)  # 32 x 1 outputs with their graphs
+
+    rep = leak_check(_loop(keep), steps=6, threshold_bytes=64)
+    assert rep.leaking
+
+
+def test_leak_check_needs_two_steps():
+    with pytest.raises(ValueError):
+        leak_check(lambda: None, steps=1)
