@@ -107,6 +107,25 @@ def test_transformer_encoder_counted_under_no_grad_fast_path():
     assert s.totals["params"] == sum(p.numel() for p in enc.parameters())
 
 
+def test_bilinear_cells_and_direct_attention():
+    s = summary(nn.Bilinear(4, 5, 6), (torch.randn(2, 4), torch.randn(2, 5)))
+    assert s.totals["macs"] == 2 * 6 * 4 * 5
+    cell = summary(nn.LSTMCell(6, 10), torch.randn(3, 6))
+    assert cell.by_operator == {"rnn": 3 * 4 * 10 * (6 + 10)}
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(64, 4)
+
+        def forward(self, x):
+            return self.mha(x, x, x)[0]  # need_weights=True: explicit bmm, not SDPA
+
+    L, B, E = 32, 1, 64
+    mha = summary(Wrap(), torch.randn(L, B, E))
+    assert mha.by_operator == {"attention": 2 * B * L * L * E, "linear/matmul": 4 * L * B * E * E}
+
+
 def test_builtin_transformer_and_lstm_include_attention_and_rnn():
     t = summary(get_model("transformer"), torch.randint(0, 1000, (1, 128)))
     assert t.by_operator["attention"] > 0 and t.by_operator["linear/matmul"] > 0

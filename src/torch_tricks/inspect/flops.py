@@ -26,6 +26,7 @@ run, unfused).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -33,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count, shape_wrapper
 
 __all__ = ["OpStats", "ModuleRecord", "OpCounter", "rnn_macs"]
 
@@ -126,6 +127,24 @@ for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
 
 # Operators whose first input is a table they read only a few rows of.
 _GATHERS = {_aten.embedding, _aten.embedding_bag, _aten._embedding_bag, _aten.index_select}
+
+
+def _trilinear_flops(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1, *, out_shape=None, **kw) -> int:
+    """``nn.Bilinear`` runs as ``_trilinear``: each output element sums one product per
+    element of the contracted (``sumdim``) dims of the broadcast inputs."""
+
+    def expanded(shape, dims):
+        shape = list(shape)
+        for d in sorted(dims):
+            shape.insert(d, 1)
+        return shape
+
+    shapes = [expanded(i1, expand1), expanded(i2, expand2), expanded(i3, expand3)]
+    summed = math.prod(max(sh[d] for sh in shapes) for d in sumdim)
+    return 2 * math.prod(out_shape) * summed
+
+
+_EXTRA_FORMULAS[_aten._trilinear] = shape_wrapper(_trilinear_flops)
 
 
 def _op_flops(func, args, kwargs, out) -> int:
@@ -271,6 +290,18 @@ class OpCounter(TorchDispatchMode):
             if root is not None and id(root) not in seen:
                 root.total.add(stats)
 
+    def _op_name(self, func) -> str:
+        """Operator name for the per-operator MACs; matmuls inside recurrent cells and
+        attention modules are named for what they compute."""
+        name = func._overloadpacket.__name__
+        for frame in reversed(self.stack):
+            m = frame.rec.module
+            if isinstance(m, nn.RNNCellBase):
+                return f"rnn.{type(m).__name__.lower()}"
+            if isinstance(m, nn.MultiheadAttention) and name in ("bmm", "baddbmm"):
+                return "attention.bmm"
+        return name
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -296,7 +327,7 @@ class OpCounter(TorchDispatchMode):
                 macs = _op_flops(func, args, kwargs, out) // 2
                 if macs:
                     stats.macs = macs
-                    stats.by_op[func._overloadpacket.__name__] = macs
+                    stats.by_op[self._op_name(func)] = macs
             # G3: compute operators (not views, not element-wise) reading a block's input.
             if torch.Tag.pointwise not in func.tags:
                 for frame in self.stack:

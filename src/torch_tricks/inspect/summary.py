@@ -221,7 +221,7 @@ _FAMILY = {
     "convolution": "conv", "_convolution": "conv", "conv2d": "conv", "cudnn_convolution": "conv",
     "_slow_conv2d_forward": "conv", "convolution_overrideable": "conv",
     "addmm": "linear/matmul", "mm": "linear/matmul", "bmm": "linear/matmul", "baddbmm": "linear/matmul",
-    "_scaled_mm": "linear/matmul",
+    "_scaled_mm": "linear/matmul", "_trilinear": "linear/matmul",
 }
 
 
