@@ -89,12 +89,44 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--trace", metavar="PATH", help="also write a Chrome trace (open in Perfetto)")
     sp.set_defaults(func=cmd_profile)
 
+    sp = sub.add_parser("train", help="train a model; every trick is a switch (see --help)")
+    sp.add_argument("--model", default="small_cnn", help="built-in name or package.module:factory (default small_cnn)")
+    sp.add_argument("--data", default="digits", help="built-in data set (default digits)")
+    sp.add_argument("--config", metavar="FILE", help="TOML or YAML file with the same keys as the flags below")
+    sp.add_argument("--out", metavar="FILE", help="write the history as JSON here")
+    sp.add_argument("--json", action="store_true", help="print the history as JSON")
+    sp.add_argument("--debug", action="store_true")
+    _add_config_flags(sp)
+    sp.set_defaults(func=cmd_train)
+
     sp = sub.add_parser("graph", help="autograd graph as DOT/SVG, ONNX for Netron, or TensorBoard graph")
     model_args(sp)
     sp.add_argument("--out", required=True, metavar="PATH",
                     help="model.dot, model.svg (needs graphviz), model.onnx, or a directory for TensorBoard")
     sp.set_defaults(func=cmd_graph)
     return p
+
+
+def _add_config_flags(sp: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field; defaults are None so the config file can fill them."""
+    import dataclasses
+    import typing
+
+    from torch_tricks.train.config import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    group = sp.add_argument_group("training switches (also the keys of --config)")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        typ = hints[f.name]
+        if typ is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"(default {f.default})")
+        elif f.name == "checkpointing":
+            group.add_argument(flag, dest=f.name, nargs="?", const="blocks", default=None,
+                               help="checkpoint activations: blocks (default when given), sqrt, or a module-name glob")
+        else:
+            group.add_argument(flag, dest=f.name, type=typ, default=None, help=f"(default {f.default!r})")
 
 
 # -- shared ------------------------------------------------------------------------------
@@ -262,6 +294,42 @@ def cmd_profile(args: argparse.Namespace) -> int:
                         for f in rep.python], "lrrr")]
     if args.trace:
         text += ["", f"Chrome trace written to {args.trace}"]
+    _emit(args, data, "\n".join(text))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from torch_tricks._io import atomic_path
+    from torch_tricks.data import load_dataset
+    from torch_tricks.models import load_model
+    from torch_tricks.train import TrainConfig, fit, load_config
+
+    values = load_config(args.config) if args.config else {}
+    values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                   if getattr(args, f.name) is not None})
+    config = TrainConfig.from_dict(values).validate()
+    train_set, val_set = load_dataset(args.data)
+    from torch_tricks.train.seed import seed_everything
+
+    seed_everything(config.seed)  # the initial weights too come from the seed
+    model, _ = load_model(args.model)
+    history = fit(model, train_set, val_set, config=config)
+    data = history.to_dict()
+    if args.out:
+        with atomic_path(args.out) as tmp:
+            tmp.write_text(json.dumps(data, indent=2, default=str))
+    final = history.final
+    text = [f"{args.model} on {args.data}: {history.steps} steps, {history.epochs} epochs in {history.wall_s:.1f} s"
+            + (f" (switches: {', '.join(history.applied)})" if history.applied else "")]
+    text.append("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
+    if history.skipped_steps:
+        text.append(f"fp16 steps skipped by the grad scaler: {history.skipped_steps}")
+    if history.compile_s:
+        text.append(f"compile: {history.compile_s:.1f} s (apart from the {history.step_s * 1e3:.1f} ms steps)")
+    if history.checkpoint:
+        text.append(f"checkpoint: {history.checkpoint}")
     _emit(args, data, "\n".join(text))
     return 0
 

@@ -40,17 +40,18 @@ class SmallCNN(nn.Module):
     ) -> None:
         super().__init__()
         self.num_classes = num_classes
-        layers: list[nn.Module] = []
+        blocks: list[nn.Module] = []
         c_in = in_chans
         for i, c_out in enumerate(widths):
             stride = 2 if i == 1 else 1
-            layers += [
+            # One Sequential per conv-BN-ReLU block, so per-block tricks (checkpointing) find them.
+            blocks.append(nn.Sequential(
                 nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False),
                 nn.BatchNorm2d(c_out),
                 nn.ReLU(inplace=True),
-            ]
+            ))
             c_in = c_out
-        self.features = nn.Sequential(*layers)
+        self.features = nn.Sequential(*blocks)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(c_in, num_classes)
 

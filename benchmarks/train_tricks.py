@@ -1,0 +1,201 @@
+"""Each training trick against the plain fp32 step, side by side in one run, on this machine.
+
+Claim (issue 3): on a deep net (ResNet-50 at batch 8, 224x224) activation checkpointing
+cuts the activation memory by >= 60% at <= 40% extra step time; inplace activations and
+the memory-efficient BN+ReLU cut it measurably with identical gradients; bf16,
+channels_last and torch.compile report whatever their real ratios are on this CPU.
+
+How to read it: every ratio is trick / plain, measured in this run. Step times come from
+``compare``, which interleaves the variants round-robin so machine drift hits all alike;
+the IQR column is the noise. "activations" is what autograd saves for backward
+(saved_tensors_hooks); "step peak" is the peak of live tensor bytes one training step
+allocates (exact on any device). Ratios below 1 are better.
+
+    python benchmarks/train_tricks.py                 # ResNet-50, batch 8, 224x224
+    python benchmarks/train_tricks.py --model resnet18 --batch 8 --size 128 --repeats 3
+    python benchmarks/train_tricks.py --png train_tricks.png --json train_tricks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from torch_tricks._format import human_bytes, table
+from torch_tricks.inspect.memory import memory_report, saved_activation_bytes
+from torch_tricks.inspect.step import Workloads
+from torch_tricks.inspect.timing import compare
+from torch_tricks.models import get_model
+
+CHECKPOINT_MEMORY_TARGET = 0.40  # activations kept, as a fraction of plain (>= 60% cut)
+CHECKPOINT_TIME_TARGET = 1.40  # step time, as a ratio to plain (<= 40% extra)
+
+
+def variants(model_name: str) -> dict[str, Callable[[], tuple[nn.Module, Callable[[Any], Any], str]]]:
+    """name -> builder returning (model, input transform, precision)."""
+    from torch_tricks.train.memory import checkpoint_blocks, inplace_activations, memory_efficient_bn_act
+    from torch_tricks.train.speed import channels_last, compile_model, to_channels_last
+
+    def base() -> nn.Module:
+        torch.manual_seed(0)
+        m = get_model(model_name)
+        for mod in m.modules():  # the built-in ResNets use inplace ReLU; the plain baseline must not
+            if isinstance(mod, nn.ReLU):
+                mod.inplace = False
+        return m
+
+    same = lambda x: x  # noqa: E731
+    return {
+        "plain fp32": lambda: (base(), same, "fp32"),
+        "checkpointing": lambda: (checkpoint_blocks(base()), same, "fp32"),
+        "inplace": lambda: (inplace_activations(base()), same, "fp32"),
+        "memory-efficient BN": lambda: (memory_efficient_bn_act(base()), same, "fp32"),
+        "inplace + mem-eff BN": lambda: (memory_efficient_bn_act(inplace_activations(base())), same, "fp32"),
+        "bf16 autocast": lambda: (base(), same, "bf16"),
+        "channels_last": lambda: (channels_last(base()), to_channels_last, "fp32"),
+        "torch.compile": lambda: (compile_model(base()), same, "fp32"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--skip", default="", help="comma-separated variant names to leave out (e.g. 'torch.compile')")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--png", help="write a bar plot here (needs matplotlib)")
+    args = ap.parse_args(argv)
+
+    from tqdm import tqdm
+
+    from torch_tricks.train.precision import autocast, check_precision
+
+    x = torch.randn(args.batch, 3, args.size, args.size)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    rows: dict[str, dict[str, Any]] = {}
+    steps: dict[str, Callable[[], Any]] = {}
+    grads: dict[str, list[torch.Tensor]] = {}
+    built = {k: v for k, v in variants(args.model).items() if k not in skip}
+    for name, build in tqdm(built.items(), desc="build + memory", file=sys.stderr):
+        try:
+            if name == "bf16 autocast":
+                check_precision("bf16", torch.device("cpu"))
+            model, transform, precision = build()
+            xin = transform(x)
+            model.train()
+
+            def loss_fn(out: Any, *_: Any, _p: str = precision) -> torch.Tensor:
+                return out.float().mean()
+
+            wl = Workloads(model, xin, loss_fn=loss_fn, optimizer="sgd")
+            ctx = lambda p=precision: autocast(p, torch.device("cpu"))  # noqa: E731
+
+            def step(wl: Workloads = wl, ctx: Callable = ctx) -> None:
+                with ctx():
+                    wl.step()
+
+            t0 = time.perf_counter()
+            if name != "torch.compile":
+                with ctx():
+                    act = saved_activation_bytes(model, xin, loss_fn=loss_fn)
+                rep = memory_report(model, xin, loss_fn=loss_fn, optimizer="sgd")
+            else:
+                act, rep = None, None
+            step()  # first call: compiles under torch.compile
+            first = time.perf_counter() - t0
+            steps[name] = step
+            rows[name] = {"activation_bytes": act, "step_peak_bytes": rep.step_tensor_peak_bytes if rep else None,
+                          "first_call_s": first}
+            if name in ("plain fp32", "inplace", "memory-efficient BN", "inplace + mem-eff BN", "checkpointing"):
+                grads[name] = _grads(model, xin, loss_fn)
+        except Exception as exc:  # a trick that cannot run here is reported, not fatal
+            rows[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+
+    timings = compare(steps, warmup=args.warmup, repeats=args.repeats)
+    plain = rows["plain fp32"]
+    base_t = timings["plain fp32"]
+    table_rows = []
+    for name, r in rows.items():
+        if "error" in r:
+            table_rows.append([name, "-", "-", "-", "-", r["error"]])
+            continue
+        t = timings[name]
+        r.update(step_median_s=t.median_s, step_iqr_s=t.iqr_s, time_ratio=t.ratio_to(base_t))
+        r["activation_ratio"] = r["activation_bytes"] / plain["activation_bytes"] if r["activation_bytes"] is not None else None
+        r["peak_ratio"] = r["step_peak_bytes"] / plain["step_peak_bytes"] if r["step_peak_bytes"] is not None else None
+        if name in grads and name != "plain fp32":
+            r["max_grad_diff"] = max(float((a - b).abs().max()) for a, b in zip(grads[name], grads["plain fp32"]))
+        note = ""
+        if name == "torch.compile":
+            note = f"first call (compile) {r['first_call_s']:.1f} s"
+        elif "max_grad_diff" in r:
+            note = f"max |grad diff| {r['max_grad_diff']:.1e}"
+        table_rows.append([
+            name, f"{t.median_s * 1e3:.0f} ± {t.iqr_s * 5e2:.0f}", f"{r['time_ratio']:.2f}",
+            f"{human_bytes(r['activation_bytes'])} ({r['activation_ratio']:.2f})" if r["activation_ratio"] is not None else "-",
+            f"{human_bytes(r['step_peak_bytes'])} ({r['peak_ratio']:.2f})" if r["peak_ratio"] is not None else "-",
+            note,
+        ])
+    print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, CPU ({torch.get_num_threads()} threads), "
+          f"median of {args.repeats} interleaved steps (ms ± IQR/2)")
+    print(table(["trick", "step ms", "time ratio", "activations (ratio)", "step peak (ratio)", "note"],
+                table_rows, "lrrrrl"))
+    ck = rows.get("checkpointing", {})
+    if "activation_ratio" in ck:
+        ok = ck["activation_ratio"] <= CHECKPOINT_MEMORY_TARGET and ck["time_ratio"] <= CHECKPOINT_TIME_TARGET
+        print(f"\ncheckpointing target (activations <= {CHECKPOINT_MEMORY_TARGET:.0%} of plain at <= "
+              f"{CHECKPOINT_TIME_TARGET:.2f}x step time): activations {ck['activation_ratio']:.0%}, "
+              f"time {ck['time_ratio']:.2f}x -> {'MET' if ok else 'NOT MET'}")
+    if args.json:
+        from torch_tricks._io import atomic_path
+
+        with atomic_path(args.json) as tmp:
+            tmp.write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
+    if args.png:
+        _plot(rows, args)
+    return 0
+
+
+def _grads(model: nn.Module, x: torch.Tensor, loss_fn: Callable) -> list[torch.Tensor]:
+    """Gradients of one fp32 step from the same weights (copied, so the timed model is untouched)."""
+    m = copy.deepcopy(model)
+    m.zero_grad(set_to_none=True)
+    loss_fn(m(x)).backward()
+    return [p.grad.detach().clone() for p in m.parameters() if p.grad is not None]
+
+
+def _plot(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plot: pip install matplotlib)", file=sys.stderr)
+        return
+    names = [n for n, r in rows.items() if "time_ratio" in r]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    pos = range(len(names))
+    ax.bar([p - 0.2 for p in pos], [rows[n]["time_ratio"] for n in names], width=0.4, label="step time")
+    ax.bar([p + 0.2 for p in pos], [rows[n]["activation_ratio"] or 0 for n in names], width=0.4, label="activation memory")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(pos), names, rotation=20, ha="right")
+    ax.set_ylabel("ratio to plain fp32 (lower is better)")
+    ax.set_title(f"{args.model}, batch {args.batch}, {args.size}px, CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The trick registry: every trick is registered once, so the tuner and the docs can list it.
+
+A trick is a small function that takes a model / optimizer / loader and returns the same
+kind of thing; :func:`register_trick` records what it is for (catalogue id, what it
+trades, what it needs, which ``fit`` config key switches it on, and whether it can run
+on a given device) without changing the function itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from torch_tricks.errors import UserError
+
+__all__ = ["Trick", "register_trick", "list_tricks", "get_trick", "always"]
+
+
+def always(device: torch.device) -> tuple[bool, str]:
+    """Availability check for tricks that run anywhere."""
+    return True, ""
+
+
+@dataclass(frozen=True)
+class Trick:
+    """What the registry knows about one trick."""
+
+    name: str  # unique, snake_case: "checkpointing"
+    ids: tuple[str, ...]  # catalogue ids: ("T12",)
+    kind: str  # "train" | "data" | "deploy"
+    trades: str  # what it costs for what it gains, one line
+    needs: str  # what it requires of the model / hardware, one line
+    fn: Callable[..., Any]
+    config_key: str | None = None  # the fit() config field that switches it on
+    available: Callable[[torch.device], tuple[bool, str]] = always
+
+    def check(self, device: torch.device | str) -> tuple[bool, str]:
+        """(can run on ``device``, reason if not)."""
+        return self.available(torch.device(device))
+
+
+_TRICKS: dict[str, Trick] = {}
+
+
+def register_trick(
+    name: str,
+    *,
+    ids: tuple[str, ...],
+    kind: str,
+    trades: str,
+    needs: str = "",
+    config_key: str | None = None,
+    available: Callable[[torch.device], tuple[bool, str]] = always,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: register ``fn`` as the trick ``name``; the function is returned unchanged."""
+    if kind not in ("train", "data", "deploy"):
+        raise ValueError(f"trick kind must be train, data or deploy, not {kind!r}")
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if name in _TRICKS:
+            raise ValueError(f"trick {name!r} is registered twice")
+        _TRICKS[name] = Trick(name, tuple(ids), kind, trades, needs, fn, config_key, available)
+        return fn
+
+    return deco
+
+
+def list_tricks(kind: str | None = None) -> list[Trick]:
+    """Registered tricks (of ``kind``), sorted by name. Importing the subpackages registers them."""
+    _load_all()
+    return sorted((t for t in _TRICKS.values() if kind is None or t.kind == kind), key=lambda t: t.name)
+
+
+def get_trick(name: str) -> Trick:
+    """The trick ``name``; a :class:`UserError` listing the choices if unknown."""
+    _load_all()
+    try:
+        return _TRICKS[name]
+    except KeyError:
+        raise UserError(f"unknown trick {name!r}: choose one of {', '.join(sorted(_TRICKS))}") from None
+
+
+def _load_all() -> None:
+    """Import the packages whose modules register tricks (idempotent, cheap after the first call)."""
+    import importlib
+
+    for pkg in ("torch_tricks.train", "torch_tricks.data", "torch_tricks.deploy"):
+        try:
+            importlib.import_module(pkg)
+        except ModuleNotFoundError as exc:
+            if exc.name != pkg:  # a real missing dependency inside the package
+                raise

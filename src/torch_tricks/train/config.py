@@ -1,0 +1,181 @@
+"""The switches of :func:`torch_tricks.train.fit`, one dataclass shared by Python, CLI and config files.
+
+Every field is a key of the TOML/YAML config file and a ``--flag`` of ``torch-tricks
+train`` (underscores become dashes), so a recommended configuration written by the tuner
+runs unchanged everywhere. Unknown keys and wrong types are errors, not silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from torch_tricks.errors import UserError
+
+__all__ = ["TrainConfig", "load_config"]
+
+
+@dataclass
+class TrainConfig:
+    """Switches for the training loop. Defaults are the plain fp32 loop."""
+
+    # what to run
+    epochs: int = 10
+    max_steps: int = 0  # optimizer steps; 0 = no limit besides epochs
+    batch_size: int = 64  # used where the loop builds the loader (CLI, built-in data)
+    lr: float = 1e-3
+    optimizer: str = "adamw"  # sgd | adam | adamw
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    schedule: str = "constant"  # constant | cosine | linear
+    warmup_steps: int = 0  # T21
+    scale_lr: bool = False  # T21: lr x batch / base_batch (linear rule)
+    base_batch: int = 256
+    # precision and speed
+    precision: str = "fp32"  # T1: fp32 | bf16 | fp16
+    channels_last: bool = False
+    compile: bool = False  # T24
+    cudnn_benchmark: bool = False  # T2 (CUDA, fixed shapes only)
+    fused_optimizer: bool = True  # T7: fused or foreach step where available
+    no_decay_norm_bias: bool = True  # T14/T15
+    # memory
+    accumulate: int = 1  # T11
+    bn_momentum_adjust: bool = False  # T11: BN momentum for k-times smaller batches
+    checkpointing: str = ""  # T12: "" off | "blocks" | "sqrt" | a module-name glob
+    inplace: bool = False  # T9
+    memory_efficient_bn: bool = False  # T10
+    auto_micro_batch: bool = False  # halve the micro-batch on out-of-memory, keep the effective batch
+    grad_clip: float = 0.0  # max grad norm; 0 = off
+    # weight averaging
+    ema: bool = False  # T22
+    ema_decay: float = 0.999
+    swa: bool = False  # T22
+    swa_start: float = 0.75  # fraction of the epochs after which SWA averages
+    swa_lr: float = 0.0  # 0 = keep the current lr
+    # reproducibility and safety
+    seed: int = 0
+    deterministic: bool = False  # T17
+    detect_anomaly: bool = False  # T25 (slow: debugging only)
+    nan_guard: bool = True  # T25: stop on a non-finite loss, naming the step
+    # checkpoints and logging
+    checkpoint_dir: str = ""  # T20/T26: where last.pt goes; "" = no checkpoints
+    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0 = every epoch
+    resume: bool = False  # continue from checkpoint_dir/last.pt if present
+    log_every: int = 20  # T3: host syncs only every N steps
+    log_dir: str = ""  # metrics.csv (and TensorBoard when installed)
+    progress: bool = True
+    # distributed
+    distributed: str = "auto"  # auto (under torchrun) | off
+    sync_bn: bool = False  # T19
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **_coerce(changes))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+        return cls().replace(**dict(data))
+
+    def validate(self) -> "TrainConfig":
+        checks = [
+            (self.epochs >= 1 or self.max_steps >= 1, "epochs (or max_steps) must be >= 1"),
+            (self.accumulate >= 1, "accumulate must be >= 1"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.lr > 0, "lr must be > 0"),
+            (self.log_every >= 1, "log_every must be >= 1"),
+            (self.precision in ("fp32", "bf16", "fp16"), f"precision must be fp32, bf16 or fp16, not {self.precision!r}"),
+            (self.schedule in ("constant", "cosine", "linear"), f"schedule must be constant, cosine or linear, not {self.schedule!r}"),
+            (0.0 < self.ema_decay < 1.0, "ema_decay must be between 0 and 1"),
+            (0.0 <= self.swa_start < 1.0, "swa_start is a fraction of the epochs, in [0, 1)"),
+            (self.distributed in ("auto", "off"), "distributed must be auto or off"),
+            (not self.resume or bool(self.checkpoint_dir), "resume needs checkpoint_dir"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(f"bad training config: {message}")
+        return self
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file of :class:`TrainConfig` keys.
+
+    A ``[train]`` table, if present, is used; otherwise the top level. Keys are checked
+    against :class:`TrainConfig` here, so a typo is reported with the file name.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {str(p)!r} not found")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # pragma: no cover
+                import tomli as tomllib
+            data = tomllib.loads(text)
+        elif p.suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError:
+                raise UserError("YAML configs need PyYAML: pip install pyyaml (or use a .toml file)") from None
+            data = yaml.safe_load(text) or {}
+        else:
+            raise UserError(f"config file {str(p)!r}: use a .toml, .yaml or .yml file")
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"config file {str(p)!r} does not parse: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {str(p)!r} must hold a table of keys")
+    data = data.get("train", data)
+    try:
+        _coerce(data)
+    except UserError as exc:
+        raise UserError(f"config file {str(p)!r}: {exc}") from None
+    return data
+
+
+_FIELDS = {f.name: f for f in fields(TrainConfig)}
+
+
+def _coerce(changes: Mapping[str, Any]) -> dict[str, Any]:
+    """Check keys and convert values to the field types (ints from TOML floats, etc.)."""
+    out = {}
+    hints = typing.get_type_hints(TrainConfig)
+    for key, value in changes.items():
+        key = key.replace("-", "_")
+        if key not in _FIELDS:
+            close = [k for k in _FIELDS if k.startswith(key[:4])]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UserError(f"unknown training option {key!r}{hint}")
+        typ = hints[key]
+        try:
+            if typ is bool:
+                if isinstance(value, str):
+                    if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                        raise ValueError(value)
+                    value = value.lower() in ("true", "1", "yes", "on")
+                else:
+                    value = bool(value)
+            elif typ is int:
+                if isinstance(value, float) and not value.is_integer():
+                    raise ValueError(value)
+                value = int(value)
+            elif typ is float:
+                value = float(value)
+            elif typ is str:
+                value = "" if value is None or value is False else ("blocks" if value is True else str(value))
+        except (TypeError, ValueError):
+            raise UserError(f"option {key!r} must be {typ.__name__}, got {value!r}") from None
+        out[key] = value
+    return out
+
+
+

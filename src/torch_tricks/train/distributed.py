@@ -1,0 +1,315 @@
+"""Multi-process data-parallel training with PyTorch's own machinery (catalogue T18, T20).
+
+One process per device, launched by ``torchrun``; :class:`~torch.nn.parallel.DistributedDataParallel`
+(DDP), not ``DataParallel`` (one process driving many devices is GIL-bound and copies the
+model to every device each step); a :class:`~torch.utils.data.distributed.DistributedSampler`
+so each rank reads its own shard. Everything here is a thin layer over ``torch.distributed``
+that adds what the plain API leaves to the user:
+
+* :func:`init_distributed` reads torchrun's environment and is a no-op outside it, so the
+  same training script runs unchanged as one process or under ``torchrun``.
+* :func:`all_agree` / :func:`any_rank` turn a per-rank flag (loss is NaN, out of memory,
+  time to stop) into one collective decision. If ranks decide alone, one skips a step the
+  others take, and the others wait forever in DDP's gradient all-reduce: a hang, not an error.
+* :func:`no_sync_if` skips DDP's gradient all-reduce on gradient-accumulation inner steps.
+
+Every helper works when ``torch.distributed`` is not initialised (one process): it then
+does the single-process thing (returns the flag, does not wait, returns the tensor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_tricks.errors import UserError
+from torch_tricks.registry import register_trick
+
+__all__ = [
+    "DistInfo",
+    "init_distributed",
+    "cleanup",
+    "is_dist",
+    "get_rank",
+    "get_world_size",
+    "is_main_process",
+    "barrier",
+    "all_agree",
+    "any_rank",
+    "reduce_mean",
+    "all_reduce_sum",
+    "wrap_ddp",
+    "unwrap_model",
+    "distributed_sampler",
+    "no_sync_if",
+]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands: rank, world size, its device, and whether a group exists."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    is_main: bool = True
+    initialized: bool = False
+    backend: str | None = None
+
+
+def init_distributed(
+    backend: str | None = None,
+    *,
+    timeout: float | datetime.timedelta | None = None,
+) -> DistInfo:
+    """Join the process group torchrun set up; a single-process :class:`DistInfo` otherwise.
+
+    torchrun exports ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+    ``MASTER_PORT``; without ``RANK``/``WORLD_SIZE`` this returns ``DistInfo()`` (rank 0 of 1,
+    not initialised) and touches nothing, so one script serves both launches. The backend
+    is NCCL when CUDA is available and gloo otherwise; with CUDA the process's device is
+    ``cuda:LOCAL_RANK`` and is made current, so that NCCL and every ``.cuda()`` without an
+    index use this process's own device rather than all piling onto device 0.
+    ``timeout`` (seconds or a timedelta) bounds every collective: a rank that never arrives
+    then raises instead of hanging the others forever. Calling it again returns the
+    existing group's info.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return _current_info()
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return DistInfo(device=_default_device(0))
+    if not dist.is_available():
+        raise UserError("this torch build has no torch.distributed: install a build with distributed support")
+    rank = _env_int("RANK")
+    world_size = _env_int("WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK", default=rank)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not env.get(name):
+            raise UserError(f"{name} is not set: launch with torchrun, or export MASTER_ADDR and MASTER_PORT")
+    if not 0 <= rank < world_size:
+        raise UserError(f"RANK={rank} is outside WORLD_SIZE={world_size}: check the launcher's environment")
+
+    cuda = torch.cuda.is_available()
+    if backend is None:
+        backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
+    device = torch.device("cpu")
+    if cuda:
+        n = torch.cuda.device_count()
+        if local_rank >= n:
+            raise UserError(
+                f"LOCAL_RANK={local_rank} but only {n} CUDA device(s): start at most {n} processes per node"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    kwargs: dict[str, Any] = {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
+    return DistInfo(rank, world_size, local_rank, device, rank == 0, True, backend)
+
+
+def cleanup() -> None:
+    """Leave the process group (a no-op when there is none); call once at the end."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_dist() -> bool:
+    """Whether a process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """This process's global rank: from the group, else torchrun's ``RANK``, else 0."""
+    if is_dist():
+        return dist.get_rank()
+    return _env_int("RANK", default=0)
+
+
+def get_world_size() -> int:
+    """Number of processes: from the group, else 1."""
+    return dist.get_world_size() if is_dist() else 1
+
+
+def is_main_process() -> bool:
+    """Whether this is rank 0, the one that writes files and logs.
+
+    Without a process group it falls back to torchrun's ``RANK``, so a script launched by
+    torchrun that never initialised a group still writes from one process only.
+    """
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank; a no-op without a process group."""
+    if not is_dist():
+        return
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+def all_agree(flag: bool) -> bool:
+    """True only if ``flag`` is true on every rank (one all-reduce MIN); every rank gets the same answer.
+
+    Use it for decisions every rank must take together, e.g. "continue training".
+    """
+    return _reduce_flag(flag, "min")
+
+
+def any_rank(flag: bool) -> bool:
+    """True if ``flag`` is true on at least one rank (one all-reduce MAX); every rank gets the same answer.
+
+    Use it for skip / stop / OOM-retry: if one rank hit a NaN loss or ran out of memory,
+    all of them skip the step, so none waits in DDP's all-reduce for a rank that left.
+    """
+    return _reduce_flag(flag, "max")
+
+
+def reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """The mean of ``tensor`` over ranks (a detached copy), for logging a loss every rank agrees on."""
+    out = tensor.detach().clone()
+    if not is_dist():
+        return out
+    world = dist.get_world_size()
+    if not out.is_floating_point():
+        out = out.double()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / world
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of ``tensor`` over ranks (a detached copy, same dtype), e.g. metric totals and counts."""
+    out = tensor.detach().clone()
+    if is_dist():
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside DDP / DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod  # torch.compile's OptimizedModule
+        else:
+            return model
+
+
+@register_trick(
+    "ddp",
+    ids=("T18",),
+    kind="train",
+    trades="one process per device and a gradient all-reduce overlapped with backward, for near-linear scaling",
+    needs="launched by torchrun (one process per device); a DistributedSampler for the data",
+    config_key="distributed",
+)
+def wrap_ddp(model: nn.Module, info: DistInfo, *, sync_bn: bool = False, **kw: Any) -> nn.Module:
+    """Move ``model`` to this rank's device and wrap it in DDP; unchanged when not distributed.
+
+    ``device_ids=[local_rank]`` on CUDA (one device per process), none on CPU, where DDP
+    refuses them. ``sync_bn=True`` first converts BatchNorm layers to synchronised ones
+    (:func:`torch_tricks.train.syncbn.convert_sync_batchnorm`, which works on gloo/CPU too;
+    they behave exactly like BatchNorm in a single process).
+    Other keywords go to :class:`~torch.nn.parallel.DistributedDataParallel`.
+    """
+    if not isinstance(model, nn.Module):
+        raise UserError(f"wrap_ddp needs an nn.Module, not {type(model).__name__}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model
+    if isinstance(model, nn.DataParallel):
+        raise UserError("the model is wrapped in DataParallel: pass model.module (DDP replaces DataParallel)")
+    if sync_bn:
+        from torch_tricks.train.syncbn import convert_sync_batchnorm
+
+        model = convert_sync_batchnorm(model)
+    model = model.to(info.device)
+    if not info.initialized:
+        return model
+    if info.device.type == "cuda":
+        kw.setdefault("device_ids", [info.device.index])
+        kw.setdefault("output_device", info.device.index)
+    return nn.parallel.DistributedDataParallel(model, **kw)
+
+
+def distributed_sampler(
+    dataset: Any,
+    info: DistInfo,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+) -> torch.utils.data.distributed.DistributedSampler:
+    """A :class:`DistributedSampler` giving this rank its shard (the whole set for one process).
+
+    Rank and world size come from ``info``, so it also works before (or without) a process
+    group. Call ``sampler.set_epoch(epoch)`` every epoch, or every epoch reuses one shuffle.
+    Without ``drop_last`` the sampler pads with repeated samples so every rank gets the same
+    number of batches (an uneven count would leave one rank waiting in all-reduce).
+    """
+    return torch.utils.data.distributed.DistributedSampler(
+        dataset, num_replicas=info.world_size, rank=info.rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
+
+
+def no_sync_if(model: nn.Module, condition: bool) -> ContextManager[Any]:
+    """``model.no_sync()`` when ``condition`` and the model is DDP; a null context otherwise.
+
+    For gradient accumulation: on the inner steps gradients only need to add up locally;
+    DDP's all-reduce is then needed once, on the step that calls ``optimizer.step()``.
+    """
+    if condition and isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise UserError(f"{name} is not set: launch with torchrun")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserError(f"{name}={raw!r} is not an integer: check the launcher's environment") from None
+
+
+def _default_device(local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _current_info() -> DistInfo:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = _env_int("LOCAL_RANK", default=rank)
+    backend = str(dist.get_backend())
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return DistInfo(rank, world, local_rank, device, rank == 0, True, backend)
+
+
+def _comm_device() -> torch.device:
+    """The device collective tensors must live on: the current CUDA device for NCCL, else CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reduce_flag(flag: bool, how: str) -> bool:
+    if not is_dist():
+        return bool(flag)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN if how == "min" else dist.ReduceOp.MAX)
+    return bool(t.item())

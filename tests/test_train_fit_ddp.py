@@ -1,0 +1,74 @@
+"""T18/T19 through fit itself: `torchrun --nproc_per_node=2` with gloo on CPU ends with the
+parameters of a single-process run on the same global batches (tolerance 1e-5), BatchNorm
+included thanks to SyncBN."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+N, PER_RANK, WORLD, SEED = 64, 8, 2, 3
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def dataset():
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(N, 6, generator=g), torch.randint(0, 3, (N,), generator=g))
+
+
+def config(**kw):
+    from torch_tricks.train import TrainConfig
+
+    return TrainConfig(epochs=2, batch_size=PER_RANK, optimizer="sgd", lr=0.1, momentum=0.9, seed=SEED,
+                       progress=False, device="cpu", **kw)
+
+
+def global_batches():
+    """The global batches the two ranks see together, in DistributedSampler's order."""
+    data = dataset()
+    batches = []
+    for epoch in range(2):
+        g = torch.Generator().manual_seed(SEED + epoch)
+        order = torch.randperm(N, generator=g)
+        per_rank = [order[r::WORLD] for r in range(WORLD)]
+        for i in range(0, N // WORLD, PER_RANK):
+            idx = torch.cat([p[i:i + PER_RANK] for p in per_rank])
+            batches.append((data.tensors[0][idx], data.tensors[1][idx]))
+    return batches
+
+
+def test_fit_under_torchrun_equals_single_process(tmp_path):
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("this torch build has no gloo backend")
+    script = Path(__file__).parent / "dist_scripts" / "fit_ddp.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", str(script), str(tmp_path)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish in 150 s; log tail:\n{log[-3000:]}")
+    assert proc.returncode == 0 and (tmp_path / "done").exists(), log[-3000:]
+    ddp = torch.load(tmp_path / "params.pt")
+
+    from torch_tricks.train import fit
+
+    single = make_model()
+    fit(single, global_batches(), config=config().replace(epochs=1))  # the list holds both epochs
+    for k, v in single.state_dict().items():
+        torch.testing.assert_close(ddp[k].to(v.dtype), v, rtol=0, atol=1e-5, msg=k)

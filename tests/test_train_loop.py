@@ -1,0 +1,192 @@
+"""The training loop: accuracy on a real data set, accumulation, NaN guard, OOM retry,
+kill-and-resume, config files. Distributed equivalence lives in test_train_fit_ddp.py."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from torch_tricks.errors import UserError
+from torch_tricks.models import get_model
+from torch_tricks.train import TrainConfig, TrainingDiverged, fit, load_config
+
+pytest.importorskip("sklearn", reason="the digits data set ships with scikit-learn ([dev] installs it)")
+
+QUIET = dict(progress=False, device="cpu")
+
+
+def digits():
+    from torch_tricks.data import load_dataset
+
+    return load_dataset("digits")
+
+
+def test_small_cnn_learns_digits():
+    train, val = digits()
+    t0 = time.perf_counter()
+    h = fit(get_model("small_cnn"), train, val, config=TrainConfig(**QUIET))
+    assert h.final["acc"] >= 0.97, h.final
+    assert time.perf_counter() - t0 < 120
+    assert h.steps == h.epochs * 23  # 1438 samples / 64 per batch = 23 batches per epoch
+
+
+def test_small_cnn_learns_digits_with_tricks():
+    train, val = digits()
+    h = fit(get_model("small_cnn"), train, val,
+            config=TrainConfig(precision="bf16", ema=True, accumulate=2, checkpointing="blocks", **QUIET))
+    assert h.final["acc"] >= 0.97 and h.final["acc_ema"] >= 0.97, h.final
+    assert {"ema"} <= set(h.applied) and any(a.startswith("checkpointing") for a in h.applied)
+    assert h.steps == h.epochs * 12  # 23 batches in groups of 2: the short last group is flushed
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def _batches(sizes, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 10, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
+
+
+def _cat(batches):
+    return [(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))]
+
+
+@pytest.mark.parametrize("sizes,k", [([8, 8, 8, 8], 4), ([8, 8, 8, 8, 5], 2), ([3, 9, 4], 3)])
+def test_accumulation_equals_one_large_batch(sizes, k):
+    """k micro-batches (unequal sizes included, short last group flushed) == one k-times batch."""
+    batches = _batches(sizes)
+    cfg = TrainConfig(epochs=1, optimizer="sgd", lr=0.1, momentum=0.0, **QUIET)
+    accumulated = _mlp()
+    fit(accumulated, batches, config=cfg.replace(accumulate=k))
+    reference = _mlp()
+    groups = [batches[i:i + k] for i in range(0, len(batches), k)]
+    fit(reference, [b for g in groups for b in _cat(g)], config=cfg)
+    for p, q in zip(accumulated.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+
+
+def test_nan_at_step_k_stops_naming_step_k(tmp_path):
+    calls = {"n": 0}
+    ce = nn.CrossEntropyLoss()
+
+    def loss_fn(out, y):
+        calls["n"] += 1
+        loss = ce(out, y)
+        return loss * float("nan") if calls["n"] == 5 else loss
+
+    cfg = TrainConfig(epochs=1, optimizer="sgd", checkpoint_dir=str(tmp_path), checkpoint_every=2, **QUIET)
+    with pytest.raises(TrainingDiverged) as err:
+        fit(_mlp(), _batches([4] * 8), loss_fn=loss_fn, config=cfg)
+    msg = str(err.value)
+    assert "at step 5" in msg and "nan" in msg
+    assert f"{tmp_path / 'last.pt'} (step 4)" in msg
+    assert isinstance(err.value, UserError) and "\n" not in msg
+
+
+class OOMAbove(nn.Module):
+    """Raises an out-of-memory error for micro-batches above ``limit`` samples."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+        self.net = _mlp()
+
+    def forward(self, x):
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return self.net(x)
+
+
+def test_out_of_memory_halves_micro_batch_and_keeps_the_update():
+    batches = _batches([16, 16, 16])
+    cfg = TrainConfig(epochs=1, optimizer="sgd", lr=0.1, momentum=0.0, **QUIET)
+    model = OOMAbove(limit=4)
+    h = fit(model, batches, config=cfg.replace(auto_micro_batch=True))
+    assert h.micro_batches == 4 and h.steps == 3
+    reference = _mlp()
+    fit(reference, batches, config=cfg)
+    for p, q in zip(model.net.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+    with pytest.raises(UserError, match="out of memory at step 1"):
+        fit(OOMAbove(limit=4), batches, config=cfg)
+
+
+def _train_rows(log_dir):
+    with open(Path(log_dir) / "metrics.csv") as f:
+        return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r["split"] == "train"}
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "torch_tricks.cli", "train", "--model", "small_cnn", "--data", "digits",
+            "--optimizer", "sgd", "--lr", "0.05", "--log-every", "1", "--no-progress", "--device", "cpu", *args]
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
+    steps = 60
+    full, part = tmp_path / "full", tmp_path / "part"
+    subprocess.run(_cli("--max-steps", str(steps), "--log-dir", str(full)), check=True, timeout=300,
+                   capture_output=True)
+    expected = _train_rows(full)
+    assert len(expected) == steps
+
+    proc = subprocess.Popen(_cli("--max-steps", str(steps), "--log-dir", str(part), "--checkpoint-dir", str(part),
+                                 "--checkpoint-every", "1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if (part / "metrics.csv").exists() and len(_train_rows(part)) >= 25:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+    from torch_tricks.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    assert latest_checkpoint(part) == part / "last.pt"
+    report = load_checkpoint(part / "last.pt")  # never corrupt, whenever the kill landed
+    assert 20 <= report.step < steps  # the kill may land between a step and its save
+
+    resumed = subprocess.run(_cli("--max-steps", str(steps), "--log-dir", str(part), "--checkpoint-dir", str(part),
+                                  "--checkpoint-every", "1", "--resume", "--out", str(tmp_path / "h.json")),
+                             check=True, timeout=300, capture_output=True, text=True)
+    import json
+
+    history = json.loads((tmp_path / "h.json").read_text())
+    start = history["resumed_from_step"]
+    assert start == report.step
+    after = {r["step"]: r["loss"] for r in history["rows"] if r.get("split") == "train"}
+    assert sorted(after) == list(range(start + 1, steps + 1))
+    for step, loss in after.items():
+        assert loss == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
+    assert resumed.returncode == 0
+
+
+def test_config_file_keys_equal_flags(tmp_path):
+    toml = tmp_path / "tricks.toml"
+    toml.write_text('[train]\nprecision = "bf16"\naccumulate = 2\nema = true\ncheckpointing = "blocks"\nlr = 0.002\n')
+    cfg = TrainConfig.from_dict(load_config(toml))
+    assert (cfg.precision, cfg.accumulate, cfg.ema, cfg.checkpointing, cfg.lr) == ("bf16", 2, True, "blocks", 0.002)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("acumulate = 2\n")
+    with pytest.raises(UserError, match="unknown training option 'acumulate'"):
+        load_config(bad)
+    with pytest.raises(UserError, match="must be int"):
+        TrainConfig().replace(accumulate="two")
+    with pytest.raises(UserError, match="precision must be"):
+        TrainConfig(precision="fp8").validate()
+
+
+def test_cli_train_bad_config_exits_2(tmp_path, capsys):
+    from torch_tricks.cli import main
+
+    assert main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "not found" in capsys.readouterr().err

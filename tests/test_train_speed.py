@@ -1,0 +1,135 @@
+"""channels_last, torch.compile (T24) and cudnn.benchmark (T2): behaviour, never absolute times."""
+
+from __future__ import annotations
+
+import warnings
+from collections import namedtuple
+
+import pytest
+import torch
+import torch.nn as nn
+
+from torch_tricks.errors import UserError
+from torch_tricks.models import get_model
+from torch_tricks.train import speed as S
+from torch_tricks.train.speed import (
+    channels_last,
+    compile_available,
+    compile_model,
+    compile_stats,
+    cudnn_available,
+    cudnn_benchmark,
+    timed_first_call,
+    to_channels_last,
+)
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none here")
+CL = torch.channels_last
+
+
+def test_channels_last_model_and_batches_same_output():
+    model = get_model("resnet9", num_classes=10).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        ref = model(x)
+    keys = list(model.state_dict())
+    assert channels_last(model) is model
+    assert list(model.state_dict()) == keys
+    convs = [m.weight for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert convs and all(w.is_contiguous(memory_format=CL) for w in convs)
+    xc = to_channels_last(x)
+    assert xc.is_contiguous(memory_format=CL) and torch.equal(xc, x)
+    with torch.no_grad():
+        torch.testing.assert_close(model(xc), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_channels_last_without_convs_warns_and_changes_nothing():
+    model = nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="no 4-D"):
+        assert channels_last(model) is model
+
+
+def test_to_channels_last_walks_nested_batches():
+    Pair = namedtuple("Pair", "image label")
+    img, label, mask = torch.randn(2, 3, 8, 8), torch.tensor([1, 2]), torch.zeros(2, 1, 8, 8, dtype=torch.long)
+    out = to_channels_last({"x": [img, mask], "p": Pair(img, label), "n": 3})
+    assert out["x"][0].is_contiguous(memory_format=CL)
+    assert out["x"][1] is mask  # integer tensors stay as they are
+    assert isinstance(out["p"], Pair) and out["p"].image.is_contiguous(memory_format=CL)
+    assert out["p"].label is label and out["n"] == 3
+
+
+def test_cudnn_benchmark_returns_previous_and_respects_cpu():
+    prev = torch.backends.cudnn.benchmark
+    try:
+        assert cudnn_benchmark(True, fixed_shapes=True) == prev
+        if torch.cuda.is_available():
+            assert torch.backends.cudnn.benchmark is True
+            cudnn_benchmark(True, fixed_shapes=False)
+            assert torch.backends.cudnn.benchmark is False  # varying shapes: off
+        else:
+            assert torch.backends.cudnn.benchmark == prev  # nothing to tune without CUDA
+    finally:
+        torch.backends.cudnn.benchmark = prev
+    ok, why = cudnn_available(torch.device("cpu"))
+    assert not ok and why == "cudnn.benchmark only affects CUDA convolutions"
+
+
+@requires_cuda
+def test_cudnn_available_on_cuda():
+    assert cudnn_available(torch.device("cuda"))[0] == torch.backends.cudnn.is_available()
+
+
+def test_compile_unavailable_is_a_user_error(monkeypatch):
+    monkeypatch.setattr(S, "compile_available", lambda device="cpu": (False, "no C++ compiler on PATH"))
+    with pytest.raises(UserError, match="torch.compile cannot run here: no C\\+\\+ compiler"):
+        compile_model(nn.Linear(2, 2))
+
+
+def test_timed_first_call_and_stats_shape():
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        return x * 2
+
+    out, secs = timed_first_call(fn, 3)
+    assert out == 6 and secs >= 0
+    st = compile_stats(fn, 1, repeats=2)
+    assert len(calls) == 4 and st.repeats == 2 and st.compile_s >= 0
+    assert set(st.to_dict()) == {"first_call_s", "steady_call_s", "repeats", "compile_s"}
+    with pytest.raises(UserError):
+        compile_stats(fn, 1, repeats=0)
+
+
+def test_registered_tricks():
+    from torch_tricks.registry import _TRICKS  # get_trick would import every train module
+
+    assert _TRICKS["compile"].ids == ("T24",) and _TRICKS["compile"].config_key == "compile"
+    assert _TRICKS["cudnn_benchmark"].ids == ("T2",)
+    assert _TRICKS["cudnn_benchmark"].check("cpu")[0] is torch.cuda.is_available()
+    assert _TRICKS["channels_last"].config_key == "channels_last"
+    ok, why = _TRICKS["compile"].check("cpu")
+    assert ok or why  # a reason whenever it cannot run
+
+
+@pytest.mark.slow
+def test_compile_tiny_mlp_matches_eager_and_times_the_compile_apart():
+    ok, why = compile_available("cpu")
+    if not ok:
+        pytest.skip(why)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        ref = model(x)
+    keys = list(model.state_dict())
+    assert compile_model(model) is model
+    assert list(model.state_dict()) == keys  # no "_orig_mod." prefix: checkpoints still load
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        st = compile_stats(model, x, repeats=2)
+        out = model(x)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert st.first_call_s > st.steady_call_s  # the first call compiled
+    torch._dynamo.reset()
