@@ -190,3 +190,26 @@ def test_cli_train_bad_config_exits_2(tmp_path, capsys):
 
     assert main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_fp16_step_skipped_by_scaler_does_not_step_the_scheduler():
+    from torch_tricks.train.precision import check_precision
+
+    try:
+        check_precision("fp16", "cpu")
+    except UserError as exc:
+        pytest.skip(f"fp16 cannot run on this CPU torch: {exc}")
+    calls = {"n": 0}
+    ce = nn.CrossEntropyLoss()
+
+    def loss_fn(out, y):
+        calls["n"] += 1
+        loss = ce(out.float(), y)
+        return loss * float("inf") if calls["n"] == 3 else loss  # inf gradients at step 3
+
+    cfg = TrainConfig(epochs=1, optimizer="sgd", lr=0.1, precision="fp16", schedule="linear", log_every=1, **QUIET)
+    h = fit(_mlp(), _batches([4] * 6), loss_fn=loss_fn, config=cfg)
+    assert h.skipped_steps == 1 and h.steps == 6
+    lrs = [r["lr"] for r in h.rows if r["split"] == "train"]
+    assert lrs[2] == lrs[1]  # the skipped step left the schedule where it was
+    assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))  # the others moved it on
