@@ -46,8 +46,8 @@ def variants(model_name: str) -> dict[str, Callable[[], tuple[nn.Module, Callabl
     def base() -> nn.Module:
         torch.manual_seed(0)
         m = get_model(model_name)
-        for mod in m.modules():  # the built-in ResNets use inplace ReLU; the plain baseline must not
-            if isinstance(mod, nn.ReLU):
+        for mod in m.modules():  # built-in models use inplace activations; the plain baseline must not
+            if getattr(mod, "inplace", False) is True:
                 mod.inplace = False
         return m
 
@@ -64,6 +64,9 @@ def variants(model_name: str) -> dict[str, Callable[[], tuple[nn.Module, Callabl
     }
 
 
+MEMORY_VARIANTS = ("plain fp32", "inplace", "memory-efficient BN", "inplace + mem-eff BN")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet50")
@@ -72,21 +75,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--skip", default="", help="comma-separated variant names to leave out (e.g. 'torch.compile')")
+    ap.add_argument("--memory-model", default="mobilenet_v2",
+                    help="second model for the inplace / memory-efficient BN rows ('' to skip): the ReLU6 "
+                         "of MobileNetV2 saves its input, so there is something to save")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--png", help="write a bar plot here (needs matplotlib)")
     args = ap.parse_args(argv)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
 
+    results = {args.model: run_model(args.model, args, skip)}
+    ck = results[args.model].get("checkpointing", {})
+    if "activation_ratio" in ck:
+        ok = ck["activation_ratio"] <= CHECKPOINT_MEMORY_TARGET and ck["time_ratio"] <= CHECKPOINT_TIME_TARGET
+        print(f"\ncheckpointing target (activations <= {CHECKPOINT_MEMORY_TARGET:.0%} of plain at <= "
+              f"{CHECKPOINT_TIME_TARGET:.2f}x step time): activations {ck['activation_ratio']:.0%}, "
+              f"time {ck['time_ratio']:.2f}x -> {'MET' if ok else 'NOT MET'}")
+    if args.memory_model:
+        print()
+        only = set(variants(args.memory_model)) - set(MEMORY_VARIANTS)
+        results[args.memory_model] = run_model(args.memory_model, args, skip | only)
+    if args.json:
+        from torch_tricks._io import atomic_path
+
+        with atomic_path(args.json) as tmp:
+            tmp.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    if args.png:
+        _plot(results, args)
+    return 0
+
+
+def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict[str, dict[str, Any]]:
+    """Build every variant of ``model_name``, measure memory, then time all interleaved; print a table."""
     from tqdm import tqdm
 
     from torch_tricks.train.precision import autocast, check_precision
 
     x = torch.randn(args.batch, 3, args.size, args.size)
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     rows: dict[str, dict[str, Any]] = {}
     steps: dict[str, Callable[[], Any]] = {}
     grads: dict[str, list[torch.Tensor]] = {}
-    built = {k: v for k, v in variants(args.model).items() if k not in skip}
-    for name, build in tqdm(built.items(), desc="build + memory", file=sys.stderr):
+    built = {k: v for k, v in variants(model_name).items() if k not in skip}
+    for name, build in tqdm(built.items(), desc=f"{model_name}: build + memory", file=sys.stderr):
         try:
             if name == "bf16 autocast":
                 check_precision("bf16", torch.device("cpu"))
@@ -138,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         note = ""
         if name == "torch.compile":
             note = f"first call (compile) {r['first_call_s']:.1f} s"
+        elif name == "bf16 autocast":
+            note = "saved set includes autocast's bf16 weight copies"
         elif "max_grad_diff" in r:
             note = f"max |grad diff| {r['max_grad_diff']:.1e}"
         table_rows.append([
@@ -146,24 +177,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{human_bytes(r['step_peak_bytes'])} ({r['peak_ratio']:.2f})" if r["peak_ratio"] is not None else "-",
             note,
         ])
-    print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, CPU ({torch.get_num_threads()} threads), "
+    print(f"{model_name}, batch {args.batch}, {args.size}x{args.size}, CPU ({torch.get_num_threads()} threads), "
           f"median of {args.repeats} interleaved steps (ms ± IQR/2)")
     print(table(["trick", "step ms", "time ratio", "activations (ratio)", "step peak (ratio)", "note"],
                 table_rows, "lrrrrl"))
-    ck = rows.get("checkpointing", {})
-    if "activation_ratio" in ck:
-        ok = ck["activation_ratio"] <= CHECKPOINT_MEMORY_TARGET and ck["time_ratio"] <= CHECKPOINT_TIME_TARGET
-        print(f"\ncheckpointing target (activations <= {CHECKPOINT_MEMORY_TARGET:.0%} of plain at <= "
-              f"{CHECKPOINT_TIME_TARGET:.2f}x step time): activations {ck['activation_ratio']:.0%}, "
-              f"time {ck['time_ratio']:.2f}x -> {'MET' if ok else 'NOT MET'}")
-    if args.json:
-        from torch_tricks._io import atomic_path
-
-        with atomic_path(args.json) as tmp:
-            tmp.write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
-    if args.png:
-        _plot(rows, args)
-    return 0
+    return rows
 
 
 def _grads(model: nn.Module, x: torch.Tensor, loss_fn: Callable) -> list[torch.Tensor]:
@@ -174,7 +192,7 @@ def _grads(model: nn.Module, x: torch.Tensor, loss_fn: Callable) -> list[torch.T
     return [p.grad.detach().clone() for p in m.parameters() if p.grad is not None]
 
 
-def _plot(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+def _plot(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespace) -> None:
     try:
         import matplotlib
 
@@ -183,16 +201,18 @@ def _plot(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     except ImportError:
         print("(no plot: pip install matplotlib)", file=sys.stderr)
         return
-    names = [n for n, r in rows.items() if "time_ratio" in r]
-    fig, ax = plt.subplots(figsize=(9, 4))
-    pos = range(len(names))
-    ax.bar([p - 0.2 for p in pos], [rows[n]["time_ratio"] for n in names], width=0.4, label="step time")
-    ax.bar([p + 0.2 for p in pos], [rows[n]["activation_ratio"] or 0 for n in names], width=0.4, label="activation memory")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(list(pos), names, rotation=20, ha="right")
-    ax.set_ylabel("ratio to plain fp32 (lower is better)")
-    ax.set_title(f"{args.model}, batch {args.batch}, {args.size}px, CPU")
-    ax.legend()
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5), squeeze=False)
+    for ax, (model_name, rows) in zip(axes[0], results.items()):
+        names = [n for n, r in rows.items() if "time_ratio" in r]
+        pos = range(len(names))
+        ax.bar([p - 0.2 for p in pos], [rows[n]["time_ratio"] for n in names], width=0.4, label="step time")
+        ax.bar([p + 0.2 for p in pos], [rows[n]["activation_ratio"] or 0 for n in names], width=0.4,
+               label="activation memory")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(list(pos), names, rotation=25, ha="right")
+        ax.set_ylabel("ratio to plain fp32 (lower is better)")
+        ax.set_title(f"{model_name}, batch {args.batch}, {args.size}px, CPU")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(args.png, dpi=120)
 
