@@ -108,3 +108,16 @@ def test_console_script_entry_point():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith("torch-tricks: error: unknown model 'nope'")
+
+
+def test_tricks_lists_registered_training_tricks(capsys):
+    code, out, _ = run(capsys, "tricks", "--kind", "train", "--json")
+    assert code == 0
+    tricks = {t["name"]: t for t in json.loads(out)["tricks"]}
+    assert {"checkpointing", "mixed_precision", "ema", "swa", "fused_optimizer", "sync_batchnorm"} <= set(tricks)
+    assert tricks["checkpointing"]["ids"] == ["T12"] and tricks["checkpointing"]["config_key"] == "checkpointing"
+    assert tricks["cudnn_benchmark"]["runs_on_cpu"] is False and tricks["cudnn_benchmark"]["why_not"]
+    from torch_tricks.train import TrainConfig
+
+    fields = set(TrainConfig.__dataclass_fields__)
+    assert all(t["config_key"] in fields for t in tricks.values() if t["config_key"])

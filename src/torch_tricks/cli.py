@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--debug", action="store_true")
     sp.set_defaults(func=cmd_models)
 
+    sp = sub.add_parser("tricks", help="list the registered tricks (catalogue ids, what each trades)")
+    sp.add_argument("--kind", choices=["train", "data", "deploy"])
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--debug", action="store_true")
+    sp.set_defaults(func=cmd_tricks)
+
     sp = sub.add_parser("summary", help="per-layer shapes, parameters, MACs/FLOPs, memory access cost, advice")
     model_args(sp)
     sp.add_argument("--depth", type=int, default=3, help="deepest module level shown (default 3)")
@@ -168,6 +174,24 @@ def cmd_models(args: argparse.Namespace) -> int:
     specs = [model_spec(n) for n in list_models()]
     data = {"models": [{"name": s.name, "input": s.default_input, "description": s.description} for s in specs]}
     _emit(args, data, table(["model", "input", "description"], [[s.name, s.default_input, s.description] for s in specs], "lll"))
+    return 0
+
+
+def cmd_tricks(args: argparse.Namespace) -> int:
+    import torch
+
+    from torch_tricks._format import table
+    from torch_tricks.registry import list_tricks
+
+    cpu = torch.device("cpu")
+    tricks = list_tricks(args.kind)
+    rows, data = [], []
+    for t in tricks:
+        ok, why = t.check(cpu)
+        rows.append([t.name, ",".join(t.ids), t.kind, t.config_key or "-", "yes" if ok else f"no: {why}", t.trades])
+        data.append({"name": t.name, "ids": list(t.ids), "kind": t.kind, "config_key": t.config_key,
+                     "trades": t.trades, "needs": t.needs, "runs_on_cpu": ok, "why_not": why})
+    _emit(args, {"tricks": data}, table(["trick", "ids", "kind", "config key", "runs here", "trades"], rows, "llllll"))
     return 0
 
 
@@ -316,6 +340,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     seed_everything(config.seed)  # the initial weights too come from the seed
     model, _ = load_model(args.model)
     history = fit(model, train_set, val_set, config=config)
+    from torch_tricks.train.distributed import cleanup, is_main_process
+
+    main_rank = is_main_process()
+    cleanup()  # leave the process group (a no-op outside torchrun)
+    if not main_rank:  # under torchrun, rank 0 reports
+        return 0
     data = history.to_dict()
     if args.out:
         with atomic_path(args.out) as tmp:
