@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from torch_tricks.errors import UserError
 from torch_tricks.registry import get_trick
-from torch_tricks.train.ema import EMA, SWA, unwrap_model, update_bn
+from torch_tricks.train.distributed import unwrap_model
+from torch_tricks.train.ema import EMA, SWA, update_bn
 
 
 def _tiny() -> nn.Module:

@@ -27,26 +27,9 @@ from torch.optim.swa_utils import update_bn as _torch_update_bn
 
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
+from torch_tricks.train.distributed import unwrap_model
 
-__all__ = ["EMA", "SWA", "update_bn", "unwrap_model", "first_element"]
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP / DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers.
-
-    They share their parameters with the inner module, so averaging the inner one is
-    averaging the trained weights, and its state dict has no ``module.`` /
-    ``_orig_mod.`` prefixes.
-    """
-    wrappers: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
-    while True:
-        inner = getattr(model, "_orig_mod", None)
-        if isinstance(inner, nn.Module):
-            model = inner
-        elif isinstance(model, wrappers):
-            model = model.module
-        else:
-            return model
+__all__ = ["EMA", "SWA", "update_bn", "first_element"]
 
 
 @register_trick(
