@@ -208,7 +208,9 @@ class _Trainer:
         cfg = self.cfg
         if isinstance(data, DataLoader):
             if self.dist is not None and not isinstance(data.sampler, DistributedSampler):
-                data = _rebuild_loader(data, self._sampler(data.dataset, train))
+                from torch_tricks.data.loader import rebuild_loader
+
+                data = rebuild_loader(data, sampler=self._sampler(data.dataset, train))
             return data
         if isinstance(data, Dataset) and hasattr(data, "__len__"):
             sampler = self._sampler(data, train) if self.dist is not None else None
@@ -696,14 +698,6 @@ def _set_epoch(loader: Any, epoch: int, seed: int) -> None:
         if sampler.generator is None:
             sampler.generator = torch.Generator()
         sampler.generator.manual_seed(seed * 100_003 + epoch)
-
-
-def _rebuild_loader(loader: DataLoader, sampler: Any) -> DataLoader:
-    return DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
-        worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers,
-    )
 
 
 def _adjust_bn_momentum(model: nn.Module, k: int) -> None:

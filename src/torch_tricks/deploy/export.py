@@ -1,0 +1,364 @@
+"""Export to ONNX and check the file in ONNX Runtime (catalogue I7).
+
+An exported file is only useful if another engine computes the same thing with it, so
+:func:`export_onnx_checked` does not stop at writing the file: it runs it in ONNX Runtime
+and compares the outputs with eager PyTorch, at the example batch and (with a dynamic
+batch) at batch 1. The export itself is :func:`torch_tricks.inspect.graph.export_onnx`
+(``torch.onnx.export``, dynamo exporter). :class:`OrtModule` wraps an ONNX Runtime session
+as a callable that takes and returns torch tensors, so
+:func:`torch_tricks.deploy.report.report` times and compares it like any model;
+:func:`ort_quantize_dynamic` and :func:`ort_quantize_static` make ONNX Runtime's own int8
+versions (to compare with PyTorch's int8).
+
+ONNX Runtime is imported lazily: without it these functions raise a :class:`UserError`
+saying how to install it, and the rest of the package works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+
+from torch_tricks._io import atomic_path
+from torch_tricks.errors import UserError
+from torch_tricks.inspect.inputs import as_input_tuple
+from torch_tricks.registry import register_trick
+
+__all__ = [
+    "ExportReport",
+    "OrtModule",
+    "export_onnx_checked",
+    "onnx_size_bytes",
+    "ort_quantize_dynamic",
+    "ort_quantize_static",
+]
+
+
+@dataclass
+class ExportReport:
+    """The exported file and how closely ONNX Runtime reproduces eager PyTorch on it.
+
+    ``ok`` is ``max_abs_diff <= atol``; ``checked_batches`` the batch sizes compared
+    (the example batch, and 1 when the batch dim is dynamic).
+    """
+
+    path: str
+    ok: bool
+    atol: float
+    max_abs_diff: float
+    max_rel_diff: float
+    checked_batches: list[int]
+    size_bytes: int
+    dynamic_batch: bool
+    input_names: list[str] = field(default_factory=list)
+    output_names: list[str] = field(default_factory=list)
+    providers: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@register_trick(
+    "onnx_export",
+    ids=("I7",),
+    kind="deploy",
+    trades="a file other engines run (ONNX Runtime, TensorRT, Netron) for an export step and a fixed graph",
+    needs="the onnx, onnxscript and onnxruntime packages; a model torch.export can capture",
+)
+def export_onnx_checked(
+    model: nn.Module,
+    inputs: Any,
+    path: str | os.PathLike[str],
+    *,
+    atol: float = 1e-4,
+    opset: int | None = None,
+    dynamic_batch: bool = True,
+) -> ExportReport:
+    """Export ``model`` to ``path`` as ONNX, run the file in ONNX Runtime (CPU), compare with eager.
+
+    The comparison uses the model in eval mode (each module's mode is restored after) on
+    ``inputs``, and on their first row too when ``dynamic_batch`` and the batch is larger
+    than 1, which checks that the batch dim really is dynamic. Every output tensor is
+    compared. A mismatch does not raise: check ``report.ok`` (a model with a large dynamic
+    range may need a looser ``atol``).
+    """
+    from torch_tricks.inspect.graph import export_onnx
+
+    if not isinstance(model, nn.Module):
+        raise UserError(f"onnx export needs an nn.Module, got {type(model).__name__}")
+    if isinstance(atol, bool) or not isinstance(atol, (int, float)) or atol < 0:
+        raise UserError(f"atol must be a non-negative number, got {atol!r}")
+    _ort()  # fail before spending time on the export
+    args = as_input_tuple(inputs)
+    target = export_onnx(model, args, path, opset=opset, dynamic_batch=dynamic_batch)
+    ort_model = OrtModule(target)
+
+    batches = [args]
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if dynamic_batch and first is not None and first.dim() > 0 and first.shape[0] > 1:
+        n = first.shape[0]
+        batches.append(tuple(a[:1] if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n else a
+                             for a in args))
+    max_abs, max_rel, checked = 0.0, 0.0, []
+    with _eval(model), torch.inference_mode():
+        for b in batches:
+            ref = _tensors(model(*b))
+            got = _tensors(ort_model(*b))
+            if len(ref) != len(got):
+                raise UserError(f"ONNX Runtime returned {len(got)} outputs, eager PyTorch {len(ref)}")
+            for r, g in zip(ref, got):
+                if tuple(r.shape) != tuple(g.shape):
+                    raise UserError(
+                        f"ONNX output shape {tuple(g.shape)} differs from eager {tuple(r.shape)}"
+                    )
+                if r.numel() == 0:
+                    continue
+                d = float((r.double() - g.double()).abs().max())
+                max_abs = max(max_abs, d)
+                max_rel = max(max_rel, d / max(float(r.double().abs().max()), 1e-12))
+            checked.append(int(b[0].shape[0]) if isinstance(b[0], torch.Tensor) and b[0].dim() else 1)
+    rep = ExportReport(
+        path=str(target), ok=max_abs <= atol, atol=float(atol), max_abs_diff=max_abs, max_rel_diff=max_rel,
+        checked_batches=checked, size_bytes=onnx_size_bytes(target), dynamic_batch=dynamic_batch,
+        input_names=list(ort_model.input_names), output_names=list(ort_model.output_names),
+        providers=list(ort_model.providers),
+    )
+    if not rep.ok:
+        rep.notes.append(f"max abs diff {max_abs:.3g} exceeds atol {atol:g}")
+    return rep
+
+
+class OrtModule:
+    """An ONNX Runtime session that is called like a model: torch tensors in, torch tensors out.
+
+    One output comes back as a tensor, several as a tuple. ``threads`` (intra-op) defaults
+    to ``torch.get_num_threads()``, so timings against eager PyTorch use the same cores
+    (ONNX Runtime would otherwise take all of them). Graph optimisations are on (ORT's
+    default level, which includes its own Conv+BN/activation fusions).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        providers: Sequence[str] = ("CPUExecutionProvider",),
+        threads: int | None = None,
+    ) -> None:
+        ort = _ort()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(f"no ONNX file at {str(self.path)!r}")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = int(threads or torch.get_num_threads())
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3  # errors only: ORT's warnings go to stderr, and the library never prints
+        try:
+            self.session = ort.InferenceSession(str(self.path), opts, providers=list(providers))
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UserError(f"ONNX Runtime cannot load {self.path.name}: {first[:300]}") from None
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.providers = self.session.get_providers()
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the file and its external-data side files."""
+        return onnx_size_bytes(self.path)
+
+    def __call__(self, *args: Any) -> Any:
+        tensors = [a for a in args if a is not None]
+        if len(tensors) != len(self.input_names):
+            raise UserError(
+                f"{self.path.name} takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), "
+                f"got {len(tensors)}"
+            )
+        feeds = {n: _numpy(a) for n, a in zip(self.input_names, tensors)}
+        outs = [torch.from_numpy(o) for o in self.session.run(None, feeds)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def __repr__(self) -> str:
+        return f"OrtModule({str(self.path)!r}, providers={self.providers})"
+
+
+def onnx_size_bytes(path: str | os.PathLike[str]) -> int:
+    """Size of an ONNX file plus the external-data files it references (what it costs on disk)."""
+    p = Path(path)
+    total = p.stat().st_size
+    try:
+        import onnx
+
+        m = onnx.load(str(p), load_external_data=False)
+        side = {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"}
+        total += sum((p.parent / s).stat().st_size for s in side if (p.parent / s).is_file())
+    except ImportError:
+        pass
+    return total
+
+
+def ort_quantize_dynamic(
+    path_in: str | os.PathLike[str],
+    path_out: str | os.PathLike[str],
+    *,
+    per_channel: bool = False,
+    op_types: Sequence[str] | None = None,
+) -> Path:
+    """ONNX Runtime's dynamic int8 quantization of an ONNX file: int8 weights, activations
+    quantized on the fly (``onnxruntime.quantization.quantize_dynamic``).
+
+    Best for matmul-heavy models (linear, LSTM, attention); on conv nets ORT's static
+    quantization is the faster choice. ``op_types`` restricts the operators quantized
+    (e.g. ``["MatMul", "Gemm"]``). Written atomically to ``path_out``.
+    """
+    _ort()
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    src = _existing(path_in)
+    with _workdir(path_out) as d, atomic_path(path_out, suffix=".onnx") as tmp:
+        quantize_dynamic(_without_value_info(src, d), tmp, per_channel=per_channel, weight_type=QuantType.QInt8,
+                         op_types_to_quantize=list(op_types) if op_types else None)
+    return Path(path_out)
+
+
+def ort_quantize_static(
+    path_in: str | os.PathLike[str],
+    path_out: str | os.PathLike[str],
+    calibration_inputs: Iterable[Any],
+    *,
+    per_channel: bool = True,
+    preprocess: bool = True,
+) -> Path:
+    """ONNX Runtime's static int8 quantization (QDQ format, signed int8 activations and weights).
+
+    ``calibration_inputs`` is an iterable of model inputs (a tensor, or a tuple for several
+    inputs), each one batch; activation ranges are their min/max. ``per_channel`` gives
+    each conv output channel its own weight scale (the accurate choice for convs).
+    ``preprocess`` first runs ORT's ``quant_pre_process`` (shape inference and graph
+    optimisation, which folds BN into convs so each conv is quantized once), as ORT
+    recommends. S8S8 in QDQ is ORT's recommended default on CPU. Written atomically.
+    """
+    _ort()
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    src = _existing(path_in)
+    batches = [as_input_tuple(b) for b in calibration_inputs]
+    if not batches:
+        raise UserError("ort_quantize_static needs at least one calibration batch")
+    session = OrtModule(src)
+    names = session.input_names
+    for b in batches:
+        if len(b) != len(names):
+            raise UserError(f"calibration batches need {len(names)} inputs ({', '.join(names)}), got {len(b)}")
+
+    class _Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._it = iter(batches)
+
+        def get_next(self) -> dict[str, Any] | None:
+            b = next(self._it, None)
+            return None if b is None else {n: _numpy(t) for n, t in zip(names, b)}
+
+        def rewind(self) -> None:
+            self._it = iter(batches)
+
+    with _workdir(path_out) as d:
+        model_in = _without_value_info(src, d)
+        if preprocess:
+            from onnxruntime.quantization.shape_inference import quant_pre_process
+
+            pre = Path(d) / "pre.onnx"
+            try:
+                quant_pre_process(model_in, str(pre))
+                model_in = str(pre)
+            except Exception:  # pre-processing is an optimisation; quantize the file as it is
+                pass
+        with atomic_path(path_out, suffix=".onnx") as tmp:
+            quantize_static(
+                model_in, tmp, _Reader(), quant_format=QuantFormat.QDQ, per_channel=per_channel,
+                activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+            )
+    return Path(path_out)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+def _ort() -> Any:
+    try:
+        import onnxruntime
+    except ImportError:
+        raise UserError(
+            "running ONNX files needs onnxruntime: pip install 'torch-tricks[onnx]' (or onnxruntime)"
+        ) from None
+    return onnxruntime
+
+
+def _existing(path: str | os.PathLike[str]) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"no ONNX file at {str(p)!r}")
+    return str(p)
+
+
+@contextlib.contextmanager
+def _workdir(path_out: str | os.PathLike[str]) -> Iterator[str]:
+    """A private temporary folder beside ``path_out`` (same file system, removed afterwards)."""
+    parent = Path(path_out).parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=parent, prefix=f".{Path(path_out).name}.") as d:
+        yield d
+
+
+def _without_value_info(src: str, workdir: str) -> str:
+    """A copy of ``src`` without intermediate shape annotations (``value_info``).
+
+    The dynamo exporter annotates initializers too; ORT's quantizer transposes Gemm
+    weights and its shape inference then trips over the stale annotation
+    ("Inferred shape and existing shape differ"). Shapes are inferred again anyway.
+    """
+    import onnx
+
+    m = onnx.load(src)
+    del m.graph.value_info[:]
+    out = str(Path(workdir) / "clean.onnx")
+    onnx.save(m, out)
+    return out
+
+
+def _numpy(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        return t.detach().cpu().contiguous().numpy()
+    return t
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+class _eval:
+    """Eval mode for the comparison, each module's own mode restored afterwards."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.modes: list[tuple[nn.Module, bool]] = []
+
+    def __enter__(self) -> None:
+        self.modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+
+    def __exit__(self, *exc: Any) -> None:
+        for m, mode in self.modes:
+            m.training = mode
