@@ -11,7 +11,7 @@ from typing import Iterator
 
 from torch_tricks.errors import UserError
 
-__all__ = ["atomic_path"]
+__all__ = ["atomic_path", "fsync_dir"]
 
 
 @contextlib.contextmanager
@@ -34,3 +34,18 @@ def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make a rename inside ``directory`` durable (POSIX); a no-op where directories
+    cannot be opened or synced (Windows), where it is neither possible nor needed."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -59,7 +59,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from torch_tricks._io import atomic_path
+from torch_tricks._io import atomic_path, fsync_dir
 from torch_tricks.errors import UserError
 
 __all__ = [
@@ -362,10 +362,10 @@ class NativeWriter(_WriterBase):
         header = self._header(classes, meta or {})
         header["index"] = {"file": INDEX, "sha256": _sha256_file(self.path / INDEX)}
         header["shards"] = [dict(s) for s in self._shards]
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
         with atomic_path(self.path / HEADER) as tmp:  # the commit point of the whole pack
             tmp.write_text(json.dumps(header, indent=1), encoding="utf-8")
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
         for leftover in (PROGRESS, INDEX_PART, NAMES_PART):
             (self.path / leftover).unlink(missing_ok=True)
         self.close()
@@ -918,19 +918,6 @@ def _sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _one_line(text: str) -> str:

@@ -41,7 +41,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from torch_tricks._io import atomic_path
+from torch_tricks._io import atomic_path, fsync_dir
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 from torch_tricks.train.distributed import any_rank, get_rank, get_world_size, is_dist, is_main_process, unwrap_model
@@ -525,7 +525,7 @@ def _atomic_torch_save(obj: Any, target: Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     # Temp files of earlier saves that were killed (SIGKILL skips cleanup) would pile up,
     # each the size of a checkpoint; remove ours that predate this save.
     for stale in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
@@ -534,20 +534,6 @@ def _atomic_torch_save(obj: Any, target: Path) -> None:
                 stale.unlink()
         except OSError:
             pass
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename itself durable (POSIX); not possible (nor needed) on Windows."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _torch_load(path: Path, *, map_location: Any, weights_only: bool, encoding: str | None) -> Any:
