@@ -121,3 +121,62 @@ def test_tricks_lists_registered_training_tricks(capsys):
 
     fields = set(TrainConfig.__dataclass_fields__)
     assert all(t["config_key"] in fields for t in tricks.values() if t["config_key"])
+
+
+def _image_tree(root, n_per_class=3):
+    """A tiny ImageFolder tree: two classes of small JPEGs and one corrupt file."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in ("cat", "dog"):
+        (root / c).mkdir(parents=True)
+        for i in range(n_per_class):
+            Image.fromarray(rng.integers(0, 255, (40 + i, 50, 3), dtype=np.uint8)).save(root / c / f"{i}.jpg")
+    (root / "dog" / "broken.jpg").write_bytes(b"not a jpeg at all")
+    return root
+
+
+def test_pack_command_packs_and_lists_skipped(capsys, tmp_path):
+    src = _image_tree(tmp_path / "src")
+    dst = tmp_path / "pack"
+    assert main(["pack", str(src), str(dst), "--storage", "raw", "--raw-size", "32", "--workers", "0",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "packed 6 samples (2 classes)" in out
+    assert "skipped 1 unreadable" in out and "broken.jpg" in out
+
+    from torch_tricks.data.dataset import PackedDataset
+
+    ds = PackedDataset(dst)
+    assert len(ds) == 6 and ds.classes == ["cat", "dog"]
+    img, label = ds[0]
+    assert tuple(img.shape)[-2:] == (32, 32) or tuple(img.shape)[:2] == (32, 32)
+
+    # packing again onto a complete pack without --overwrite is a one-line error, and the pack survives
+    assert main(["pack", str(src), str(dst), "--storage", "raw", "--raw-size", "32", "--workers", "0",
+                 "--no-progress", "--no-resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "overwrite" in err[0]
+    assert len(PackedDataset(dst)) == 6
+
+
+def test_pack_command_bad_source_is_one_line(capsys, tmp_path):
+    assert main(["pack", str(tmp_path / "missing"), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_loader_tune_command_json(capsys, tmp_path):
+    src = _image_tree(tmp_path / "src", n_per_class=8)
+    dst = tmp_path / "pack"
+    assert main(["pack", str(src), str(dst), "--storage", "raw", "--raw-size", "32", "--workers", "0",
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["loader-tune", str(dst), "--batch", "4", "--workers", "0", "--seconds", "0.2", "--warm",
+                 "--no-progress", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["num_samples"] == 16
+    assert data["best"]["samples_per_s"] > 0
+    assert data["verdict"] in ("I/O-bound", "decode-bound", "overhead-bound", "unknown")

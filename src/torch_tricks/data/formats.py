@@ -221,7 +221,7 @@ class _WriterBase:
     def close(self) -> None:
         """Release the directory lock (files are closed by the subclasses)."""
         if getattr(self, "_lock_fd", None) is not None:
-            os.close(self._lock_fd)
+            _unlock_dir(self._lock_fd)
             self._lock_fd = None
 
     def _progress_state(self, source_pos: int) -> dict[str, Any]:
@@ -891,17 +891,37 @@ def _check_only_pack_files(path: Path) -> None:
 
 
 def _lock_dir(path: Path) -> int:
-    """An exclusive lock on the pack directory for this writer (released by the OS if killed)."""
+    """An exclusive lock on the pack directory for this writer (released by the OS if killed).
+
+    Why ``lockf`` (a POSIX record lock) and not ``flock``: a ``flock`` lock belongs to the open
+    file, which forked packing workers inherit, so a killed writer's lock outlived it for as
+    long as any worker did; a record lock belongs to the process alone. Record locks do not
+    exclude the owning process itself, hence the in-process set.
+    """
     import fcntl
 
+    key = str(path.resolve())
+    if key in _LOCKED:
+        raise UserError(f"another writer is packing into {str(path)!r}: close it first or choose another directory")
     fd = os.open(path / LOCK, os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
         raise UserError(f"another process is packing into {str(path)!r}: wait for it or choose another directory") \
             from None
+    _LOCKED[key] = fd
     return fd
+
+
+def _unlock_dir(fd: int) -> None:
+    for key, held in list(_LOCKED.items()):
+        if held == fd:
+            del _LOCKED[key]
+    os.close(fd)  # closing releases the record lock
+
+
+_LOCKED: dict[str, int] = {}  # pack directories this process holds a writer lock on -> the lock's fd
 
 
 def _require_lmdb() -> Any:
