@@ -1,0 +1,5 @@
+"""Doctor: find the classic PyTorch pitfalls in code (static, :mod:`ast`) and in a running model."""
+
+from torch_tricks.doctor.rules import Finding, Rule, get_rule, list_rules, register_rule
+
+__all__ = ["Finding", "Rule", "get_rule", "list_rules", "register_rule"]

@@ -1,0 +1,1444 @@
+"""The runtime half of ``torch-tricks doctor``: run real training steps of a live model and
+report the pitfalls that only a run can show (rules ``TT2xx``).
+
+Reading source cannot tell which parameters get no gradient, whether the tensor fed to
+``CrossEntropyLoss`` is logits or already log-probabilities, what batch reaches each
+BatchNorm, where the first NaN appears, or whether memory grows step after step. One
+instrumented training step (forward hooks on every module, tensor hooks on their
+outputs, a ``TorchFunctionMode`` that sees the loss functions' inputs) answers all of
+these with measured tensors, and ``steps`` more steps feed the inspector's leak check.
+
+The caller's objects are never touched: model, optimizer and loss function are copied
+with one ``deepcopy`` (so the copied optimizer holds the copied parameters), the global
+RNG is forked, the caller's ``.grad`` tensors are parked while the check runs (a loss
+closing over the caller's model cannot accumulate into them), and the inputs are cloned
+for every step so that an inplace op in the model cannot write into the caller's batch.
+Weights, gradients, buffers, optimizer state, train/eval modes and the random stream are
+exactly as before the check. What cannot be copied is a plain function's closure: a loss
+function appending to a list it closes over will append the check's losses too.
+
+Cost: ``steps + 2`` training steps (one warm-up for the leak check) and two no-grad
+forwards on the copy, plus a garbage collection per leak-check step; ``steps=1`` runs a
+single step and skips the memory-growth check.
+
+Finding paths are qualified module or parameter names (``"layer4"``, ``"fc2.weight"``);
+what is not a module has a parenthesised pseudo-name that no attribute can clash with:
+``"(model)"`` (the model's own forward code), ``"(input)"``, ``"(loss)"``, ``"(step)"``,
+plus ``"optimizer"``, ``"optimizer.param_groups[i]"`` and ``"loss_fn.<attr>"``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import math
+from collections import deque
+from dataclasses import dataclass, field, fields
+from itertools import chain
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from torch_tricks.doctor.rules import Finding, Rule, register_rule, severity_rank
+from torch_tricks.errors import UserError
+from torch_tricks.inspect.inputs import as_input_tuple, describe_inputs
+from torch_tricks.inspect.memory import leak_check
+from torch_tricks.inspect.step import default_loss
+from torch_tricks.train.memory import INPLACE_ACTIVATIONS, inplace_activations
+from torch_tricks.train.optim import param_groups
+
+__all__ = ["RuntimeReport", "check_model", "RULES", "MIN_BN_BATCH"]
+
+#: Per-device batch below which BatchNorm statistics are too noisy (seeds/001).
+MIN_BN_BATCH = 8
+
+
+def _rule(id: str, name: str, severity: str, message: str, explanation: str, source: str) -> Rule:
+    return register_rule(Rule(id, name, message, explanation, severity, source, kind="runtime"))
+
+
+UNUSED_PARAMS = _rule(
+    "TT201", "unused-parameters", "warning",
+    "parameters get no gradient in a training step",
+    "A layer that is built but never used in forward, or whose output never reaches the "
+    "loss, gets no gradient: it costs memory and is never trained. If the optimizer holds "
+    "it with weight decay, it is shrunk towards zero whenever its .grad is a zero tensor "
+    "rather than None (zero_grad(set_to_none=False), or after it was used once): the "
+    "hidden bug of a ResNet whose unused layer4 decayed to zero. Fix: delete the layer, or "
+    "set requires_grad=False and keep it out of the optimizer until it is used. Judged on "
+    "one step: a branch used only for some inputs shows up too.",
+    "T6, T15; seeds/003 Pytorch 使用陷阱 4 (weight_decay shrinks an unused layer4)",
+)
+DECAY_ON_NO_DECAY = _rule(
+    "TT202", "weight-decay-on-bias-or-norm", "warning",
+    "weight decay applies to bias / normalisation parameters",
+    "Weight decay pulls a weight towards zero. A bias shifts and a norm scale rescales a "
+    "feature; decaying them removes capacity instead of regularising (PyTorch's optimizers "
+    "decay every parameter they are given). Fix: build the optimizer on "
+    "torch_tricks.train.optim.param_groups(model, weight_decay), which puts biases, norm "
+    "parameters and other 0-/1-D parameters in a group with weight_decay=0.",
+    "T15; seeds/003 Pytorch 使用陷阱 6 (weight decay also hits the bias by default)",
+)
+UNREGISTERED = _rule(
+    "TT203", "unregistered-module", "error",
+    "modules stored in a plain list/dict attribute are not registered",
+    "nn.Module registers a submodule only when it is assigned as an attribute directly or "
+    "held by nn.ModuleList / nn.ModuleDict / nn.Sequential. Modules in a plain Python list, "
+    "tuple or dict run in forward, but their parameters are missing from "
+    "model.parameters() (the optimizer never trains them), from state_dict() (checkpoints "
+    "lose them), from .to(device) and from train()/eval(). Nothing raises. Fix: wrap the "
+    "container in nn.ModuleList / nn.ModuleDict (nested lists too), parameters in "
+    "nn.ParameterList / nn.ParameterDict.",
+    "X; seeds/003 网络模型构建 1 (nn.ModuleList, not a plain list) and Tensor的操作 10 (注册参数)",
+)
+BN_SMALL_BATCH = _rule(
+    "TT204", "batchnorm-small-batch", "warning",
+    f"BatchNorm trains on a per-device batch below {MIN_BN_BATCH}",
+    f"BatchNorm normalises with the mean and variance of the batch on each device. With "
+    f"fewer than {MIN_BN_BATCH} samples these statistics are noisy, training becomes "
+    "unstable and the running statistics used at evaluation do not match. Gradient "
+    "accumulation does not help: BN still sees the small batch. Fix: a larger per-device "
+    "batch; SyncBatchNorm across devices (torch_tricks.train.syncbn); or GroupNorm / "
+    "LayerNorm, which do not depend on the batch.",
+    "X, T11, T19; seeds/001 基本操作 check list (batch_norm with a per-GPU batch < 8); "
+    "seeds/003 Pytorch训练阶段 2 (gradient accumulation does not enlarge BN's batch)",
+)
+INPLACE = _rule(
+    "TT205", "activation-could-be-inplace", "info",
+    "an activation could run inplace",
+    "An activation whose input is a fresh tensor that nothing else reads (a conv, linear or "
+    "norm output) can overwrite it: ReLU(inplace=True) saves one activation-sized buffer "
+    "per call, and LeakyReLU/ELU/SELU also a saved tensor. Only activations judged safe "
+    "on a torch.fx trace are reported (not those on a residual branch or on the model's "
+    "input). Fix: inplace=True, or torch_tricks.train.memory.inplace_activations(model). "
+    "The saving is small for ReLU; measure it before caring.",
+    "T9; seeds/001 基本操作 check list (relu 用 inplace=True); seeds/003 Pytorch的内存优化和加速 1",
+)
+DIMS = _rule(
+    "TT206", "dim-not-multiple-of-8", "info",
+    "layer dimensions are not multiples of 8",
+    "Tensor cores multiply fp16/bf16 matrices in tiles of 8: a Linear's in/out features, "
+    "a conv's channels per group and an RNN's input/hidden sizes that are multiples of 8 "
+    "run on them, others are padded or fall back to slower kernels. Fix: round hidden "
+    "sizes up to a multiple of 8 (64 is better still). Dimensions fixed by the data (the "
+    "input channels, the number of classes of the output layer) are not reported.",
+    "T23; seeds/003 Pytorch的内存优化和加速 8 (如何才能使用 Tensor Core)",
+)
+LOSS_PAIRING = _rule(
+    "TT207", "output-loss-mismatch", "error",
+    "the output fed to the loss does not match what the loss expects",
+    "Each loss expects one kind of input. CrossEntropyLoss and BCEWithLogitsLoss want raw "
+    "logits (they apply log_softmax / sigmoid themselves); NLLLoss wants log-probabilities "
+    "(log_softmax); BCELoss wants probabilities in [0, 1]. Probabilities fed to "
+    "CrossEntropyLoss or BCEWithLogitsLoss are squashed twice, so the loss and its "
+    "gradients shrink and training stalls; logits fed to NLLLoss are not a likelihood at "
+    "all. log_softmax before CrossEntropyLoss is redundant (log_softmax is idempotent: same "
+    "loss, wasted work, and the model's output is not logits). Judged on the actual "
+    "tensors: rows that sum to 1 in [0, 1] are probabilities, rows with logsumexp 0 and no "
+    "positive value are log-probabilities. Fix: return logits and use CrossEntropyLoss / "
+    "BCEWithLogitsLoss (the numerically stable pairs).",
+    "X; seeds/004 模型设计 激活函数和损失函数 (输出层激活函数与损失函数需要配套)",
+)
+MODE_MISMATCH = _rule(
+    "TT208", "train-eval-mode-mismatch", "warning",
+    "part of the model is in a different train/eval mode than the rest",
+    "model.train() / model.eval() set every submodule; calling .eval() or .train() on a "
+    "submodule afterwards (or keeping it outside the registered modules) leaves it in the "
+    "other mode. In a training model, an eval-mode Dropout does nothing and an eval-mode "
+    "BatchNorm normalises with stale running statistics; in an evaluating model, a "
+    "train-mode Dropout still drops and a train-mode BatchNorm uses batch statistics and "
+    "overwrites its running ones. Fix: call model.train() / model.eval() last. A frozen "
+    "part (all its parameters requires_grad=False) kept in eval on purpose is not reported.",
+    "T13; seeds/003 Pytorch 测试阶段 2 (训练,测试两个阶段需要注意设置不同状态: BN 和 Dropout)",
+)
+RANDOM_IN_EVAL = _rule(
+    "TT209", "random-output-in-eval", "warning",
+    "the model in eval mode gives different outputs for the same input",
+    "In eval mode a model should be a deterministic function. Different outputs for the "
+    "same batch mean something random ignores eval(): most often F.dropout(x, p) without "
+    "training=self.training (its default is training=True), or a custom sampling op. "
+    "Fix: pass training=self.training, or use the nn.Dropout module.",
+    "X (F.dropout without training=); seeds/003 Pytorch 测试阶段 3 (Dropout里需要设置训练标志位)",
+)
+NON_FINITE = _rule(
+    "TT210", "non-finite-values", "error",
+    "NaN or Inf appears in a training step",
+    "The first place a NaN/Inf appears is the bug; everything after it is a consequence. "
+    "The module named is the innermost one that turned finite values into non-finite ones. "
+    "Forward causes: log or division of 0, overflow in fp16, exp of large values. Backward "
+    "from a finite forward: sqrt / pow(x, 0.5) at exactly 0, acos/asin at +-1. Fix: clamp "
+    "or add an eps before log / division / sqrt (torch.linalg.norm has a safe gradient at "
+    "0), keep overflow-prone ops in fp32; torch.autograd.detect_anomaly() then points at "
+    "the exact op.",
+    "T25, X (sqrt of a sum of squares); seeds/003 Pytorch 使用陷阱 7 (torch.sqrt 在0处 nan) "
+    "and 8 (detect_anomaly)",
+)
+MEMORY_GROWTH = _rule(
+    "TT211", "memory-growth", "warning",
+    "memory grows from one training step to the next",
+    "Live tensor memory or the autograd graphs kept alive grow with every step: something "
+    "keeps a reference to each step's tensors. Typical: a module or loss appending "
+    "outputs / losses to a list, a cache that is never cleared, `total_loss += loss` "
+    "(keeps every step's graph). It ends in an out-of-memory error hours into training. "
+    "Fix: store loss.item() or tensor.detach() (and .cpu() if kept long), bound or clear "
+    "caches, del intermediates that are no longer needed.",
+    "T27, T4; seeds/003 Pytorch 使用陷阱 2 (损失计算图越来越大, list 不断 append)",
+)
+COUPLED_L2 = _rule(
+    "TT212", "adam-l2-not-weight-decay", "warning",
+    "Adam's weight_decay is L2 regularisation, not weight decay",
+    "Adam (and NAdam/RAdam without decoupled_weight_decay) adds weight_decay * w to the "
+    "gradient, and Adam then divides the gradient by its running scale: weights with large "
+    "gradients are barely decayed. That is L2 regularisation, which Loshchilov & Hutter "
+    "showed is not equivalent to weight decay for adaptive optimizers. Fix: AdamW (values "
+    "of 1e-2..1e-1 are typical where Adam+L2 used 1e-4), or "
+    "torch_tricks.train.optim.build_optimizer('adam', weight_decay=...) which builds AdamW.",
+    "T15; seeds/003 Pytorch 使用陷阱 5 (L2正则不等于权值衰减)",
+)
+NOT_OPTIMIZED = _rule(
+    "TT213", "trainable-not-in-optimizer", "warning",
+    "trainable parameters are missing from the optimizer",
+    "Parameters with requires_grad=True that the optimizer does not hold get a gradient "
+    "every step (backward compute and gradient memory) but never change. Either a layer "
+    "was added after the optimizer was built (a bug: it never trains), or it is meant to "
+    "be frozen. Fix: build the optimizer after the model is complete (or add_param_group), "
+    "or freeze with requires_grad=False, which also skips its backward.",
+    "T14; seeds/003 Pytorch 使用陷阱 4 (暂时不需要更新的权值,一定不要传递给Optimizer)",
+)
+
+#: Every runtime rule, by id.
+RULES: tuple[Rule, ...] = (
+    UNUSED_PARAMS, DECAY_ON_NO_DECAY, UNREGISTERED, BN_SMALL_BATCH, INPLACE, DIMS, LOSS_PAIRING,
+    MODE_MISMATCH, RANDOM_IN_EVAL, NON_FINITE, MEMORY_GROWTH, COUPLED_L2, NOT_OPTIMIZED,
+)
+
+
+@dataclass
+class RuntimeReport:
+    """What :func:`check_model` found, and the measured facts behind it."""
+
+    findings: list[Finding] = field(default_factory=list)
+    device: str = "cpu"
+    inputs: str = ""  # shapes and dtypes of the batch
+    outputs: str = ""  # of the model's output tensors
+    target: str = ""  # "given ...", "generated ...", or why there is none
+    loss: float | None = None  # of the first step
+    steps_run: int = 0
+    completed: bool = True  # False when the training step could not run to its end
+    error: str = ""  # why not, when not completed
+    trainable_parameters: int = 0  # tensors with requires_grad
+    parameters_without_grad: list[str] = field(default_factory=list)
+    batchnorm_batch: dict[str, int] = field(default_factory=dict)  # BN in training -> batch it saw
+    memory: dict[str, Any] | None = None  # the leak check (LeakReport.to_dict())
+    skipped: dict[str, str] = field(default_factory=dict)  # check -> why it did not run
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No warning and no error (info notes are allowed)."""
+        return all(severity_rank(f.severity) == 0 for f in self.findings)
+
+    def counts(self) -> dict[str, int]:
+        """Number of findings per severity."""
+        out = {"error": 0, "warning": 0, "info": 0}
+        for f in self.findings:
+            out[f.severity] += 1
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "findings"}
+        d["findings"] = [f.as_dict() for f in self.findings]
+        d["ok"] = self.ok
+        d["counts"] = self.counts()
+        return d
+
+
+def check_model(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    target: Any = None,
+    steps: int = 3,
+    device: torch.device | str | None = None,
+) -> RuntimeReport:
+    """Run a training step of ``model`` on ``batch`` and report the runtime pitfalls.
+
+    ``batch``: the input tensor, or a tuple/list of positional inputs. ``loss_fn``:
+    called as ``loss_fn(output, target)`` (``loss_fn(output)`` if it takes one argument);
+    without it the loss is the mean of the outputs. Without ``target`` a plausible one is
+    made from the output (class indices for CrossEntropy/NLL-like losses and 2-D logits,
+    0/1 labels for BCE, random values of the output's shape otherwise). ``optimizer``:
+    the one used in training (its param groups are checked and a copy of it steps);
+    without it plain SGD steps. ``steps`` more steps measure memory growth (at least 2
+    to see a trend; 1 skips that check). ``device``: where to run (default: the model's).
+
+    Works on copies (see the module docstring): the caller's model, optimizer, loss
+    function and batch are unchanged afterwards. A batch the model cannot take raises a
+    :class:`UserError` naming the module and shapes.
+    """
+    return _Checker(model, batch, loss_fn, optimizer, target, steps, device).run()
+
+
+# -- the checker ----------------------------------------------------------------------------
+
+class _LossAbort(Exception):
+    """Raised from inside a loss call whose input would crash it (logits fed to BCELoss)."""
+
+
+class _Checker:
+    """One run of :func:`check_model`: validated arguments, working copies, findings."""
+
+    def __init__(self, model, batch, loss_fn, optimizer, target, steps, device) -> None:
+        if not isinstance(model, nn.Module):
+            raise UserError(f"check_model needs an nn.Module, got {type(model).__name__}: pass the model")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise UserError(f"steps must be an integer >= 1, got {steps!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise UserError(f"loss_fn must be callable (e.g. nn.CrossEntropyLoss()), got {type(loss_fn).__name__}")
+        if optimizer is not None:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise UserError(
+                    f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}: "
+                    "pass the optimizer instance"
+                )
+            model_ids = {id(p) for p in model.parameters()}
+            if not any(id(p) in model_ids for g in optimizer.param_groups for p in g["params"]):
+                raise UserError(
+                    "the optimizer holds none of the model's parameters: pass the optimizer built on this model"
+                )
+        self.model = model
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.steps = steps
+        self.device = _resolve_device(device, model)
+        self.inputs = _prepare_inputs(batch, self.device)
+        self.target = _to_device(target, self.device)
+        self.target_note = "given " + describe_inputs(tree_flatten(target)[0]) if target is not None else ""
+        self.findings: list[Finding] = []
+        self.report = RuntimeReport(device=str(self.device), inputs=describe_inputs(self.inputs))
+        self.called: set[str] = set()  # modules that ran in the first step
+        self.unused: set[str] = set()  # parameters without gradient in the first step
+        self.opt_can_step = True  # False once step() asked for a closure
+
+    def run(self) -> RuntimeReport:
+        self.findings += _unregistered_modules(self.model)
+        self.findings += _mode_mismatches(self.model)
+        self.findings += _decay_on_no_decay(self.model, self.optimizer)
+        self.findings += _coupled_l2(self.optimizer)
+        with torch.inference_mode(False), torch.enable_grad(), _forked_rng(self.device), _parked_grads(self.model):
+            self._make_copies()
+            if self._first_step():
+                if self.steps >= 2:
+                    self._memory_growth()
+                else:
+                    self.report.skipped["memory-growth"] = "steps=1: at least 2 steps are needed to see a trend"
+                self.findings += _not_optimized(self.model, self.optimizer, exclude=self.unused)
+            else:
+                for check in ("unused-parameters", "non-finite-gradients", "memory-growth",
+                              "trainable-not-in-optimizer"):
+                    self.report.skipped[check] = "the training step did not complete: " + self.report.error
+            self._random_in_eval()
+            self._inplace_candidates()
+        self.report.findings = sorted(self.findings, key=lambda f: (-severity_rank(f.severity), f.rule, f.path))
+        return self.report
+
+    # -- working copies ------------------------------------------------------------------
+
+    def _make_copies(self) -> None:
+        """Deep copies of model, optimizer and loss function (one memo: the optimizer copy
+        holds the model copy's parameters, a bound-method loss its model copy)."""
+        try:
+            self.work, self.work_opt, self.work_loss = copy.deepcopy((self.model, self.optimizer, self.loss_fn))
+        except Exception:
+            try:
+                self.work, self.work_opt = copy.deepcopy((self.model, self.optimizer))
+            except Exception as exc:
+                raise UserError(
+                    f"cannot deep-copy the model or optimizer ({type(exc).__name__}: {_first_line(exc)}): "
+                    "check_model trains a copy so your weights stay untouched; remove the un-copyable attribute"
+                ) from None
+            self.work_loss = self.loss_fn
+            self.report.notes.append("loss_fn could not be deep-copied: the check called the original")
+        work = self.work
+        if _module_device(work) != self.device:
+            work.to(self.device)
+            if self.work_opt is not None:  # optimizer state follows its parameters' device
+                self.work_opt.load_state_dict(self.work_opt.state_dict())
+        if isinstance(self.work_loss, nn.Module):
+            self.work_loss.to(self.device)
+        if not self.model.training:
+            work.train()
+            self.report.notes.append("the model was in eval mode: the check trained a copy in train mode")
+        trainable = [p for p in work.parameters() if p.requires_grad]
+        self.report.trainable_parameters = len(trainable)
+        if not trainable:
+            raise UserError(
+                "the model has no trainable parameters (all requires_grad=False): "
+                "check_model runs a training step; unfreeze the layers to train"
+            )
+        if self.work_opt is None:
+            self.work_opt = torch.optim.SGD(trainable, lr=1e-3)
+
+    def _fresh_inputs(self) -> tuple[Any, ...]:
+        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.inputs)
+
+    # -- the instrumented first step -----------------------------------------------------
+
+    def _first_step(self) -> bool:
+        """Forward with hooks, loss, backward, optimizer step; False if it could not finish."""
+        work, opt = self.work, self.work_opt
+        inputs = self._fresh_inputs()
+        opt.zero_grad(set_to_none=True)
+        rec = _Recorder(work, inputs)
+        watch = _LossWatch()
+        try:
+            with rec, watch:
+                try:
+                    out = work(*inputs)
+                except _LossAbort:
+                    raise
+                except Exception as exc:
+                    raise self._forward_error(exc, rec) from None
+                loss = self._loss(out, first=True)
+        except _LossAbort as abort:
+            self.report.completed = False
+            self.report.error = str(abort)
+            self.report.target = self.target_note
+            self._forward_findings(rec, None, None)
+            self._pairing_findings(watch, rec)
+            self.called = {c.name for c in rec.calls}
+            return False
+        self.report.steps_run = 1
+        self.report.outputs = describe_inputs(_tensors(out))
+        self.report.loss = float(loss.detach().float())
+        self.report.target = self.target_note or ("none: loss_fn takes the output only" if self.loss_fn else
+                                                  "none: no loss_fn, the loss is the mean of the outputs")
+        self.called = {c.name for c in rec.calls}
+        forward_finite = self._forward_findings(rec, out, loss)
+        self._pairing_findings(watch, rec)
+
+        trainable = [(n, p) for n, p in work.named_parameters() if p.requires_grad]
+        if loss.requires_grad:
+            try:
+                loss.backward()
+            except Exception as exc:
+                raise UserError(f"backward of the training step failed: {_first_line(exc)}") from None
+        self._gradient_findings(rec, trainable, forward_finite)
+        self._optimizer_step()
+        del rec, watch, out, loss
+        return True
+
+    def _optimizer_step(self) -> None:
+        if not self.opt_can_step:
+            return
+        try:
+            self.work_opt.step()
+        except TypeError as exc:  # LBFGS and friends want a closure
+            self.opt_can_step = False
+            self.report.notes.append(
+                f"the optimizer's step() needs arguments ({_first_line(exc)}): steps ran without it"
+            )
+
+    def _plain_step(self) -> None:
+        """A training step without instrumentation (for the leak check): keeps nothing."""
+        self.work_opt.zero_grad(set_to_none=True)
+        out = self.work(*self._fresh_inputs())
+        loss = self._loss(out, first=False)
+        if loss.requires_grad:
+            loss.backward()
+        self._optimizer_step()
+
+    def _loss(self, out: Any, first: bool) -> torch.Tensor:
+        fn = self.work_loss
+        if fn is None:
+            loss = default_loss(out)
+        else:
+            takes_target = _takes_target(fn)
+            if takes_target and self.target is None and first:
+                self.target, self.target_note = _make_target(fn, out)
+            try:
+                loss = fn(out, self.target) if takes_target else fn(out)
+            except _LossAbort:
+                raise
+            except Exception as exc:
+                given = describe_inputs(_tensors(self.target)) if self.target is not None else "none"
+                hint = "pass target=" if not self.target_note.startswith("given") else "check the target"
+                raise UserError(
+                    f"loss_fn failed on output {describe_inputs(_tensors(out))} and target {given} "
+                    f"({self.target_note or 'none'}): {_first_line(exc)}; {hint}"
+                ) from None
+        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+            raise UserError(
+                f"loss_fn returned {type(loss).__name__}, not a floating-point tensor: return the loss tensor"
+            )
+        if loss.numel() != 1:
+            if first:
+                self.report.notes.append(f"loss_fn returned shape {tuple(loss.shape)}: the check used its mean")
+            loss = loss.mean()
+        return loss.reshape(())
+
+    def _forward_error(self, exc: Exception, rec: "_Recorder") -> UserError:
+        where, fix = "", "pass a batch of the shape the model expects, batch dimension first"
+        if rec.stack:
+            c = rec.stack[-1]
+            given = ", ".join(str(s) for s in c.in_shapes) or "no tensor"
+            where = f" in '{_display(c.name)}' ({_describe_module(c.module)}, given {given})"
+            if isinstance(c.module, nn.modules.batchnorm._BatchNorm) and c.module.training:
+                fix = f"BatchNorm in training needs a batch of 2 or more ({MIN_BN_BATCH}+ for stable statistics)"
+        hint = ""
+        unregistered = [f.path for f in self.findings if f.rule == UNREGISTERED.id]
+        if unregistered and "device" in str(exc):
+            hint = f" (note: the unregistered modules in {', '.join(unregistered)} are not moved by .to())"
+        return UserError(
+            f"the model fails on inputs {describe_inputs(self.inputs)}{where}: {_first_line(exc)}; "
+            f"{fix}{hint}"
+        )
+
+    # -- findings of the first step ----------------------------------------------------------
+
+    def _forward_findings(self, rec: "_Recorder", out: Any, loss: torch.Tensor | None) -> bool:
+        """BatchNorm batches, layer dims, non-finite forward values; True if all finite."""
+        self.report.batchnorm_batch = dict(rec.bn_batch)
+        by_batch: dict[int, list[str]] = {}
+        for name, n in rec.bn_batch.items():
+            if n < MIN_BN_BATCH:
+                by_batch.setdefault(n, []).append(name)
+        for n, names in sorted(by_batch.items()):
+            self.findings.append(_finding(
+                BN_SMALL_BATCH, names[0],
+                f"{_count(names, 'BatchNorm layer')} {'normalise' if len(names) > 1 else 'normalises'} "
+                f"over a per-device batch of {n} in training ({_short(names)}): statistics from fewer than "
+                f"{MIN_BN_BATCH} samples are noisy; use a larger batch, SyncBatchNorm or GroupNorm",
+                modules=names, batch=n,
+            ))
+        self.findings += _dim_findings(rec, out)
+
+        # Non-finite values: the first place they appear.
+        if not all(_finite(t) for t in _tensors(self.inputs)):
+            self.findings.append(_finding(NON_FINITE, "(input)", "the input batch already contains NaN/Inf: "
+                                          "check the data pipeline (division by a zero std, corrupt samples)"))
+            return False
+        if rec.first_nonfinite is not None:
+            c = rec.first_nonfinite
+            self.findings.append(_finding(
+                NON_FINITE, _display(c.name),
+                f"'{_display(c.name)}' ({_describe_module(c.module)}) turns finite inputs into NaN/Inf "
+                "in the forward pass",
+                stage="forward",
+            ))
+            return False
+        if loss is not None and not _finite(loss):
+            self.findings.append(_finding(
+                NON_FINITE, "(loss)",
+                f"the loss is {float(loss.detach()):g} while the model's outputs are finite: loss_fn produces it "
+                "(log of 0, division by 0?)", stage="loss",
+            ))
+            return False
+        return True
+
+    def _pairing_findings(self, watch: "_LossWatch", rec: "_Recorder") -> None:
+        seen: set[tuple[str, str, str]] = set()
+        for loss_name, x, producer in watch.calls:
+            verdict = _pairing_verdict(loss_name, x, producer)
+            if verdict is None:
+                continue
+            kind, severity, advice = verdict
+            where = _producer_path(x, rec)
+            if (loss_name, kind, where) in seen:
+                continue
+            seen.add((loss_name, kind, where))
+            self.findings.append(_finding(
+                LOSS_PAIRING, where,
+                f"{loss_name} gets {kind} from '{where}': {advice}",
+                severity=severity, loss=loss_name, input_kind=kind,
+            ))
+
+    def _gradient_findings(
+        self, rec: "_Recorder", trainable: list[tuple[str, nn.Parameter]], forward_finite: bool
+    ) -> None:
+        """Parameters without gradient (TT201) and the first non-finite gradient (TT210)."""
+        unused_ids = {id(p) for _, p in trainable if p.grad is None}
+        self.unused = {n for n, p in trainable if p.grad is None}
+        self.report.parameters_without_grad = [n for n, p in trainable if p.grad is None]
+        decay = _decay_by_name(self.model, self.optimizer)
+        if trainable and len(unused_ids) == len(trainable):
+            self.findings.append(_finding(
+                UNUSED_PARAMS, "(model)",
+                "no trainable parameter gets a gradient: the loss does not depend on them "
+                "(an output computed under torch.no_grad(), .detach() or .data?)",
+                params=len(trainable),
+            ))
+        elif unused_ids:
+            for path, module, names, numel in _group_params(self.work, unused_ids):
+                wds = sorted({decay[n] for n in names if decay.get(n, 0) > 0})
+                what = f"'{path}' ({type(module).__name__})" if module is not None else f"parameter '{path}'"
+                msg = f"{what} gets no gradient: {_count(names, 'parameter')} ({numel:,} values) never trained"
+                if wds:
+                    msg += (f"; the optimizer still holds {'them' if len(names) > 1 else 'it'} with weight_decay="
+                            f"{'/'.join(f'{w:g}' for w in wds)}, which shrinks them towards zero whenever their "
+                            ".grad is a zero tensor instead of None")
+                elif self.optimizer is not None and not any(n in decay for n in names):
+                    msg += f" (the optimizer does not hold {'them' if len(names) > 1 else 'it'})"
+                self.findings.append(_finding(UNUSED_PARAMS, path, msg, params=names,
+                                              weight_decay=wds[-1] if wds else 0.0))
+
+        bad = [n for n, p in trainable if p.grad is not None and not _finite(p.grad)]
+        if not bad or not forward_finite:
+            return
+        path, how = _nonfinite_grad_source(rec, self.work, bad)
+        self.findings.append(_finding(
+            NON_FINITE, path,
+            f"gradients become NaN/Inf {how} although the forward pass is finite: "
+            f"{_count(bad, 'parameter gradient')} non-finite ({_short(bad)})",
+            stage="backward", params=bad,
+        ))
+
+    # -- later checks ------------------------------------------------------------------------
+
+    def _memory_growth(self) -> None:
+        before = _growable_sizes(self.work, self.work_loss)
+        cuda = self.device.type == "cuda"
+        try:
+            rep = leak_check(self._plain_step, steps=self.steps, warmup=1, device=self.device if cuda else None)
+        except UserError:
+            raise
+        except Exception as exc:
+            self.report.skipped["memory-growth"] = f"a later training step failed: {_first_line(exc)}"
+            return
+        self.report.steps_run += self.steps + 1
+        self.report.memory = rep.to_dict()
+        if not rep.leaking:
+            return
+        after = _growable_sizes(self.work, self.work_loss)
+        grown = {k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)}
+        ran = self.steps + 1
+        why = "; ".join(rep.reasons)
+        if not grown:
+            self.findings.append(_finding(MEMORY_GROWTH, "(step)", f"memory grows across training steps: {why}",
+                                          growth_per_step_bytes=rep.growth_per_step_bytes,
+                                          graph_growth_per_step=rep.graph_growth_per_step))
+        for path, added in grown.items():
+            self.findings.append(_finding(
+                MEMORY_GROWTH, path,
+                f"'{path}' grows by {added} over {ran} steps while {why}: it keeps references to every "
+                "step's tensors; store .item() / .detach() or clear it",
+                growth_per_step_bytes=rep.growth_per_step_bytes, graph_growth_per_step=rep.graph_growth_per_step,
+                grown_by=added, steps=ran,
+            ))
+
+    def _random_in_eval(self) -> None:
+        """Two eval-mode forwards of the same batch must agree (TT209)."""
+        work = self.work
+        modes = [(m, m.training) for m in work.modules()]
+        work.eval()
+        try:
+            with torch.no_grad():
+                first = _Fingerprints.run(work, self._fresh_inputs())
+                second = _Fingerprints.run(work, self._fresh_inputs())
+        except Exception as exc:
+            self.report.skipped["random-output-in-eval"] = f"the eval-mode forward failed: {_first_line(exc)}"
+            return
+        finally:
+            for m, mode in modes:
+                m.training = mode
+        if _same(first.output, second.output) and len(first.calls) == len(second.calls):
+            return
+        where, module = "(model)", work
+        if len(first.calls) == len(second.calls):
+            for (name, mod, fin, fout), (_, _, sin, sout) in zip(first.calls, second.calls):
+                if _same(fin, sin) and not _same(fout, sout):
+                    where, module = _display(name), mod
+                    break
+        self.findings.append(_finding(
+            RANDOM_IN_EVAL, where,
+            f"two eval-mode forwards of the same batch differ, first in '{where}' ({_describe_module(module)}): "
+            "something random ignores eval(), e.g. F.dropout(x, p) without training=self.training",
+        ))
+
+    def _inplace_candidates(self) -> None:
+        """Activations that ran and that the T9 trick would make inplace (judged safe)."""
+        work = self.work
+        before = {n: m.inplace for n, m in work.named_modules()
+                  if isinstance(m, INPLACE_ACTIVATIONS) and hasattr(m, "inplace")}
+        if not any(not v for v in before.values()):
+            return
+        try:
+            inplace_activations(work)
+        except Exception as exc:
+            self.report.skipped["activation-could-be-inplace"] = f"the model could not be analysed: {_first_line(exc)}"
+            return
+        for name, m in work.named_modules():
+            if name in before and not before[name] and m.inplace and name in self.called:
+                self.findings.append(_finding(
+                    INPLACE, name,
+                    f"'{name}' ({type(m).__name__}) could run inplace: its input is a fresh tensor nothing else reads; "
+                    "set inplace=True",
+                ))
+
+
+# -- checks on the caller's objects (read only) ---------------------------------------------
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def _unregistered_modules(model: nn.Module) -> list[Finding]:
+    """Modules / parameters held in plain list, tuple or dict attributes (TT203)."""
+    registered = {id(m) for m in model.modules()}
+    registered_params = {id(p) for p in model.parameters()}
+    out = []
+    for mod_name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr in _MODULE_INTERNALS or not isinstance(value, (list, tuple, dict)):
+                continue
+            mods, params = [], []
+            for item in _walk(value):
+                if isinstance(item, nn.Parameter):
+                    if id(item) not in registered_params:
+                        params.append(item)
+                elif isinstance(item, nn.Module) and id(item) not in registered:
+                    mods.append(item)
+            lost = [p for p in chain.from_iterable(m.parameters() for m in mods) if id(p) not in registered_params]
+            lost += params
+            lost = list({id(p): p for p in lost}.values())
+            buffers = [b for m in mods for b in m.buffers()]
+            moded = [s for m in mods for s in m.modules() if _mode_dependent(s)]
+            if not lost and not buffers and not moded:
+                continue  # e.g. a list of parameter-free activations: harmless
+            path = _join(mod_name, attr)
+            kind = type(value).__name__
+            held = []
+            if mods:
+                held.append(f"{_count(mods, 'module')} ({', '.join(sorted({type(m).__name__ for m in mods}))})")
+            if params:
+                held.append(_count(params, "parameter"))
+            msg = (f"'{path}' is a plain {kind} holding {' and '.join(held)} that "
+                   "model.parameters(), state_dict() and .to() never see")
+            if lost:
+                msg += f": {sum(p.numel() for p in lost):,} parameter values are never trained or saved"
+            if moded:
+                msg += "; train()/eval() does not reach its Dropout/BatchNorm"
+            fix = "nn.ModuleDict" if isinstance(value, dict) else "nn.ModuleList"
+            if params and not mods:
+                fix = "nn.ParameterDict" if isinstance(value, dict) else "nn.ParameterList"
+            out.append(_finding(UNREGISTERED, path, msg + f"; wrap it in {fix}",
+                                modules=len(mods), parameters=sum(p.numel() for p in lost)))
+    return out
+
+
+def _mode_mismatches(model: nn.Module) -> list[Finding]:
+    """Submodules whose train/eval mode differs from the model's (TT208)."""
+    root = model.training
+    out = []
+    done: list[str] = []
+    for name, module in model.named_modules():
+        if not name or module.training == root or any(name.startswith(d + ".") for d in done):
+            continue
+        done.append(name)  # the top of a subtree switched to the other mode
+        affected = [(n, m) for n, m in module.named_modules(prefix=name)
+                    if m.training == module.training and _mode_dependent(m)]
+        if not affected:
+            continue
+        params = list(module.parameters())
+        if root and params and not any(p.requires_grad for p in params):
+            continue  # a frozen part kept in eval on purpose
+        dropout = [n for n, m in affected if not _is_norm(m)]
+        norms = [n for n, m in affected if _is_norm(m)]
+        if root:
+            effects = ([f"Dropout is off ({_short(dropout)})"] if dropout else []) + (
+                [f"BatchNorm uses stale running statistics ({_short(norms)})"] if norms else [])
+            msg = f"'{name}' is in eval mode while the model trains: " + "; ".join(effects)
+        else:
+            effects = ([f"Dropout still drops ({_short(dropout)})"] if dropout else []) + (
+                [f"BatchNorm uses batch statistics and overwrites its running ones ({_short(norms)})"] if norms else [])
+            msg = f"'{name}' is in train mode while the model is in eval mode: " + "; ".join(effects)
+        out.append(_finding(MODE_MISMATCH, name, msg, model_training=root, modules=[n for n, _ in affected]))
+    return out
+
+
+def _decay_on_no_decay(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[Finding]:
+    """Param groups that decay biases / norm parameters (TT202), judged as param_groups does."""
+    if optimizer is None:
+        return []
+    names = _param_names(model)
+    no_decay = set()
+    for g in param_groups(model, 1.0):
+        if g["name"] == "no_decay":
+            no_decay = {id(p) for p in g["params"]}
+    out = []
+    for i, g in enumerate(optimizer.param_groups):
+        wd = float(g.get("weight_decay", 0.0) or 0.0)
+        hit = [names[id(p)] for p in g["params"] if id(p) in no_decay and id(p) in names]
+        if wd > 0 and hit:
+            label = f" ('{g['name']}')" if isinstance(g.get("name"), str) else ""
+            out.append(_finding(
+                DECAY_ON_NO_DECAY, f"optimizer.param_groups[{i}]",
+                f"param group {i}{label} applies weight_decay={wd:g} to {_count(hit, 'bias/norm parameter')} "
+                f"({_short(hit)}); build the optimizer on param_groups(model, {wd:g})",
+                params=hit, weight_decay=wd, group=i,
+            ))
+    return out
+
+
+def _coupled_l2(optimizer: torch.optim.Optimizer | None) -> list[Finding]:
+    """Adam-family optimizers with coupled L2 instead of weight decay (TT212)."""
+    if optimizer is None or type(optimizer) not in (torch.optim.Adam, torch.optim.NAdam, torch.optim.RAdam):
+        return []
+    wds = sorted({float(g.get("weight_decay", 0.0) or 0.0) for g in optimizer.param_groups
+                  if not g.get("decoupled_weight_decay", False)} - {0.0})
+    if not wds:
+        return []
+    name = type(optimizer).__name__
+    return [_finding(COUPLED_L2, "optimizer",
+                     f"{name}(weight_decay={'/'.join(f'{w:g}' for w in wds)}) adds L2 to the gradient, which {name} "
+                     "rescales: weights with large gradients are barely decayed; use AdamW",
+                     optimizer=name, weight_decay=wds[-1])]
+
+
+def _not_optimized(model: nn.Module, optimizer: torch.optim.Optimizer | None, exclude: set[str]) -> list[Finding]:
+    """Trainable parameters the optimizer does not hold (TT213); those without gradient are TT201's."""
+    if optimizer is None:
+        return []
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = {id(p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in held and n not in exclude}
+    out = []
+    for path, module, names, numel in _group_params(model, missing):
+        what = f"'{path}' ({type(module).__name__})" if module is not None else f"parameter '{path}'"
+        out.append(_finding(
+            NOT_OPTIMIZED, path,
+            f"{what}: {_count(names, 'trainable parameter')} ({numel:,} values) not in the optimizer get "
+            "gradients but never change; "
+            "add them to the optimizer, or set requires_grad=False to freeze them",
+            params=names,
+        ))
+    return out
+
+
+# -- instrumentation -------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class _Call:
+    """One module call in the instrumented forward."""
+
+    name: str
+    module: nn.Module
+    in_shapes: list[tuple[int, ...]]
+    producers: list[int]  # indices of the calls that returned this call's tensor inputs
+    in_finite: bool
+    takes_model_input: bool
+    index: int = -1  # completion order
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    out_finite: bool = True
+    out_grad_finite: bool | None = None  # None: no gradient reached the outputs
+
+
+class _Recorder:
+    """Forward pre/post hooks on every module of the working copy, for the first step."""
+
+    def __init__(self, model: nn.Module, inputs: tuple[Any, ...]) -> None:
+        self.model = model
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.inputs = _tensors(inputs)
+        self.calls: list[_Call] = []
+        self.stack: list[_Call] = []  # modules running now, innermost last
+        self.produced: dict[int, int] = {}  # id(tensor) -> index of the call that returned it
+        self.bn_batch: dict[str, int] = {}
+        self.first_nonfinite: _Call | None = None
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "_Recorder":
+        for m in self.model.modules():
+            self._handles.append(m.register_forward_pre_hook(self._pre))
+            self._handles.append(m.register_forward_hook(self._post))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        tensors = _tensors(args)
+        call = _Call(
+            name=self.names.get(id(module), "?"),
+            module=module,
+            in_shapes=[tuple(t.shape) for t in tensors],
+            producers=[self.produced[id(t)] for t in tensors if id(t) in self.produced],
+            in_finite=all(_finite(t) for t in tensors),
+            takes_model_input=any(t is x for t in tensors for x in self.inputs),
+        )
+        if (isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, nn.SyncBatchNorm)
+                and module.training and tensors and tensors[0].dim() >= 2):
+            n = int(tensors[0].shape[0])
+            self.bn_batch[call.name] = min(self.bn_batch.get(call.name, n), n)
+        self.stack.append(call)
+
+    def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        while self.stack and self.stack[-1].module is not module:
+            self.stack.pop()  # a call that raised and was caught inside forward
+        if not self.stack:
+            return
+        call = self.stack.pop()
+        call.index = len(self.calls)
+        self.calls.append(call)
+        call.outputs = _tensors(output)
+        call.out_finite = all(_finite(t) for t in call.outputs)
+        if not call.out_finite and call.in_finite and self.first_nonfinite is None:
+            self.first_nonfinite = call
+        for t in call.outputs:
+            self.produced[id(t)] = call.index
+            if t.requires_grad and t.grad_fn is not None and t.is_floating_point():
+                t.register_hook(functools.partial(_note_grad, call))
+
+
+def _note_grad(call: _Call, grad: torch.Tensor) -> None:
+    ok = _finite(grad)
+    call.out_grad_finite = ok if call.out_grad_finite is None else (call.out_grad_finite and ok)
+
+
+_LOSS_FUNCTIONS = {
+    F.cross_entropy: "CrossEntropyLoss",
+    F.nll_loss: "NLLLoss",
+    F.binary_cross_entropy: "BCELoss",
+    F.binary_cross_entropy_with_logits: "BCEWithLogitsLoss",
+}
+
+
+class _LossWatch(TorchFunctionMode):
+    """Sees the input of every cross-entropy / NLL / BCE call, however the loss is wrapped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, torch.Tensor, str | None]] = []  # loss, input, op that made it
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _LOSS_FUNCTIONS.get(func)
+        if name is not None:
+            x = args[0] if args else kwargs.get("input")
+            if isinstance(x, torch.Tensor):
+                d = x.detach()
+                self.calls.append((name, d, _producer_op(x)))
+                if name == "BCELoss" and d.numel() and _finite(d) and bool(d.min() < 0 or d.max() > 1):
+                    # BCELoss would raise (a device-side assert on CUDA): stop before it.
+                    raise _LossAbort(
+                        f"BCELoss got values in [{float(d.min()):.3g}, {float(d.max()):.3g}], outside [0, 1]"
+                    )
+        return func(*args, **kwargs)
+
+
+class _Fingerprints:
+    """Per module call (completion order): name, module, fingerprints of inputs and outputs."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, nn.Module, list[float], list[float]]] = []
+        self.output: list[float] = []
+        self._inputs: list[list[float]] = []
+
+    @classmethod
+    def run(cls, model: nn.Module, inputs: tuple[Any, ...]) -> "_Fingerprints":
+        fp = cls()
+        names = {id(m): n for n, m in model.named_modules()}
+        handles = []
+        for m in model.modules():
+            handles.append(m.register_forward_pre_hook(lambda mod, args: fp._inputs.append(_fingerprint(args))))
+            handles.append(m.register_forward_hook(
+                lambda mod, args, out: fp.calls.append((names[id(mod)], mod, fp._inputs.pop(), _fingerprint(out)))
+            ))
+        try:
+            fp.output = _fingerprint(model(*inputs))
+        finally:
+            for h in handles:
+                h.remove()
+        return fp
+
+
+# -- analysis helpers ------------------------------------------------------------------------
+
+def _pairing_verdict(loss_name: str, x: torch.Tensor, producer: str | None) -> tuple[str, str, str] | None:
+    """(what the input is, severity, advice) when it does not suit ``loss_name``; else None.
+    ``producer`` is the autograd op that made ``x`` (None when unknown)."""
+    if loss_name == "CrossEntropyLoss":
+        kind = _distribution(x, 1 if x.dim() >= 2 else 0)
+        if kind == "log-probabilities":
+            return (kind + " (log_softmax output)", "warning",
+                    "CrossEntropyLoss applies log_softmax itself, so the model's log_softmax is redundant; "
+                    "return raw logits, or keep log_softmax and use NLLLoss")
+        if kind == "probabilities":
+            return (kind + " (softmax output)", "error",
+                    "CrossEntropyLoss applies log_softmax on top, which squashes the loss and its gradients; "
+                    "return raw logits")
+    elif loss_name == "NLLLoss":
+        if producer and producer.startswith("LogSoftmax"):
+            return None
+        kind = _distribution(x, 1 if x.dim() >= 2 else 0)
+        if kind == "logits":
+            return ("raw logits", "error",
+                    "NLLLoss expects log-probabilities; add log_softmax, or use CrossEntropyLoss on the logits")
+        if kind == "probabilities":
+            return ("probabilities (softmax output)", "error",
+                    "NLLLoss expects log-probabilities; use log_softmax instead of softmax")
+    elif loss_name == "BCEWithLogitsLoss":
+        squashed = producer is not None and (producer.startswith(("Sigmoid", "Softmax")))
+        in_unit = x.numel() >= 32 and _finite(x) and bool(x.min() >= 0) and bool(x.max() <= 1)
+        if squashed or in_unit:
+            return ("probabilities" + (f" ({producer.removesuffix('Backward0').lower()} output)" if squashed else ""),
+                    "error",
+                    "BCEWithLogitsLoss applies the sigmoid itself, so the output is squashed twice; drop the sigmoid")
+    elif loss_name == "BCELoss":
+        if x.numel() and _finite(x) and (bool(x.min() < 0) or bool(x.max() > 1)):
+            return ("values outside [0, 1] (raw logits)", "error",
+                    "BCELoss expects probabilities; drop the BCELoss for BCEWithLogitsLoss on the logits "
+                    "(numerically stable), or apply sigmoid")
+    return None
+
+
+def _distribution(x: torch.Tensor, dim: int) -> str | None:
+    """'log-probabilities', 'probabilities' or 'logits' along ``dim``; None if undecidable."""
+    if x.dim() == 0 or x.shape[dim] < 2 or not x.is_floating_point() or not _finite(x):
+        return None
+    x = x.detach().float()
+    tol = 1e-3 if x.dtype in (torch.float32, torch.float64) else 3e-2
+    if float(x.max()) <= tol and bool((torch.logsumexp(x, dim).abs() <= tol).all()):
+        return "log-probabilities"
+    if float(x.min()) >= -tol and float(x.max()) <= 1 + tol and bool(((x.sum(dim) - 1).abs() <= tol).all()):
+        return "probabilities"
+    return "logits"
+
+
+_VIEW_OPS = ("View", "UnsafeView", "Reshape", "Squeeze", "Unsqueeze", "Permute", "Transpose", "TBackward",
+             "Clone", "Select", "Slice", "Expand", "Alias", "ToCopy", "AsStrided")
+
+
+def _producer_op(t: torch.Tensor) -> str | None:
+    """Name of the autograd node that made ``t``, looking through views and copies."""
+    fn = t.grad_fn
+    for _ in range(16):
+        if fn is None:
+            return None
+        name = type(fn).__name__
+        if not name.startswith(_VIEW_OPS):
+            return name
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        fn = nxt[0] if nxt else None
+    return None
+
+
+def _producer_path(x: torch.Tensor, rec: _Recorder) -> str:
+    """The innermost module whose output ``x`` is (a container returns its last child's
+    tensor; an inplace activation returns its producer's, so the later call wins), else
+    the loss function, which then made ``x`` itself."""
+    try:
+        ptr = x.untyped_storage().data_ptr()
+    except Exception:
+        return "(loss)"
+    matching = []
+    for call in rec.calls:
+        try:
+            if any(t.untyped_storage().data_ptr() == ptr for t in call.outputs):
+                matching.append(call)
+        except Exception:
+            continue
+    names = {c.name for c in matching}
+    inner = [c for c in matching if not any(_is_ancestor(c.name, o) for o in names)]
+    return _display(max(inner, key=lambda c: c.index).name) if inner else "(loss)"
+
+
+def _is_ancestor(name: str, other: str) -> bool:
+    """``name`` is a strict ancestor of ``other`` in the module tree ("" is the root)."""
+    return name != other and (name == "" or other.startswith(name + "."))
+
+
+def _nonfinite_grad_source(rec: _Recorder, model: nn.Module, bad: list[str]) -> tuple[str, str]:
+    """(path, phrase) of the innermost module whose backward turned finite gradients non-finite."""
+    calls = rec.calls
+    if calls and calls[-1].name == "" and calls[-1].out_grad_finite is False:
+        return "(loss)", "in the backward of loss_fn"
+    own_bad = {n.rpartition(".")[0] for n in bad}
+    candidates = []
+    for c in calls:
+        if c.out_grad_finite is False:
+            continue
+        feeds_bad = any(calls[p].out_grad_finite is False for p in c.producers)
+        if feeds_bad or (c.name in own_bad):
+            candidates.append(c)
+    names = {c.name for c in candidates}
+    inner = [c for c in candidates if not any(_is_ancestor(c.name, o) for o in names)]
+    if inner:
+        c = max(inner, key=lambda c: c.index)
+        return _display(c.name), f"in the backward of '{_display(c.name)}' ({_describe_module(c.module)})"
+    reached = [c for c in calls if c.out_grad_finite is False]
+    if reached:
+        c = max(reached, key=lambda c: c.index)
+        return _display(c.name), f"in the code that uses the output of '{_display(c.name)}'"
+    return bad[0], "in backward"
+
+
+def _dim_findings(rec: _Recorder, out: Any) -> list[Finding]:
+    """Linear / conv / RNN dims that are not multiples of 8 (TT206), data-fixed dims excepted."""
+    layer_types = (nn.Linear, nn.modules.conv._ConvNd, nn.RNNBase)
+    layer_calls = [c for c in rec.calls if isinstance(c.module, layer_types)]
+    if not layer_calls:
+        return []
+    outs = {id(t) for t in _tensors(out)} if out is not None else set()
+    heads = {layer_calls[-1].name} | {c.name for c in layer_calls if any(id(t) in outs for t in c.outputs)}
+    first_layer = {c.name for c in layer_calls if c.takes_model_input}
+    findings, seen = [], set()
+    for c in layer_calls:
+        if c.name in seen:
+            continue
+        seen.add(c.name)
+        m = c.module
+        dims: list[tuple[str, int]] = []
+        if isinstance(m, nn.Linear):
+            dims = [("in_features", m.in_features), ("out_features", m.out_features)]
+        elif isinstance(m, nn.modules.conv._ConvNd):
+            if m.groups > 1 and m.groups == m.in_channels:
+                continue  # depthwise: no matrix multiply to feed tensor cores
+            per = " per group" if m.groups > 1 else ""
+            dims = [(f"in_channels{per}", m.in_channels // m.groups),
+                    (f"out_channels{per}", m.out_channels // m.groups)]
+            if dims[0][1] <= 4:
+                dims = dims[1:]  # image-like input channels (RGB, RGBA, grey)
+        elif isinstance(m, nn.RNNBase):
+            dims = [("input_size", m.input_size), ("hidden_size", m.hidden_size)]
+        if c.name in first_layer:
+            dims = [d for d in dims if not d[0].startswith(("in_", "input_"))]
+        if c.name in heads:
+            dims = [d for d in dims if not d[0].startswith("out_")]
+        bad = [(k, v) for k, v in dims if v % 8]
+        if bad:
+            findings.append(_finding(
+                DIMS, c.name,
+                f"'{c.name}' ({type(m).__name__}): {', '.join(f'{k}={v}' for k, v in bad)} "
+                f"{'is not a multiple' if len(bad) == 1 else 'are not multiples'} of 8 "
+                "(tensor cores want multiples of 8 in fp16/bf16)",
+                dims=dict(bad),
+            ))
+    return findings
+
+
+def _group_params(model: nn.Module, ids: set[int]) -> list[tuple[str, nn.Module | None, list[str], int]]:
+    """(path, module, parameter names, number of values): the largest submodules all of
+    whose trainable parameters are in ``ids``, then the remaining single parameters."""
+    out: list[tuple[str, nn.Module | None, list[str], int]] = []
+    reported: set[int] = set()
+
+    def visit(prefix: str, mod: nn.Module) -> None:
+        own = [(n, p) for n, p in mod.named_parameters(prefix=prefix) if p.requires_grad]
+        if prefix and own and all(id(p) in ids for _, p in own):
+            if not all(id(p) in reported for _, p in own):
+                reported.update(id(p) for _, p in own)
+                out.append((prefix, mod, [n for n, _ in own], sum(p.numel() for _, p in own)))
+            return
+        for cname, child in mod.named_children():
+            visit(_join(prefix, cname), child)
+        for pname, p in mod.named_parameters(recurse=False):
+            if p.requires_grad and id(p) in ids and id(p) not in reported:
+                reported.add(id(p))
+                out.append((_join(prefix, pname), None, [_join(prefix, pname)], p.numel()))
+
+    visit("", model)
+    return out
+
+
+def _growable_sizes(model: nn.Module, loss_fn: Any) -> dict[str, int]:
+    """Sizes of everything that can grow across steps: container and tensor attributes and
+    buffers of every module, attributes (or closure cells) of the loss function."""
+    sizes: dict[str, int] = {}
+
+    def scan(prefix: str, obj: Any) -> None:
+        for attr, value in vars(obj).items():
+            if isinstance(obj, nn.Module) and attr in _MODULE_INTERNALS:
+                continue
+            size = _size(value)
+            if size is not None:
+                sizes[_join(prefix, attr)] = size
+
+    for name, m in model.named_modules():
+        scan(name, m)
+        for bname, b in m.named_buffers(recurse=False):
+            sizes[_join(name, bname)] = b.numel()
+    if isinstance(loss_fn, nn.Module):
+        for name, m in loss_fn.named_modules(prefix="loss_fn"):
+            scan(name, m)
+    elif inspect.isfunction(loss_fn) and loss_fn.__closure__:
+        for var, cell in zip(loss_fn.__code__.co_freevars, loss_fn.__closure__):
+            try:
+                size = _size(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+            if size is not None:
+                sizes[f"loss_fn.{var}"] = size
+    elif loss_fn is not None and hasattr(loss_fn, "__dict__") and not inspect.isroutine(loss_fn):
+        scan("loss_fn", loss_fn)
+    return sizes
+
+
+def _size(value: Any) -> int | None:
+    if isinstance(value, (list, dict, set, deque)):
+        return len(value)
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        return value.numel()
+    return None
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+def _finding(rule: Rule, path: str, message: str, *, severity: str = "", **extra: Any) -> Finding:
+    # The severity is passed explicitly: Finding would otherwise look the rule up in the
+    # full registry, which imports the static checker as well.
+    return Finding(rule.id, message, path=path, severity=severity or rule.severity, extra=extra)
+
+
+def _resolve_device(device: torch.device | str | None, model: nn.Module) -> torch.device:
+    if device is None:
+        return _module_device(model)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {device!r} asked for but no CUDA device is available here: use device='cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _module_device(model: nn.Module) -> torch.device:
+    for t in chain(model.parameters(), model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _prepare_inputs(batch: Any, device: torch.device) -> tuple[Any, ...]:
+    """Positional inputs (tensors possibly nested in lists/dicts) detached onto ``device``;
+    they are cloned again for every step."""
+    inputs = as_input_tuple(batch)
+    tensors = _tensors(inputs)
+    if not tensors:
+        raise UserError(f"the batch holds no tensor (got {describe_inputs(inputs) or 'nothing'}): "
+                        "pass the input tensor, or a tuple of the model's inputs")
+    for t in tensors:
+        if t.dim() == 0 or t.shape[0] == 0:
+            raise UserError(f"the batch has shape {tuple(t.shape)}: give at least one sample, batch dimension first")
+    return tree_map(lambda t: t.detach().to(device) if isinstance(t, torch.Tensor) else t, inputs)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+class _parked_grads:
+    """Detach the caller's ``.grad`` tensors for the duration of the check and put the same
+    objects back afterwards: a loss function or hook that closes over the caller's model
+    (an L2 term on ``model.parameters()``) would otherwise accumulate into them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = list(model.parameters())
+        self.grads: list[torch.Tensor | None] = []
+
+    def __enter__(self) -> None:
+        self.grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    def __exit__(self, *exc: Any) -> None:
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+
+
+class _forked_rng:
+    """Fork the global RNG (CPU and this CUDA device) and seed it, so the check is
+    reproducible and the caller's random stream continues as if nothing ran."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.devices = [device.index] if device.type == "cuda" else []
+        self._ctx = None
+
+    def __enter__(self) -> None:
+        self._ctx = torch.random.fork_rng(devices=self.devices)
+        self._ctx.__enter__()
+        torch.random.default_generator.manual_seed(0)
+        for i in self.devices:
+            torch.cuda.default_generators[i].manual_seed(0)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ctx.__exit__(*exc)
+
+
+_CLASS_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss, nn.MultiMarginLoss, F.cross_entropy, F.nll_loss)
+_BINARY_LOSSES = (nn.BCELoss, nn.BCEWithLogitsLoss, nn.MultiLabelSoftMarginLoss,
+                  F.binary_cross_entropy, F.binary_cross_entropy_with_logits)
+
+
+def _loss_kind(fn: Any) -> str | None:
+    """'class' or 'binary' for those torch losses, 'regression' for the other torch losses
+    (MSE, L1, Huber...: a target shaped like the output), None for the caller's own."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    for kind, known in (("class", _CLASS_LOSSES), ("binary", _BINARY_LOSSES)):
+        if any(fn is k or (isinstance(k, type) and isinstance(fn, k)) for k in known):
+            return kind
+    if isinstance(fn, nn.modules.loss._Loss) or getattr(fn, "__module__", "") == "torch.nn.functional":
+        return "regression"
+    return None
+
+
+def _make_target(fn: Any, out: Any) -> tuple[torch.Tensor, str]:
+    """A plausible target for ``fn`` from the output's shape, and how it was made."""
+    t = out if isinstance(out, torch.Tensor) else next((x for x in _tensors(out) if x.is_floating_point()), None)
+    if t is None:
+        raise UserError(f"cannot make a target for loss_fn from the output {type(out).__name__}: pass target=")
+    kind = _loss_kind(fn) or ("class" if t.dim() == 2 and t.shape[1] > 1 else "regression")
+    gen = torch.Generator().manual_seed(0)
+    if kind == "class" and t.dim() >= 1:
+        classes = t.shape[1] if t.dim() >= 2 else t.shape[0]
+        shape = (t.shape[0], *t.shape[2:]) if t.dim() >= 2 else ()
+        target = torch.randint(0, classes, shape, generator=gen)
+        how = f"generated class indices {tuple(shape)} in [0, {classes})"
+    elif kind == "binary":
+        target = torch.randint(0, 2, tuple(t.shape), generator=gen).to(t.dtype)
+        how = f"generated 0/1 labels {tuple(t.shape)}"
+    else:
+        target = torch.randn(tuple(t.shape), generator=gen).to(t.dtype)
+        how = f"generated random values {tuple(t.shape)}"
+    return target.to(t.device), how
+
+
+def _takes_target(fn: Any) -> bool:
+    """False only for a loss function that accepts exactly one positional argument."""
+    if isinstance(fn, nn.Module):
+        fn = fn.forward
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return True
+    return len(positional) >= 2
+
+
+def _decay_by_name(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+    if optimizer is None:
+        return {}
+    names = _param_names(model)
+    return {names[id(p)]: float(g.get("weight_decay", 0.0) or 0.0)
+            for g in optimizer.param_groups for p in g["params"] if id(p) in names}
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+_DROPOUT_TYPES = (nn.modules.dropout._DropoutNd,)
+
+
+def _mode_dependent(m: nn.Module) -> bool:
+    """Modules whose forward depends on ``training``."""
+    if isinstance(m, _DROPOUT_TYPES):
+        return m.p > 0
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return True
+    if isinstance(m, nn.modules.instancenorm._InstanceNorm):
+        return m.track_running_stats
+    if isinstance(m, nn.RNNBase):
+        return m.dropout > 0 and m.num_layers > 1
+    if isinstance(m, nn.MultiheadAttention):
+        return m.dropout > 0
+    return False
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm))
+
+
+def _walk(value: Any, depth: int = 3, limit: int = 10_000) -> Iterator[Any]:
+    """Items of nested lists / tuples / dicts (dict values), a bounded number of them."""
+    items: Iterable[Any] = value.values() if isinstance(value, dict) else value
+    for i, item in enumerate(items):
+        if i >= limit:
+            return
+        if isinstance(item, (list, tuple, dict)) and depth > 1:
+            yield from _walk(item, depth - 1, limit)
+        else:
+            yield item
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN/Inf in ``t``. A sum is ~50x faster than isfinite().all() on CPU and is finite
+    whenever every element is; only a non-finite sum (or an overflow) needs the full check."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return True
+    with torch.no_grad():
+        total = complex(t.sum()) if t.is_complex() else float(t.sum())
+    if math.isfinite(abs(total)):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def _fingerprint(obj: Any) -> list[float]:
+    """Two sums per floating-point tensor: equal tensors give equal fingerprints."""
+    out: list[float] = []
+    for t in _tensors(obj):
+        if t.is_floating_point():
+            d = t.detach().double()
+            out += [float(d.sum()), float(d.abs().sum())]
+    return out
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if math.isnan(x) and math.isnan(y):
+            continue
+        if not abs(x - y) <= 1e-5 * max(1.0, abs(x), abs(y)):
+            return False
+    return True
+
+
+def _describe_module(m: nn.Module) -> str:
+    extra = m.extra_repr()
+    if extra and "\n" not in extra and len(extra) <= 80:
+        return f"{type(m).__name__}({extra})"
+    return type(m).__name__
+
+
+def _display(name: str) -> str:
+    return name or "(model)"
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _short(names: list[str], k: int = 3) -> str:
+    shown = ", ".join(names[:k])
+    return shown + (f" and {len(names) - k} more" if len(names) > k else "")
+
+
+def _count(items: list[Any], noun: str) -> str:
+    n = len(items)
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

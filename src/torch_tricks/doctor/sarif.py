@@ -1,0 +1,79 @@
+"""Doctor findings as SARIF 2.1.0, the format code-scanning services (GitHub, GitLab,
+Azure DevOps) and editors read, so pitfalls show up as annotations on the lines."""
+
+from __future__ import annotations
+
+from pathlib import PurePath, PurePosixPath, PureWindowsPath
+from typing import Iterable
+from urllib.parse import quote
+
+from torch_tricks.doctor.rules import Finding, Rule, get_rule
+
+__all__ = ["to_sarif", "SARIF_SCHEMA_URI"]
+
+SARIF_SCHEMA_URI = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
+_LEVEL = {"info": "note", "warning": "warning", "error": "error"}
+
+
+def to_sarif(findings: Iterable[Finding], rules: Iterable[Rule]) -> dict:
+    """One SARIF run: ``rules`` as the driver's rule descriptors, ``findings`` as results.
+
+    A finding whose rule is not among ``rules`` gets its descriptor added, so every
+    ``ruleIndex`` resolves. Columns are 1-based and count characters
+    (``columnKind: unicodeCodePoints``). Findings without a file (runtime findings) have
+    no location; their ``extra`` goes into the result's property bag.
+    """
+    from torch_tricks import __version__
+
+    rules = list(rules)
+    findings = list(findings)
+    index = {r.id: i for i, r in enumerate(rules)}
+    for f in findings:
+        if f.rule not in index:
+            index[f.rule] = len(rules)
+            rules.append(get_rule(f.rule))
+    return {
+        "$schema": SARIF_SCHEMA_URI,
+        "version": "2.1.0",
+        "runs": [{
+            "tool": {"driver": {"name": "torch-tricks", "version": __version__,
+                                "rules": [_descriptor(r) for r in rules]}},
+            "columnKind": "unicodeCodePoints",
+            "results": [_result(f, index[f.rule]) for f in findings],
+        }],
+    }
+
+
+def _descriptor(rule: Rule) -> dict:
+    return {
+        "id": rule.id,
+        "name": rule.name,
+        "shortDescription": {"text": rule.message},
+        "fullDescription": {"text": rule.explanation},
+        "help": {"text": f"{rule.explanation}\n\nSource: {rule.source}",
+                 "markdown": f"{rule.explanation}\n\n*Source: {rule.source}*"},
+        "defaultConfiguration": {"level": _LEVEL[rule.severity]},
+        "properties": {"tags": [rule.kind], "source": rule.source},
+    }
+
+
+def _result(finding: Finding, rule_index: int) -> dict:
+    result = {"ruleId": finding.rule, "ruleIndex": rule_index, "level": _LEVEL[finding.severity],
+              "message": {"text": finding.message}}
+    if finding.path:
+        physical: dict = {"artifactLocation": {"uri": _uri(finding.path)}}
+        if finding.line > 0:
+            physical["region"] = {"startLine": finding.line, "startColumn": max(finding.col, 1)}
+        result["locations"] = [{"physicalLocation": physical}]
+    if finding.extra:
+        result["properties"] = dict(finding.extra)
+    return result
+
+
+def _uri(path: str) -> str:
+    """A relative path as a relative URI reference (forward slashes, percent-escaped);
+    an absolute one as a ``file://`` URI."""
+    pure: PurePath = PureWindowsPath(path) if "\\" in path else PurePosixPath(path)
+    if pure.is_absolute():
+        return pure.as_uri()
+    return quote(pure.as_posix(), safe="/")

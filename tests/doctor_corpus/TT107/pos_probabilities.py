@@ -1,0 +1,31 @@
+import torch
+from torch import nn
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 10), nn.Softmax(dim=1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+model = Classifier()
+criterion = CrossEntropyLoss()
+probs = model(torch.randn(4, 32))
+loss = criterion(probs, torch.tensor([0, 1, 2, 3]))  # expect: TT107
+
+
+class Trainer:
+    def __init__(self):
+        self.loss_fn = BCEWithLogitsLoss()
+
+    def step(self, logits, y):
+        return self.loss_fn(torch.sigmoid(logits), y)  # expect: TT107
+
+
+def multi(logits, y):
+    p = torch.softmax(logits, dim=-1)
+    return torch.nn.functional.cross_entropy(p, y)  # expect: TT107
