@@ -36,9 +36,10 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from torch_tricks.errors import UserError
+from torch_tricks.registry import register_trick
 from torch_tricks.train.config import TrainConfig
 
-__all__ = ["fit", "History", "TrainingDiverged"]
+__all__ = ["fit", "History", "TrainingDiverged", "TrainStep", "micro_batches"]
 
 
 class TrainingDiverged(UserError):
@@ -75,7 +76,7 @@ def fit(
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
-    config: TrainConfig | dict[str, Any] | None = None,
+    config: TrainConfig | dict[str, Any] | str | os.PathLike[str] | None = None,
     **overrides: Any,
 ) -> History:
     """Train ``model`` on ``train_data`` with the switches of ``config`` (plus ``overrides``).
@@ -86,10 +87,76 @@ def fit(
     ``optimizer`` is an optimizer over ``model``'s parameters, a callable ``params ->
     optimizer``, or ``None`` to build ``config.optimizer`` with no-decay groups.
     """
-    if isinstance(config, dict):
-        config = TrainConfig.from_dict(config)
+    config = _as_config(config)
     config = (config or TrainConfig()).replace(**overrides).validate()
     return _Trainer(model, train_data, val_data, loss_fn or nn.CrossEntropyLoss(), optimizer, config).run()
+
+
+class TrainStep:
+    """One optimizer step of :func:`fit`, exactly as ``fit`` runs it under ``config``, on batches you give.
+
+    Why: the tuner must time and measure the step that ``fit`` will really run with a
+    recommended config (the same model preparation, autocast, scaler, accumulation
+    split, EMA update, compile), not a re-implementation of it. ``config.accumulate = k``
+    splits each batch given into ``k`` micro-batches (the effective batch stays the one
+    given). ``model`` is prepared in place (checkpointing, channels_last ... are applied
+    to it): pass a copy to keep the original.
+    """
+
+    def __init__(self, model: nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None = None,
+                 optimizer: Any = None, config: TrainConfig | dict[str, Any] | None = None) -> None:
+        config = _as_config(config)
+        cfg = (config or TrainConfig()).replace(progress=False, distributed="off", checkpoint_dir="",
+                                                log_dir="", resume=False).validate()
+        self._trainer = _Trainer(model, [], None, loss_fn or nn.CrossEntropyLoss(), optimizer, cfg)
+        self.config = cfg
+
+    @property
+    def model(self) -> nn.Module:
+        """The prepared model (before any compile/DDP wrapper): its parameters are trained."""
+        return self._trainer.raw_model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._trainer.optimizer
+
+    @property
+    def device(self) -> torch.device:
+        return self._trainer.device
+
+    @property
+    def applied(self) -> list[str]:
+        """The switches that took effect (as in ``History.applied``)."""
+        return list(self._trainer.history.applied)
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """One optimizer step on ``batch`` (``(inputs, target)``); returns the detached mean loss."""
+        return self._trainer._train_step(micro_batches(batch, self.config.accumulate))
+
+    def gradients(self, batch: Any) -> list[torch.Tensor]:
+        """The gradients of one forward/backward on ``batch`` (no optimizer step), unscaled, as float32."""
+        t = self._trainer
+        t.optimizer.zero_grad(set_to_none=True)
+        t._accumulate(micro_batches(batch, self.config.accumulate))
+        scale = float(t.scaler.get_scale()) if t.scaler.is_enabled() else 1.0
+        grads = [(p.grad.float() / scale if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
+                 for p in t.raw_model.parameters()]
+        t.optimizer.zero_grad(set_to_none=True)
+        return grads
+
+
+@register_trick(
+    "gradient_accumulation",
+    ids=("T11",),
+    kind="train",
+    trades="k micro-batches per step: activation memory of a k-times smaller batch for a little speed "
+    "(and BatchNorm statistics over the micro-batch)",
+    needs="a loss that is the mean over its batch",
+    config_key="accumulate",
+)
+def micro_batches(batch: Any, parts: int) -> list[Any]:
+    """Split an ``(inputs, target)`` batch into ``parts`` micro-batches along dim 0 (fewer if it is smaller)."""
+    return _split(batch, parts)
 
 
 class _Trainer:
@@ -631,6 +698,16 @@ def _evaluate(model: nn.Module, loader: Iterable[Any], loss_fn: Callable, traine
     if classify:
         out["acc"] = int(correct) / max(n, 1)
     return out
+
+
+def _as_config(config: Any) -> TrainConfig | None:
+    if isinstance(config, (str, os.PathLike)):
+        from torch_tricks.train.config import load_config
+
+        return TrainConfig.from_dict(load_config(config))
+    if isinstance(config, dict):
+        return TrainConfig.from_dict(config)
+    return config
 
 
 def _groups(it: Iterator[Any], k: int) -> Iterator[list[Any]]:

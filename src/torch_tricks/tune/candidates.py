@@ -1,0 +1,194 @@
+"""Which registered tricks the tuner tries on a model, as changes to :class:`TrainConfig`.
+
+Every training trick that ``fit`` can switch on (its ``config_key``) becomes one
+candidate: the config change that turns it on, what it is for (``speed`` or
+``memory``; ``cost`` for tricks taken for other reasons whose price is still worth
+knowing), and whether it applies to *this* model and device, with the reason when it
+does not. Tricks that are not a switch of the training step (a data or deploy trick,
+distributed-only switches, schedule and checkpoint-file switches) are listed as
+skipped with why, so the report accounts for every registered trick.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from torch_tricks.registry import Trick, list_tricks
+
+__all__ = ["Candidate", "Skipped", "training_candidates"]
+
+
+@dataclass
+class Candidate:
+    """One configuration to measure: ``changes`` to the plain fp32 config."""
+
+    name: str  # the trick name, or "a+b" for a combination
+    changes: dict[str, Any]
+    goal: str  # "speed" | "memory" | "cost"
+    ids: tuple[str, ...] = ()
+    note: str = ""  # a caveat worth printing (emulated bf16 ...)
+    tricks: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.tricks:
+            self.tricks = (self.name,)
+
+
+@dataclass
+class Skipped:
+    """A registered trick the tuner did not measure, and why."""
+
+    name: str
+    ids: tuple[str, ...]
+    kind: str
+    reason: str
+
+
+_NOT_A_STEP_SWITCH = {
+    "lr_warmup": "changes the learning-rate schedule, not the step's speed or memory",
+    "no_decay_groups": "changes what is learned (no decay on bias/norm), not speed or memory; fit does it by default",
+    "safe_checkpoint": "writes checkpoint files; it does not change the step",
+    "swa": "averages weights late in training; its per-step cost is that of ema (measured)",
+    "ddp": "needs several processes: run the training under torchrun",
+    "sync_batchnorm": "needs several processes: run the training under torchrun",
+}
+
+
+def training_candidates(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    device: torch.device,
+    *,
+    batch: int,
+    own_optimizer: bool = False,
+) -> tuple[list[Candidate], list[Skipped]]:
+    """The candidates for ``model`` on ``device``, and every other registered trick as skipped."""
+    cands: list[Candidate] = []
+    skipped: list[Skipped] = []
+    for trick in list_tricks():
+        if trick.kind != "train":
+            skipped.append(Skipped(trick.name, trick.ids, trick.kind,
+                                   f"a {trick.kind} trick: measured with --{'data' if trick.kind == 'data' else 'deploy'}"
+                                   if trick.name in _MEASURED_ELSEWHERE else f"a {trick.kind} trick, not a training switch"))
+            continue
+        if trick.config_key is None:
+            skipped.append(Skipped(trick.name, trick.ids, trick.kind,
+                                   "changes the model itself (not a switch of fit); apply it by hand"))
+            continue
+        if trick.name in _NOT_A_STEP_SWITCH:
+            skipped.append(Skipped(trick.name, trick.ids, trick.kind, _NOT_A_STEP_SWITCH[trick.name]))
+            continue
+        ok, why = trick.check(device)
+        if not ok:
+            skipped.append(Skipped(trick.name, trick.ids, trick.kind, why))
+            continue
+        make = _MAKERS.get(trick.name)
+        if make is None:
+            skipped.append(Skipped(trick.name, trick.ids, trick.kind, "the tuner has no measurement for it yet"))
+            continue
+        result = make(trick, model, inputs, device, batch, own_optimizer)
+        if isinstance(result, str):
+            skipped.append(Skipped(trick.name, trick.ids, trick.kind, result))
+        else:
+            result.ids = trick.ids
+            if why and not result.note:
+                result.note = why  # available with a caveat
+            cands.append(result)
+    return cands, skipped
+
+
+_MEASURED_ELSEWHERE = {"packed_dataset", "loader_defaults", "fast_decode", "pack", "prefetch",
+                       "fuse_conv_bn", "int8_static", "int8_dynamic", "reparameterize", "half_precision_inference",
+                       "prune_channels", "onnx_export"}
+
+
+# -- one maker per trick: a Candidate, or the reason it does not apply --------------------------
+
+def _precision(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+    from torch_tricks.train.precision import _precision_support
+
+    for p in ("bf16", "fp16"):
+        if _precision_support(p, device)[0]:
+            return Candidate(trick.name, {"precision": p}, "speed")
+    return "no reduced precision runs here"
+
+
+def _channels_last(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+    if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
+        return "the model has no 2-d convolution"
+    if not (inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() == 4):
+        return "the input is not a 4-d image batch"
+    return Candidate(trick.name, {"channels_last": True}, "speed")
+
+
+def _checkpointing(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+    from torch_tricks.train.memory import _default_blocks
+
+    if isinstance(model, nn.Sequential) and not _default_blocks(model):
+        return Candidate(trick.name, {"checkpointing": "sqrt"}, "memory")
+    if not _default_blocks(model):
+        return "no repeated blocks found to checkpoint (name them: --checkpointing 'layer*.*')"
+    return Candidate(trick.name, {"checkpointing": "blocks"}, "memory")
+
+
+def _compile(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+    return Candidate(trick.name, {"compile": True}, "speed")
+
+
+def _fused(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+    if own_opt:
+        return "you pass your own optimizer: build it with fused=True / foreach=True yourself"
+    return Candidate(trick.name, {"fused_optimizer": True}, "speed")
+
+
+def _inplace(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+    from torch_tricks.train.memory import inplace_activations
+
+    _, n = inplace_activations(copy.deepcopy(model), return_count=True)
+    if not n:
+        return "no activation that can safely run in place is out of place already"
+    return Candidate(trick.name, {"inplace": True}, "memory")
+
+
+def _mem_bn(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+    from torch_tricks.train.memory import memory_efficient_bn_act
+
+    try:
+        _, n = memory_efficient_bn_act(copy.deepcopy(model), return_count=True)
+    except Exception as exc:  # a model the pass cannot handle
+        return f"cannot apply: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    if not n:
+        return "no BatchNorm followed by an activation"
+    return Candidate(trick.name, {"memory_efficient_bn": True}, "memory")
+
+
+def _accumulate(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+    if batch < 2:
+        return "the batch (1) cannot be split into micro-batches"
+    return Candidate(trick.name, {"accumulate": 2}, "memory", note="micro-batch of half the batch, same effective batch")
+
+
+def _simple(key: str, goal: str) -> Callable[..., Candidate]:
+    def make(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate:
+        return Candidate(trick.name, {key: True}, goal)
+    return make
+
+
+_MAKERS: dict[str, Callable[..., Candidate | str]] = {
+    "mixed_precision": _precision,
+    "channels_last": _channels_last,
+    "checkpointing": _checkpointing,
+    "compile": _compile,
+    "fused_optimizer": _fused,
+    "inplace_activations": _inplace,
+    "memory_efficient_bn": _mem_bn,
+    "gradient_accumulation": _accumulate,
+    "cudnn_benchmark": _simple("cudnn_benchmark", "speed"),
+    "ema": _simple("ema", "cost"),
+    "deterministic": _simple("deterministic", "cost"),
+}
