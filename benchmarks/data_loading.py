@@ -20,6 +20,10 @@ from 2 loader workers (DataLoader processes; FFCV's own 2 threads), after warm-u
   ``ours: raw224, 0 workers`` reads the same batches in the main process (a raw batch is
   one gather-copy, cheaper than shipping 9.6 MB from a worker through shared memory), and
   ``..., no crc`` also with ``verify=False`` (no per-sample crc32, as FFCV);
+* ``..., threads`` rows: the same packs read by :class:`~torch_tricks.data.ThreadLoader`,
+  ``--workers`` threads of this process decoding (or copying) straight into the batch
+  buffer, as FFCV's threads do: no worker processes, no pickling, no shared memory;
+  ``verify once`` checks each sample's crc32 on its first read in the process only;
 * ``WebDataset jpeg256``: the very same JPEG bytes in tar shards, same decoder and crop,
   shuffle buffer, batched in the workers;
 * ``FFCV jpeg256`` / ``FFCV raw224``: the same pixels written by FFCV's own writer
@@ -67,7 +71,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from torch_tricks._format import human_bytes, table
-from torch_tricks.data import PackedDataset, collate_packed, make_loader, pack_images
+from torch_tricks.data import PackedDataset, ThreadLoader, collate_packed, make_loader, pack_images
 from torch_tricks.data import decode as dec
 from torch_tricks.data.formats import is_complete, open_reader
 
@@ -89,6 +93,11 @@ NATIVE = "ours: jpeg256 native"
 RAW = "ours: raw224 native"
 RAW_MAIN = "ours: raw224, 0 workers"
 RAW_MAIN_NV = "ours: raw224, 0 workers, no crc"
+ENCODED_T = "ours: encoded, threads"
+LMDB_T = "ours: jpeg256 lmdb, threads"
+NATIVE_T = "ours: jpeg256 native, threads"
+RAW_T = "ours: raw224 native, threads"
+RAW_T1 = "ours: raw224 native, threads, verify once"
 WDS = "WebDataset jpeg256"
 FFCV_JPEG = "FFCV jpeg256"
 FFCV_RAW = "FFCV raw224"
@@ -99,6 +108,7 @@ CEIL_COPY = "ceiling: memcpy"
 #: which ceiling each candidate is compared with (same decoder, same per-image work)
 SAME_WORK_CEILING = {
     ENCODED: CEIL_ENC, LMDB: CEIL_JPEG, NATIVE: CEIL_JPEG, WDS: CEIL_JPEG,
+    ENCODED_T: CEIL_ENC, LMDB_T: CEIL_JPEG, NATIVE_T: CEIL_JPEG, RAW_T: CEIL_COPY, RAW_T1: CEIL_COPY,
     FFCV_JPEG: CEIL_JPEG, RAW: CEIL_COPY, RAW_MAIN: CEIL_COPY, RAW_MAIN_NV: CEIL_COPY, FFCV_RAW: CEIL_COPY,
 }
 
@@ -529,12 +539,36 @@ def build_candidates(root: Path, packs: dict[str, dict[str, Any]], peers: dict[s
     torch_candidate(RAW_MAIN_NV, PackedDataset(packs["raw224-native"]["path"], verify=False),
                     collate_fn=collate_packed, workers=0)
 
+    # the same datasets read by ThreadLoader: w threads of this process decode straight into the batch
+    threads = {ENCODED_T: PackedDataset(packs["encoded"]["path"], decode_size=SHORT, transform=_resize_crop),
+               LMDB_T: PackedDataset(packs["jpeg256-lmdb"]["path"], transform=_crop),
+               NATIVE_T: PackedDataset(packs["jpeg256-native"]["path"], transform=_crop),
+               RAW_T: PackedDataset(packs["raw224-native"]["path"]),
+               RAW_T1: PackedDataset(packs["raw224-native"]["path"], verify="once")}
+    for name, ds in threads.items():
+        c[name] = functools.partial(_thread_run, ds, args, [0], name)
+
     if "path" in peers.get(WDS, {}):
         c[WDS] = functools.partial(_wds_run, peers[WDS]["path"], args)
     for name in (FFCV_JPEG, FFCV_RAW):
         if "path" in peers.get(name, {}):
             c[name] = _FFCVCandidate(name, str(Path(peers[name]["path"]) / "data.beton"), args)
     return c
+
+
+def _thread_run(ds: Dataset, args: argparse.Namespace, counter: list[int], name: str) -> tuple[float, float]:
+    counter[0] += 1
+    loader = ThreadLoader(ds, BATCH, num_threads=args.workers, seed=args.seed + counter[0])
+
+    def batches() -> Iterator[Any]:
+        while True:
+            yield from loader
+
+    it = batches()
+    try:
+        return _time_batches(it, args.warmup, args.batches, name)  # the threads are this process: CPU included
+    finally:
+        it.close()  # stops the loader's threads before the next candidate runs
 
 
 def _wds_decode(sample: dict[str, Any]) -> tuple[np.ndarray, int]:
@@ -725,12 +759,12 @@ def summarize(rates: dict[str, list[float | None]], cpu: dict[str, list[float | 
                         "need": need, "status": status,
                         "cpu_ratio": round(statistics.median(pairs), 3) if pairs else None})
 
-    for jp in (NATIVE, LMDB):
+    for jp in (NATIVE_T, LMDB_T, NATIVE, LMDB):
         target(f"{jp} >= {TARGET_VS_BASELINE_JPEG:g}x baseline", jp, BASELINE, TARGET_VS_BASELINE_JPEG)
         target(f"{jp} >= {TARGET_VS_CEILING_JPEG:.0%} of same-decoder ceiling", jp, CEIL_JPEG, TARGET_VS_CEILING_JPEG)
         target(f"{jp} above WebDataset", jp, WDS, 1.0)
         target(f"{jp} above FFCV jpeg", jp, FFCV_JPEG, 1.0)
-    for raw in (RAW, RAW_MAIN, RAW_MAIN_NV):
+    for raw in (RAW_T1, RAW_T, RAW, RAW_MAIN, RAW_MAIN_NV):
         target(f"{raw} >= {TARGET_VS_BASELINE_RAW:g}x baseline", raw, BASELINE, TARGET_VS_BASELINE_RAW)
         target(f"{raw} above FFCV raw", raw, FFCV_RAW, 1.0)
 

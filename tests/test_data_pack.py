@@ -169,7 +169,7 @@ def test_raw_round_trip_varying_shapes_is_exact(tree, packs, fmt):
                                 backend=meta["resize_backend"])
         img, y = ds[i]
         assert y == label and np.array_equal(img, want), (i, src)
-    with pytest.raises(UserError, match="get_batch needs a raw pack whose samples share one shape"):
+    with pytest.raises(UserError, match="batched reads need a raw pack whose samples share one shape"):
         ds.get_batch([0, 1])
     items = ds.__getitems__([0, 1])  # per-sample fallback
     assert isinstance(items, list) and np.array_equal(items[1][0], ds[1][0])
@@ -242,6 +242,43 @@ def test_checksum_catches_a_damaged_shard(packs, tmp_path):
         f.write(b"x")
     with pytest.raises(PackError, match="bytes, the header says"):
         PackedDataset(path)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_verify_once_checks_each_sample_on_first_read_only(packs, tmp_path, fmt, monkeypatch):
+    import zlib
+
+    from torch_tricks.data import formats
+
+    calls = []
+    monkeypatch.setattr(formats, "zlib", type("Z", (), {"crc32": staticmethod(lambda b: calls.append(1) or zlib.crc32(b))}))
+    ds = PackedDataset(packs[fmt, "raw_fixed"][0], verify="once")
+    first = ds.get_batch([0, 1, 2])[0]
+    n = len(calls)
+    assert n >= 3
+    again = ds.get_batch([2, 1, 0])[0]
+    assert len(calls) == n and np.array_equal(again[::-1], first)  # no second check, same bytes
+    ds[3]
+    assert len(calls) > n  # a new sample is checked
+    with pytest.raises(UserError, match="verify must be"):
+        PackedDataset(packs[fmt, "raw_fixed"][0], verify="sometimes")
+
+
+def test_verify_once_still_catches_damage_on_first_read(packs, tmp_path):
+    import shutil
+
+    path = tmp_path / "damaged-once"
+    shutil.copytree(packs["native", "raw_fixed"][0], path)
+    rec = np.load(path / "index.npy")[5]
+    with open(path / f"shard-{int(rec['shard']):05d}.bin", "r+b") as f:
+        f.seek(int(rec["offset"]) + 7)
+        f.write(b"\x00\xff\x00\xff")
+    ds = PackedDataset(path, verify="once")
+    ds[4]
+    with pytest.raises(CorruptSampleError, match="sample 5"):
+        ds[5]
+    with pytest.raises(CorruptSampleError, match="sample 5"):  # a failed check is not remembered as passed
+        ds[5]
 
 
 def test_checksum_catches_damage_in_lmdb(packs, tmp_path):

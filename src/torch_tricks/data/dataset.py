@@ -69,7 +69,9 @@ class PackedDataset(Dataset):
     ``verify``: check each sample's crc32 on read. zlib's crc32 runs at about 2 GB/s here,
     which is most of the cost of reading small raw samples (64x64 raw batches: ~40k img/s
     with it, ~90k without, one process); turn it off once the pack is known good
-    (:func:`~torch_tricks.data.formats.verify_pack` checks a whole pack once).
+    (:func:`~torch_tricks.data.formats.verify_pack` checks a whole pack once), or pass
+    ``verify="once"``: each sample is checked the first time this process reads it, and
+    later epochs read it unchecked.
     ``decoder``: force one of :data:`~torch_tricks.data.decode.DECODERS`.
     """
 
@@ -81,7 +83,7 @@ class PackedDataset(Dataset):
         decode_size: int | None = None,
         labels_only: bool = False,
         cache_bytes: int = 0,
-        verify: bool = True,
+        verify: bool | str = True,
         decoder: str | None = None,
     ) -> None:
         self.path = Path(path)
@@ -153,33 +155,37 @@ class PackedDataset(Dataset):
         Needs ``storage='raw'`` packed with ``raw_size`` (or raw samples that all happen to
         share one shape).
         """
-        if self.storage != "raw" or self.shape is None:
-            raise UserError(
-                f"get_batch needs a raw pack whose samples share one shape; {self.path} is "
-                f"{self.storage!r} with {'one shape' if self.shape else 'varying shapes'}: "
-                "re-pack with storage='raw', raw_size=N, or read samples one by one"
-            )
+        self._require_fixed_raw()
         indices = [self._check(int(i)) for i in indices]
         out = np.empty((len(indices), *self.shape), dtype=np.uint8)
-        flat = out.reshape(len(indices), -1)
+        self.read_batch_into(indices, out.reshape(len(indices), -1))
+        return out, self.labels[indices]
+
+    def read_batch_into(self, indices: Sequence[int], flat: np.ndarray) -> None:
+        """Copy raw samples ``indices`` into the rows of ``flat`` (``(B, H*W*C)`` uint8; crc-checked, cached).
+
+        What :meth:`get_batch` and :class:`~torch_tricks.data.threads.ThreadLoader` use to
+        write straight into a batch buffer they own.
+        """
+        self._require_fixed_raw()
+        indices = [self._check(int(i)) for i in indices]
         if not self._cache.active:
             self.reader.read_into(indices, flat)
-        else:
-            misses, rows = [], []
-            for k, i in enumerate(indices):
-                hit = self._cache.get(i)
-                if hit is not None:
-                    flat[k] = hit
-                else:
-                    misses.append(i)
-                    rows.append(k)
-            if misses:
-                tmp = np.empty((len(misses), flat.shape[1]), dtype=np.uint8)
-                self.reader.read_into(misses, tmp)
-                for k, row in enumerate(rows):
-                    flat[row] = tmp[k]
-                    self._cache.offer(misses[k], tmp[k])
-        return out, self.labels[indices]
+            return
+        misses, rows = [], []
+        for k, i in enumerate(indices):
+            hit = self._cache.get(i)
+            if hit is not None:
+                flat[k] = hit
+            else:
+                misses.append(i)
+                rows.append(k)
+        if misses:
+            tmp = np.empty((len(misses), flat.shape[1]), dtype=np.uint8)
+            self.reader.read_into(misses, tmp)
+            for k, row in enumerate(rows):
+                flat[row] = tmp[k]
+                self._cache.offer(misses[k], tmp[k])
 
     def cache_info(self) -> dict[str, int]:
         """This process's RAM cache: ``budget``, ``samples``, ``bytes`` held, ``pid``."""
@@ -200,6 +206,14 @@ class PackedDataset(Dataset):
         return state
 
     # ------------------------------------------------------------------ internals
+
+    def _require_fixed_raw(self) -> None:
+        if self.storage != "raw" or self.shape is None:
+            raise UserError(
+                f"batched reads need a raw pack whose samples share one shape; {self.path} is "
+                f"{self.storage!r} with {'one shape' if self.shape else 'varying shapes'}: "
+                "re-pack with storage='raw', raw_size=N, or read samples one by one"
+            )
 
     def _check(self, i: int) -> int:
         n = len(self)

@@ -42,7 +42,9 @@ lazily in each process: an LMDB handle must never cross a fork.
 
 Both readers open their files on first access in each process and re-open after a fork
 (they compare ``os.getpid()``), drop them when pickled (spawn / forkserver workers), and
-verify every sample's crc32 on read unless ``verify=False``.
+verify every sample's crc32 on read unless ``verify=False``; ``verify="once"`` checks each
+sample the first time this process reads it (a pack's bytes do not change between epochs;
+re-checking the same bytes from the page cache every epoch costs more than the copy).
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def open_reader(path: str | os.PathLike[str], *, verify: bool = True) -> "NativeReader | LMDBReader":
+def open_reader(path: str | os.PathLike[str], *, verify: bool | str = True) -> "NativeReader | LMDBReader":
     """A reader for the pack at ``path``, native or LMDB (detected)."""
     fmt = detect_format(path)
     return NativeReader(path, verify=verify) if fmt == "native" else LMDBReader(path, verify=verify)
@@ -566,9 +568,12 @@ class _ReaderBase:
 
     fmt = ""
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool | str) -> None:
+        if verify not in (True, False, "once"):
+            raise UserError(f"verify must be True, False or 'once', not {verify!r}")
         self.path = Path(path)
         self.verify = verify
+        self._verified: np.ndarray | None = None  # verify="once": samples this process has checked
         self.header: dict[str, Any] = {}
         self._pid: int | None = None
         self._handles: dict[str, Any] | None = None
@@ -634,6 +639,18 @@ class _ReaderBase:
     def name(self, i: int) -> str:
         raise NotImplementedError
 
+    def _must_check(self, i: int) -> bool:
+        """Whether sample ``i``'s checksum is to be checked on this read (then :meth:`_checked`)."""
+        if self.verify != "once":
+            return bool(self.verify)
+        if self._verified is None:
+            self._verified = np.zeros(len(self), dtype=bool)
+        return not self._verified[i]
+
+    def _checked(self, i: int) -> None:
+        if self._verified is not None:
+            self._verified[i] = True
+
     def _check_index(self, i: int) -> int:
         n = len(self)
         if not -n <= i < n:
@@ -646,7 +663,7 @@ class NativeReader(_ReaderBase):
 
     fmt = "native"
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool | str = True) -> None:
         super().__init__(path, verify=verify)
         self.header = _read_native_header(self.path)
         for s in self.header["shards"]:
@@ -683,10 +700,12 @@ class NativeReader(_ReaderBase):
         buf = m[off : off + n]
         if len(buf) != n:
             raise self._corrupt(i, self.header["shards"][shard]["file"], "is cut short")
-        if self.verify and zlib.crc32(buf) != crc:
-            raise self._corrupt(
-                i, self.header["shards"][shard]["file"], f"(bytes {off}-{off + n}) fails its crc32 check"
-            )
+        if self._must_check(i):
+            if zlib.crc32(buf) != crc:
+                raise self._corrupt(
+                    i, self.header["shards"][shard]["file"], f"(bytes {off}-{off + n}) fails its crc32 check"
+                )
+            self._checked(i)
         return buf
 
     def name(self, i: int) -> str:
@@ -709,7 +728,7 @@ class LMDBReader(_ReaderBase):
 
     fmt = "lmdb"
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool | str = True) -> None:
         super().__init__(path, verify=verify)
         p = self.path.parent if self.path.name == "data.mdb" else self.path
         self.path = p
@@ -759,10 +778,11 @@ class LMDBReader(_ReaderBase):
         if v is None:
             raise self._corrupt(i, str(self.path / "data.mdb"), "is missing")
         payload = v[RECORD.size :]
-        if self.verify:
+        if self._must_check(i):
             crc = RECORD.unpack_from(v)[1]
             if zlib.crc32(payload) != crc or crc != self._crcs[i]:
                 raise self._corrupt(i, str(self.path / "data.mdb"), "fails its crc32 check")
+            self._checked(i)
         return payload
 
     def _open_handles(self) -> dict[str, Any]:

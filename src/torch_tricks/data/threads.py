@@ -1,0 +1,236 @@
+"""Batches read by threads of this process, written straight into the batch (catalogue D3, D5, D8).
+
+:class:`ThreadLoader` is what to use instead of ``DataLoader(num_workers=N)`` when the
+per-sample work is decoding and cropping (or just copying raw bytes), which is what is
+left once augmentation runs batched on the device (:func:`~torch_tricks.data.transforms.device_augment`, D2).
+
+Why threads, and why by hand: the JPEG decoders (simplejpeg, PyTurboJPEG, opencv), zlib's
+crc32 and numpy's copies all release the GIL, so threads decode in parallel as well as
+processes do. But a DataLoader worker process must pickle or share-memory every batch it
+makes, and the main process must receive it: on 2 cores that is a third of the CPU for
+224x224 batches, and it caps decoded samples at a few thousand per second however fast
+the decoder is. Here each sample is decoded and copied once, into its row of a batch
+buffer allocated once per batch (pinned, when the batch goes to a GPU); nothing is
+pickled, nothing lives in shared memory (nothing to leak after a crash), start-up is
+instant. ``torch.utils.data`` has no thread-based loader, and FFCV's (the model here)
+needs its own file format and numba.
+
+Order and resumption: batches follow a seeded permutation per epoch (``seed + epoch``), so
+two runs with the same seed see the same batches; :meth:`ThreadLoader.state_dict` records
+the epoch and the batches already yielded, and :meth:`~ThreadLoader.load_state_dict`
+continues mid-epoch with the very next batch. The per-sample work must be deterministic
+(decode, resize, crop): threads finish in any order, so random per-sample transforms would
+draw in any order. Put random augmentation in a batched, seeded step instead.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from torch_tricks.errors import UserError
+from torch_tricks.registry import register_trick
+
+__all__ = ["ThreadLoader", "thread_loader"]
+
+
+@register_trick(
+    "thread_loader",
+    ids=("D3", "D5", "D8"),
+    kind="data",
+    trades="the GIL for the IPC of worker processes: threads decode straight into the batch buffer, so "
+    "per-sample work must release the GIL (JPEG decoders, crc32 and copies do) and be deterministic",
+    needs="a map-style dataset of (image array, label) items of one shape, e.g. a PackedDataset with a crop",
+)
+def thread_loader(dataset: Any, batch_size: int, **kwargs: Any) -> "ThreadLoader":
+    """A :class:`ThreadLoader` over ``dataset`` (the registered form of the trick)."""
+    return ThreadLoader(dataset, batch_size, **kwargs)
+
+
+class ThreadLoader:
+    """Batches ``(images uint8 (B, H, W, C), labels int64 (B,))`` from a map-style dataset, read by threads.
+
+    ``dataset[i]`` must give ``(image, label)`` with ``image`` a numpy array or tensor of
+    the same shape for every sample (crop in the dataset's transform). A fixed-shape raw
+    :class:`~torch_tricks.data.dataset.PackedDataset` without a transform is read a chunk
+    at a time, its bytes copied (and crc-checked) straight into the batch.
+    ``num_threads`` (default: the usable cores) threads each take a chunk of a batch;
+    ``prefetch`` batches are in flight ahead of the one being consumed.
+    ``shuffle``: a new seeded permutation each epoch; ``drop_last`` (default: ``shuffle``)
+    drops a last partial batch. ``pin_memory``: batch buffers in page-locked memory
+    (needs CUDA; copy them with ``non_blocking=True``).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        num_threads: int | None = None,
+        prefetch: int = 2,
+        drop_last: bool | None = None,
+        seed: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise UserError(f"ThreadLoader needs a map-style dataset (with __getitem__ and __len__), "
+                            f"not {type(dataset).__name__}")
+        for name, value, low in (("batch_size", batch_size, 1), ("prefetch", prefetch, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise UserError(f"{name} must be an integer >= {low}, got {value!r}")
+        threads = num_threads if num_threads is not None else len(os.sched_getaffinity(0))
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise UserError(f"num_threads must be an integer >= 1, got {num_threads!r}")
+        if pin_memory and not torch.cuda.is_available():
+            raise UserError("pin_memory=True needs CUDA (page-locked memory only speeds up copies to a GPU)")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.num_threads = threads
+        self.prefetch = prefetch
+        self.drop_last = shuffle if drop_last is None else bool(drop_last)
+        self.seed = int(seed)
+        self.pin_memory = pin_memory
+        self.epoch = 0
+        self._skip = 0  # batches of the current epoch already consumed (set by load_state_dict)
+        self._yielded = 0
+        self._raw = _raw_shape(dataset)  # (H, W, C) when whole chunks can be copied in
+
+    def __len__(self) -> int:
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s permutation next (as ``DistributedSampler.set_epoch``)."""
+        self.epoch, self._skip = int(epoch), 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Where this loader is: the epoch and how many of its batches were yielded."""
+        return {"epoch": self.epoch, "batches": self._yielded, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state``: the next iteration yields the batch after the last one yielded."""
+        if int(state.get("seed", self.seed)) != self.seed:
+            raise UserError(f"this loader state was saved with seed {state['seed']}, not {self.seed}: "
+                            "the batches would differ; build the loader with the same seed")
+        self.epoch, self._skip = int(state["epoch"]), int(state["batches"])
+
+    def batches(self, epoch: int | None = None) -> list[np.ndarray]:
+        """The sample indices of every batch of ``epoch`` (default: the current one), in order."""
+        n = len(self.dataset)
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + (self.epoch if epoch is None else epoch))
+            order = torch.randperm(n, generator=g).numpy()
+        else:
+            order = np.arange(n)
+        stop = (n // self.batch_size) * self.batch_size if self.drop_last else n
+        return [order[s : min(s + self.batch_size, stop)] for s in range(0, stop, self.batch_size)]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        plan = self.batches()[self._skip :]
+        self._yielded = self._skip
+        self._skip = 0
+        pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="torch-tricks-loader")
+        inflight: deque[_Batch] = deque()
+        try:
+            todo = iter(plan)
+            for idx in todo:
+                inflight.append(self._start(pool, idx))
+                if len(inflight) > self.prefetch:
+                    break
+            while inflight:
+                batch = inflight.popleft()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    inflight.append(self._start(pool, nxt))
+                out = batch.result()
+                self._yielded += 1
+                yield out
+            self.epoch += 1
+            self._yielded = 0
+        finally:
+            for b in inflight:
+                b.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------ internals
+
+    def _start(self, pool: ThreadPoolExecutor, idx: np.ndarray) -> "_Batch":
+        b = _Batch(len(idx), self.pin_memory)
+        if self._raw is not None:
+            b.allocate(self._raw)
+        # two chunks per thread: a slow sample delays half a thread's share, not all of it
+        parts = min(len(idx), 2 * self.num_threads)
+        bounds = np.linspace(0, len(idx), parts + 1).astype(int)
+        for k0, k1 in zip(bounds[:-1], bounds[1:]):
+            if k1 > k0:
+                b.futures.append(pool.submit(self._fill, b, idx[k0:k1], int(k0)))
+        return b
+
+    def _fill(self, b: "_Batch", idx: np.ndarray, k0: int) -> None:
+        if self._raw is not None:
+            rows = b.images.reshape(b.n, -1)[k0 : k0 + len(idx)]
+            self.dataset.read_batch_into(idx.tolist(), rows)
+            b.labels[k0 : k0 + len(idx)] = self.dataset.labels[idx]
+            return
+        for k, i in enumerate(idx.tolist(), start=k0):
+            item = self.dataset[i]
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise UserError(f"ThreadLoader needs (image, label) items; sample {i} is {type(item).__name__}")
+            img, label = item
+            arr = img.numpy() if isinstance(img, torch.Tensor) else np.asarray(img)
+            if b.images is None:
+                b.allocate(arr.shape, arr.dtype)
+            if arr.shape != b.images.shape[1:]:
+                raise UserError(
+                    f"sample {i} has shape {tuple(arr.shape)} but the batch has {tuple(b.images.shape[1:])}: "
+                    "give the dataset a transform that crops every sample to one size"
+                )
+            b.images[k] = arr
+            b.labels[k] = int(label)
+
+
+class _Batch:
+    """One batch being filled by several threads: a buffer allocated on the first sample's shape."""
+
+    def __init__(self, n: int, pin: bool) -> None:
+        self.n, self.pin = n, pin
+        self.tensor: torch.Tensor | None = None
+        self.images: np.ndarray | None = None
+        self.labels = np.empty(n, dtype=np.int64)
+        self.futures: list[Future] = []
+        self._lock = threading.Lock()
+
+    def allocate(self, shape: Sequence[int], dtype: Any = np.uint8) -> None:
+        with self._lock:
+            if self.images is None:
+                t = torch.empty((self.n, *shape), dtype=torch.from_numpy(np.empty(0, dtype)).dtype,
+                                pin_memory=self.pin)
+                self.tensor, self.images = t, t.numpy()
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        for f in self.futures:
+            f.result()  # re-raises a sample's error here, in the consuming thread
+        assert self.tensor is not None
+        return self.tensor, torch.from_numpy(self.labels)
+
+    def cancel(self) -> None:
+        for f in self.futures:
+            f.cancel()
+
+
+def _raw_shape(dataset: Any) -> tuple[int, ...] | None:
+    """The sample shape when ``dataset`` can copy whole chunks of raw samples into a batch."""
+    from torch_tricks.data.dataset import PackedDataset
+
+    if (isinstance(dataset, PackedDataset) and dataset.storage == "raw" and dataset.shape is not None
+            and dataset.transform is None and not dataset.labels_only):
+        return tuple(dataset.shape)
+    return None

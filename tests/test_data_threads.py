@@ -1,0 +1,139 @@
+"""ThreadLoader (D3, D5, D8): the same samples as the dataset, in a seeded order, resumable, errors surfaced."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from torch_tricks.data import ThreadLoader
+from torch_tricks.data import decode as D
+from torch_tricks.data.dataset import PackedDataset
+from torch_tricks.data.formats import CorruptSampleError
+from torch_tricks.data.pack import pack
+from torch_tricks.errors import UserError
+from torch_tricks.registry import get_trick
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("tree")
+    rng = np.random.default_rng(0)
+    for c in ("a", "b", "c"):
+        (root / c).mkdir()
+        for k in range(11):
+            h, w = int(rng.integers(30, 50)), int(rng.integers(30, 50))
+            y, x = np.mgrid[0:h, 0:w]
+            img = np.stack([x * 5, y * 5, (x + y) * 3], -1) + rng.integers(0, 20, (h, w, 3))
+            Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(root / c / f"{k}.jpg", quality=90)
+    return root
+
+
+@pytest.fixture(scope="module")
+def packs(tree, tmp_path_factory):
+    base = tmp_path_factory.mktemp("packs")
+    out = {}
+    for name, kw in {"raw": dict(storage="raw", raw_size=24), "jpeg": dict(storage="jpeg", resize=28),
+                     "lmdb-jpeg": dict(storage="jpeg", resize=28, fmt="lmdb")}.items():
+        out[name] = base / name
+        pack(tree, out[name], progress=False, workers=0, **kw)
+    return out
+
+
+def crop(img: np.ndarray) -> np.ndarray:
+    return D.center_crop(img, 24)
+
+
+def reference(ds, idx):
+    """What the loader must give for these indices: each dataset item, stacked."""
+    items = [ds[int(i)] for i in idx]
+    return np.stack([np.asarray(x) for x, _ in items]), np.array([y for _, y in items], np.int64)
+
+
+@pytest.mark.parametrize("kind,threads", [("raw", 2), ("raw", 1), ("jpeg", 3), ("lmdb-jpeg", 2)])
+def test_batches_equal_the_dataset_items_exactly(packs, kind, threads):
+    ds = PackedDataset(packs[kind], transform=None if kind == "raw" else crop)
+    loader = ThreadLoader(ds, 8, num_threads=threads, seed=3, drop_last=False)
+    plans = loader.batches()
+    got = list(loader)
+    assert len(got) == len(loader) == len(plans) == 5  # 33 samples, the last batch partial
+    for (images, labels), idx in zip(got, plans):
+        want_x, want_y = reference(ds, idx)
+        assert images.dtype == torch.uint8 and labels.dtype == torch.int64
+        assert np.array_equal(images.numpy(), want_x) and np.array_equal(labels.numpy(), want_y)
+    seen = np.concatenate(plans)
+    assert sorted(seen.tolist()) == list(range(len(ds)))  # every sample once per epoch
+
+
+def test_order_is_seeded_per_epoch_and_drop_last(packs):
+    ds = PackedDataset(packs["raw"])
+    a, b = ThreadLoader(ds, 8, seed=1), ThreadLoader(ds, 8, seed=1)
+    assert len(a) == 4  # drop_last follows shuffle: 33 // 8
+    first = [y.tolist() for _, y in a]
+    assert first == [y.tolist() for _, y in b]
+    assert a.epoch == 1
+    second = [x.numpy().copy() for x, _ in a]
+    assert not all(np.array_equal(p, q) for p, q in zip(second, [x.numpy() for x, _ in ThreadLoader(ds, 8, seed=1)]))
+    in_order = ThreadLoader(ds, 8, shuffle=False)
+    assert [i.tolist() for i in in_order.batches()][0] == list(range(8))
+
+
+def test_resume_mid_epoch_gives_the_next_batch(packs):
+    ds = PackedDataset(packs["jpeg"], transform=crop)
+    full = [(x.numpy().copy(), y.numpy().copy()) for x, y in ThreadLoader(ds, 4, seed=7)]
+    run = ThreadLoader(ds, 4, seed=7)
+    it = iter(run)
+    for _ in range(3):
+        next(it)
+    state = run.state_dict()
+    del it
+    resumed = ThreadLoader(ds, 4, seed=7)
+    resumed.load_state_dict(state)
+    rest = [(x.numpy(), y.numpy()) for x, y in resumed]
+    assert len(rest) == len(full) - 3
+    for (x, y), (fx, fy) in zip(rest, full[3:]):
+        assert np.array_equal(x, fx) and np.array_equal(y, fy)
+    with pytest.raises(UserError, match="seed"):
+        ThreadLoader(ds, 4, seed=8).load_state_dict(state)
+
+
+def test_a_damaged_sample_is_an_error_naming_it(packs, tmp_path):
+    path = tmp_path / "damaged"
+    shutil.copytree(packs["raw"], path)
+    rec = np.load(path / "index.npy")[5]
+    with open(path / f"shard-{int(rec['shard']):05d}.bin", "r+b") as f:
+        f.seek(int(rec["offset"]) + 10)
+        f.write(b"\xde\xad\xbe\xef")
+    with pytest.raises(CorruptSampleError, match=r"sample 5 \("):
+        list(ThreadLoader(PackedDataset(path), 8, shuffle=False, num_threads=2))
+
+
+def test_bad_input_is_one_clear_error(packs):
+    varying = PackedDataset(packs["jpeg"])  # no crop: samples of different shapes
+    with pytest.raises(UserError, match="crops every sample to one size"):
+        list(ThreadLoader(varying, 33, shuffle=False))
+    with pytest.raises(UserError, match="batch_size"):
+        ThreadLoader(varying, 0)
+    with pytest.raises(UserError, match="num_threads"):
+        ThreadLoader(varying, 4, num_threads=0)
+    with pytest.raises(UserError, match="map-style"):
+        ThreadLoader(iter([]), 4)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="pin_memory=True needs CUDA"):
+            ThreadLoader(varying, 4, pin_memory=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none here")
+def test_pinned_batches_copy_to_the_gpu(packs):
+    ds = PackedDataset(packs["raw"])
+    x, y = next(iter(ThreadLoader(ds, 8, pin_memory=True)))
+    assert x.is_pinned()
+    assert torch.equal(x.cuda(non_blocking=True).cpu(), x)
+
+
+def test_registered():
+    assert get_trick("thread_loader").kind == "data"
