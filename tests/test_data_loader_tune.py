@@ -91,6 +91,14 @@ def test_verdict_rules():
     v, _, advice = _verdict(best, trials, decode_rate=100.0, read_rate=None, stored=None, cpus=2)
     assert v == "decode-bound" and "CPUs are busy" in advice[0]
     assert _verdict(None, [], None, None, None, 2)[0] == "unknown"
+    # More workers were measured and were slower: never "try more workers"; threads instead.
+    slow = [_trial(0, 100.0), _trial(2, 60.0)]
+    v, _, advice = _verdict(slow[0], slow, decode_rate=105.0, read_rate=None, stored=None, cpus=8)
+    assert v == "decode-bound" and "slower" in advice[0] and "ThreadLoader" in advice[0]
+    assert not any("try more workers" in a for a in advice)
+    # A pack resized at packing time is not told to pre-resize.
+    _, _, advice = _verdict(best, trials, decode_rate=100.0, read_rate=2e9, stored=100e3, cpus=8, pre_resized=True)
+    assert not any("D1" in a for a in advice)
 
 
 def test_open_dataset_and_tune_an_image_folder(tmp_path):

@@ -185,7 +185,7 @@ def tune_loader(
     ok = [t for t in trials if t.error is None]
     best = max(ok, key=lambda t: t.samples_per_s) if ok else None
     stored = sum(_size(f) for f in files) / n if files else None
-    verdict, reasons, advice = _verdict(best, trials, decode_rate, read_rate, stored, cpus)
+    verdict, reasons, advice = _verdict(best, trials, decode_rate, read_rate, stored, cpus, _pre_resized(dataset))
     return LoaderTuneReport(
         trials=trials,
         best=best,
@@ -375,7 +375,7 @@ def _read_rate(files: list[str], seconds: float, cold: bool) -> tuple[float | No
 
 def _verdict(
     best: LoaderTrial | None, trials: list[LoaderTrial], decode_rate: float | None,
-    read_rate: float | None, stored: float | None, cpus: int,
+    read_rate: float | None, stored: float | None, cpus: int, pre_resized: bool = False,
 ) -> tuple[str, list[str], list[str]]:
     if best is None:
         return "unknown", ["no trial succeeded"], []
@@ -404,10 +404,15 @@ def _verdict(
     if t >= DECODE_BOUND_FRACTION * predicted:
         advice = [
             "faster decoding: OpenCV / turbojpeg, reduce-on-decode, or raw uint8 storage (D3)",
-            "store samples pre-resized to the training size (D1)",
+            *([] if pre_resized else ["store samples pre-resized to the training size (D1)"]),
             "move augmentation to the device as batched transforms (D2)",
         ]
-        if w >= cpus:
+        slower = [x for x in trials if x.error is None and x.batch_size == best.batch_size and x.num_workers > w]
+        if slower:
+            advice.insert(0, f"more worker processes were slower ({max(x.num_workers for x in slower)} measured): "
+                             "moving decoded batches between processes costs more than it saves here; read with "
+                             "ThreadLoader (threads decode straight into the batch, no inter-process copies)")
+        elif w >= cpus:
             advice.insert(0, f"all {cpus} CPUs are busy: more workers will not help; more cores will")
         else:
             advice.insert(0, f"try more workers (up to {cpus})")
@@ -424,6 +429,13 @@ def _verdict(
 
 
 # --- helpers ---------------------------------------------------------------------------
+
+
+def _pre_resized(dataset: Any) -> bool:
+    """Whether ``dataset`` is a pack whose samples were resized (or decoded to raw) when packed (D1)."""
+    reader = getattr(dataset, "reader", None)
+    meta = (getattr(reader, "header", None) or {}).get("meta", {}) if reader is not None else {}
+    return bool(meta.get("resize") or meta.get("raw_size") or getattr(dataset, "storage", "") == "raw")
 
 
 class _Unstacked(list):
