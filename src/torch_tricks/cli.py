@@ -111,6 +111,43 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model.dot, model.svg (needs graphviz), model.onnx, or a directory for TensorBoard")
     sp.set_defaults(func=cmd_graph)
 
+    sp = sub.add_parser("doctor", help="find classic PyTorch pitfalls in code (PATH...) or in a running model (--model)",
+                        description="Static: lint PATH... (read with ast, never run), one `file:line:col: ID message` "
+                                    "per finding. Runtime: --model runs training steps and reports what only a run "
+                                    "shows. Exit 0: nothing at or above --fail-on; 1: findings at or above it; "
+                                    "2: bad usage.")
+    sp.add_argument("paths", nargs="*", metavar="PATH", help=".py files or folders to lint")
+    sp.add_argument("--list", action="store_true", help="list every rule (static TT1xx, runtime TT2xx) and exit")
+    sp.add_argument("--explain", metavar="ID", help="explain one rule: why it is a pitfall, the fix, its source")
+    sp.add_argument("--select", action="append", metavar="IDS",
+                    help="only these rules: ids or prefixes, comma-separated (e.g. TT1,TT207); replaces the config's")
+    sp.add_argument("--ignore", action="append", metavar="IDS",
+                    help="leave out these rules (ids or prefixes); replaces the config's")
+    sp.add_argument("--fail-on", choices=["info", "warning", "error"],
+                    help="exit 1 when a finding has this severity or higher (default: the config's fail-on, "
+                         "else warning)")
+    sp.add_argument("--format", dest="fmt", choices=["text", "json", "sarif"], default="text",
+                    help="text (default), json, or sarif (SARIF 2.1.0, for code scanning in CI)")
+    sp.add_argument("--json", action="store_true", help="same as --format json")
+    g = sp.add_argument_group("runtime check (--model)")
+    g.add_argument("--model", help="built-in model name or package.module:factory: run training steps on it "
+                                   "instead of linting files")
+    g.add_argument("--input", action="append", metavar="SPEC",
+                   help="input shape without the batch, e.g. 3x224x224; long:128:VOCAB for tokens "
+                        "(default: the model's own)")
+    g.add_argument("--batch", type=int, default=8, help="batch size (default 8: BatchNorm wants 8 or more)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default cpu)")
+    g.add_argument("--loss", choices=sorted(_DOCTOR_LOSSES), default="cross-entropy",
+                   help="loss of the training step (default cross-entropy; none: the mean of the outputs)")
+    g.add_argument("--optimizer", metavar="NAME",
+                   help="build this optimizer (sgd, adam, adamw ...) the way torch-tricks train does, and check "
+                        "its parameter groups too (default: plain SGD steps, groups not checked)")
+    g.add_argument("--weight-decay", type=float, help="weight decay for --optimizer")
+    g.add_argument("--steps", type=int, default=3,
+                   help="training steps after the first, for the memory-growth check (default 3; 1 skips it)")
+    sp.add_argument("--debug", action="store_true")
+    sp.set_defaults(func=cmd_doctor)
+
     sp = sub.add_parser("pack", help="pack an image folder / list file once into LMDB or our memory-mapped format")
     sp.add_argument("src", help="ImageFolder tree (root/<class>/<image>) or a list file of 'path label' lines")
     sp.add_argument("dst", help="directory to write the pack to")
@@ -144,6 +181,30 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--debug", action="store_true")
     sp.set_defaults(func=cmd_loader_tune)
+
+    sp = sub.add_parser("optimize", help="deploy steps (fuse, reparam, prune, int8, onnx ...) chained, checked, saved")
+    model_args(sp, batch=16)
+    sp.add_argument("--steps", action="append", metavar="A,B",
+                    help="comma-separated steps in order, e.g. fuse,int8 (repeatable; see --list-steps)")
+    sp.add_argument("--list-steps", action="store_true", help="list the steps and exit")
+    sp.add_argument("--weights", metavar="FILE",
+                    help="checkpoint or state_dict to load first (e.g. from `torch-tricks train --checkpoint-dir`)")
+    sp.add_argument("--data", metavar="NAME",
+                    help="built-in data set (digits): calibrate int8 on its training split and compare outputs on "
+                         "its validation split, instead of random inputs")
+    sp.add_argument("--calib-batches", type=int, default=8, help="calibration batches from --data (default 8)")
+    sp.add_argument("--out", metavar="PATH",
+                    help="where to write the final model (default <model>-<steps>.pt2/.pt/.onnx here)")
+    sp.add_argument("--no-save", dest="save", action="store_false", help="report only, write nothing")
+    sp.add_argument("--force", action="store_true", help="write the model even if a step exceeded its tolerance")
+    sp.add_argument("--latency-batch", type=int, action="append", metavar="N",
+                    help="batch size to time (repeatable; default 1 and 16)")
+    sp.add_argument("--no-latency", dest="latency", action="store_false", help="skip the timings")
+    sp.add_argument("--warmup", type=int, default=3)
+    sp.add_argument("--repeats", type=int, default=10)
+    sp.add_argument("--threads", type=int, metavar="N",
+                    help="intra-op threads for every model, ONNX Runtime too (default: torch's)")
+    sp.set_defaults(func=cmd_optimize)
     return p
 
 
@@ -407,6 +468,171 @@ def cmd_graph(args: argparse.Namespace) -> int:
     return 0
 
 
+# `torch-tricks doctor --loss`: name -> torch.nn loss class (None: the mean of the outputs)
+_DOCTOR_LOSSES = {"cross-entropy": "CrossEntropyLoss", "nll": "NLLLoss", "bce-with-logits": "BCEWithLogitsLoss",
+                  "bce": "BCELoss", "mse": "MSELoss", "none": None}
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Exit 0 when no finding is at or above --fail-on, 1 when one is; bad usage is a UserError (2)."""
+    from torch_tricks.doctor import get_rule, list_rules
+
+    fmt = "json" if args.json else args.fmt
+    if args.json and args.fmt == "sarif":
+        raise UserError("--json and --format sarif: choose one")
+    select, ignore = _rule_codes(args.select, "--select"), _rule_codes(args.ignore, "--ignore")
+    if args.list or args.explain:
+        if args.paths or args.model or (args.list and args.explain):
+            raise UserError("--list and --explain ID stand alone: run them without PATH or --model")
+        if fmt == "sarif":
+            raise UserError("--format sarif is for findings: use --json with --list / --explain")
+        rules = [get_rule(args.explain)] if args.explain else list_rules()
+        if fmt == "json":
+            print(json.dumps({"rules": [_rule_dict(r) for r in rules]}, indent=2, ensure_ascii=False))
+        elif args.explain:
+            print(_explain_text(rules[0]))
+        else:
+            from torch_tricks._format import table
+
+            print(table(["id", "kind", "severity", "name", "message"],
+                        [[r.id, r.kind, r.severity, r.name, r.message] for r in rules], "lllll"))
+        return 0
+    if args.paths and args.model:
+        raise UserError("give PATH... to lint code or --model to check a running model, not both")
+    if args.model:
+        return _doctor_model(args, fmt, select, ignore)
+    if args.input:
+        raise UserError("--input goes with --model: name the model to run")
+    if not args.paths:
+        raise UserError("nothing to check: give PATH... (files or folders) to lint, --model NAME to check a "
+                        "running model, or --list / --explain ID")
+    return _doctor_paths(args, fmt, select, ignore)
+
+
+def _rule_codes(values: list[str] | None, flag: str) -> tuple[str, ...] | None:
+    """``--select TT1,TT207 --select TT3`` as checked rule codes; None when the flag is absent."""
+    from torch_tricks.doctor.static import check_rule_codes
+
+    if values is None:
+        return None
+    codes = [c.strip() for v in values for c in v.split(",") if c.strip()]
+    if not codes:
+        raise UserError(f"{flag} needs rule ids or prefixes, e.g. {flag} TT101,TT2")
+    return check_rule_codes(codes, flag)
+
+
+def _doctor_paths(args: argparse.Namespace, fmt: str, select, ignore) -> int:
+    from pathlib import Path
+
+    from torch_tricks.doctor.static import exit_code, format_text, lint_paths, load_config, static_rules, to_sarif
+
+    for p in args.paths:
+        if not Path(p).exists():
+            raise UserError(f"{p}: no such file or folder: give existing .py files or folders to lint")
+    groups: dict = {}  # each path is judged by the settings of its own project (nearest pyproject.toml)
+    for p in args.paths:
+        config = load_config(p)
+        groups.setdefault(config.path, (config, []))[1].append(p)
+    findings, unreadable, files, seconds, code = [], [], 0, 0.0, 0
+    for config, paths in groups.values():
+        result = lint_paths(paths, select=select, ignore=ignore, config=config)
+        findings += result.findings
+        unreadable += result.errors
+        files += result.files
+        seconds += result.seconds
+        code = max(code, exit_code(result.findings, args.fail_on or config.fail_on))
+    fail_on = sorted({args.fail_on or c.fail_on for c, _ in groups.values()})
+    if fmt == "sarif":
+        print(json.dumps(to_sarif(findings, static_rules(), unreadable), indent=2, ensure_ascii=False))
+    elif fmt == "json":
+        print(json.dumps({"findings": [f.as_dict() for f in findings], "files": files,
+                          "unreadable": [{"path": p, "reason": r} for p, r in unreadable],
+                          "seconds": round(seconds, 3), "fail_on": fail_on[0] if len(fail_on) == 1 else fail_on,
+                          "config": [str(c.path) for c, _ in groups.values() if c.path is not None],
+                          "exit_code": code}, indent=2, ensure_ascii=False))
+    else:
+        for line in format_text(findings):
+            print(line)
+        for path, reason in unreadable:
+            print(f"{path}: not linted: {reason}", file=sys.stderr)
+        print(f"{_findings_count(findings) or 'no findings'} in {files} file(s), {seconds:.2f} s"
+              + (f"; {len(unreadable)} file(s) could not be read or parsed" if unreadable else ""), file=sys.stderr)
+    return code
+
+
+def _doctor_model(args: argparse.Namespace, fmt: str, select, ignore) -> int:
+    from pathlib import Path
+
+    import torch.nn as nn
+
+    from torch_tricks.doctor import list_rules
+    from torch_tricks.doctor.runtime import check_model
+    from torch_tricks.doctor.static import exit_code, filter_findings, load_config, to_sarif
+
+    if args.steps < 1 or args.batch < 1:
+        raise UserError("--steps and --batch must be >= 1")
+    if args.weight_decay is not None and not args.optimizer:
+        raise UserError("--weight-decay goes with --optimizer NAME")
+    config = load_config(Path.cwd())
+    model, inputs = _load(args)
+    loss_name = _DOCTOR_LOSSES[args.loss]
+    loss_fn = getattr(nn, loss_name)() if loss_name else None
+    optimizer = None
+    if args.optimizer:
+        from torch_tricks.train.optim import build_optimizer
+
+        optimizer = build_optimizer(model, args.optimizer, weight_decay=args.weight_decay)
+    report = check_model(model, inputs, loss_fn, optimizer, steps=args.steps, device=args.device)
+    findings = filter_findings(report.findings, config.select if select is None else select,
+                               config.ignore if ignore is None else ignore)
+    code = exit_code(findings, args.fail_on or config.fail_on)
+    if fmt == "sarif":
+        print(json.dumps(to_sarif(findings, list_rules("runtime")), indent=2, ensure_ascii=False))
+        return code
+    data = {"model": args.model, "loss_fn": args.loss, "optimizer": args.optimizer, **report.as_dict()}
+    data["findings"] = [f.as_dict() for f in findings]  # after --select/--ignore and the config
+    data["counts"] = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
+    data["ok"] = not (data["counts"]["error"] or data["counts"]["warning"])
+    data["exit_code"] = code
+    loss = f"{report.loss:.4g}" if report.loss is not None else "-"
+    lines = [f"{args.model}: inputs {report.inputs}, outputs {report.outputs or '-'}, target {report.target or '-'}",
+             f"loss ({args.loss}) {loss}, {report.steps_run} training step(s) on {report.device}, "
+             + (f"optimizer {args.optimizer}" if args.optimizer else "plain SGD steps")]
+    if not report.completed:
+        lines.append(f"the training step did not complete: {report.error}")
+    lines.append("")
+    lines += [f"{f.rule} {f.severity:<7} {f.path or '-'}: {f.message}" for f in findings]
+    lines.append(_findings_count(findings) or "no findings")
+    lines += [f"not checked: {check}: {why}" for check, why in report.skipped.items()]
+    lines += [f"note: {n}" for n in report.notes]
+    _emit(argparse.Namespace(json=fmt == "json"), data, "\n".join(lines))
+    return code
+
+
+def _findings_count(findings) -> str:
+    from collections import Counter
+
+    by = Counter(f.severity for f in findings)
+    parts = [f"{by[s]} {s}{'s' if by[s] != 1 and s != 'info' else ''}" for s in ("error", "warning", "info") if by[s]]
+    return f"{len(findings)} finding{'s' if len(findings) != 1 else ''} ({', '.join(parts)})" if findings else ""
+
+
+def _rule_dict(rule) -> dict[str, Any]:
+    return {"id": rule.id, "name": rule.name, "kind": rule.kind, "severity": rule.severity,
+            "message": rule.message, "explanation": rule.explanation, "source": rule.source}
+
+
+def _explain_text(rule) -> str:
+    import textwrap
+
+    silence = (f"Silence one line with `# noqa: {rule.id}`; " if rule.kind == "static" else "")
+    silence += f"leave it out with --ignore {rule.id}, or ignore = [\"{rule.id}\"] under [tool.torch-tricks.doctor] " \
+               "in pyproject.toml."
+    return "\n".join([f"{rule.id} {rule.name} ({rule.kind}, {rule.severity})", "", rule.message, "",
+                      textwrap.fill(rule.explanation, 88), "", textwrap.fill(f"Source: {rule.source}", 88), "",
+                      textwrap.fill(silence[0].upper() + silence[1:], 88)])
+
+
 def cmd_pack(args: argparse.Namespace) -> int:
     from torch_tricks._format import human_bytes
     from torch_tricks.data.pack import pack
@@ -450,6 +676,112 @@ def cmd_loader_tune(args: argparse.Namespace) -> int:
         lines.append("use: make_loader(dataset, " + ", ".join(f"{k}={v}" for k, v in r.loader_kwargs().items()) + ")")
     _emit(args, r.to_dict(), "\n".join(lines))
     return 0
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    """Exit 0 when every step held its tolerance, 1 when one did not (nothing written without --force)."""
+    from pathlib import Path
+
+    import torch
+
+    from torch_tricks._format import human_bytes, table
+    from torch_tricks.deploy.pipeline import list_steps, optimize
+    from torch_tricks.inspect.inputs import describe_inputs
+
+    if args.list_steps:
+        steps = list_steps()
+        _emit(args, {"steps": steps}, table(["step", "what it does"], [[k, v] for k, v in steps.items()], "ll"))
+        return 0
+    steps = [s.strip() for group in args.steps or () for s in group.split(",") if s.strip()]
+    if not steps:
+        raise UserError("--steps is required, e.g. --steps fuse,int8; choose from " + ", ".join(list_steps()))
+    if args.repeats < 1 or args.warmup < 0 or args.calib_batches < 1:
+        raise UserError("--repeats and --calib-batches must be >= 1 and --warmup >= 0")
+    if args.data and args.input:
+        raise UserError("give --input or --data, not both: --data takes the inputs from the data set")
+    out = Path(args.out) if args.out else None
+    final_onnx = steps[-1].partition(":")[0].strip().lower().startswith("onnx")
+    if out is not None and (out.suffix.lower() == ".onnx") != final_onnx:
+        raise UserError(f"--out {out.name}: " + ("the last step runs in ONNX Runtime and writes an .onnx file: "
+                                                 "name it .onnx" if final_onnx else
+                                                 "only the onnx / onnx-int8 steps write ONNX: name it .pt2 or .pt"))
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    model, inputs = _load(args)
+    calib = check = None
+    if args.data:
+        inputs, check, calib = _data_batches(args, inputs[0].device)
+    if args.weights:
+        from torch_tricks.train.checkpoint import load_checkpoint
+
+        load_checkpoint(args.weights, model=model, strict=True, restore_rng=False)
+
+    def progress(msg: str) -> None:  # on a terminal only: stderr stays one line for errors
+        print(f"optimize: {msg}", file=sys.stderr, flush=True)
+
+    res = optimize(model, steps, inputs, calib=calib, check_inputs=check, device=args.device,
+                   batches=args.latency_batch or (1, 16), measure=args.latency,
+                   progress=progress if sys.stderr.isatty() else None,
+                   warmup=args.warmup, repeats=args.repeats)
+    try:
+        exceeded = [s for s in res.steps if s.within_tolerance is False]
+        if args.save and (not exceeded or args.force):
+            res.save(out or Path(_optimize_name(args.model, steps) + res.suggested_suffix))
+        compared = describe_inputs(check if check is not None else res.example_inputs)
+        lines = [f"{args.model}: {','.join(steps)} on {res.device}, {res.threads} thread(s); outputs compared on "
+                 f"{compared}" + (f" from {args.data} (validation)" if args.data else " (random)")]
+        if res.measured:
+            lines.append(f"latency: median ms of {args.repeats} calls after {args.warmup} warm-up, "
+                         "bsN x = speed-up over the original")
+        lines += [res.format_table(), ""]
+        lines += [f"  {n}" for n in res.notes()]
+        if exceeded:
+            lines.append("NOT verified: " + "; ".join(f"{s.step} exceeds {s.tolerance}" for s in exceeded))
+        else:
+            lines.append("verified: every step within its tolerance against the model before it")
+        unchecked = [s.step for s in res.steps if s.within_tolerance is None]
+        if unchecked:
+            lines.append(f"  not held to a tolerance: {', '.join(unchecked)} (changes the outputs by design, "
+                         "or they could not be compared: see the notes)")
+        saved = res.saved
+        if saved is not None:
+            check_text = (f"; loaded back, max abs diff {saved.verify_max_abs_diff:.2e}"
+                          if saved.verify_max_abs_diff is not None else "")
+            lines.append(f"wrote {saved.path}: {saved.format}, {human_bytes(saved.size_bytes)}{check_text}")
+            lines += [f"  {saved.why}", f"  load: {saved.load}", *(f"  {n}" for n in saved.notes)]
+        elif args.save:
+            lines.append("nothing written: a step exceeded its tolerance (--force writes it anyway)")
+        data = {"model": args.model, "steps_asked": steps, "data": args.data, "written": saved.path if saved else None,
+                **res.as_dict()}
+        _emit(args, data, "\n".join(lines))
+    finally:
+        res.close()
+    return 1 if exceeded else 0
+
+
+def _data_batches(args: argparse.Namespace, device: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], list[Any]]:
+    """(example, check, calib) from a built-in data set: --batch validation rows as the example,
+    up to 512 validation rows to compare on, --calib-batches training batches to calibrate on."""
+    import itertools
+
+    from torch.utils.data import DataLoader
+
+    from torch_tricks.data import load_dataset
+
+    train_set, val_set = load_dataset(args.data)
+    val = next(iter(DataLoader(val_set, batch_size=max(args.batch, 512))))[0].to(device)
+    calib = [b[0] for b in itertools.islice(DataLoader(train_set, batch_size=args.batch), args.calib_batches)]
+    return (val[: args.batch],), (val,), calib
+
+
+def _optimize_name(model: str, steps: Sequence[str]) -> str:
+    """``resnet18-fuse-int8`` for the default output file (a factory reference gives its name)."""
+    import re
+
+    stem = model.rpartition(":")[2] or model
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", f"{stem}-{'-'.join(steps)}")
 
 
 if __name__ == "__main__":  # pragma: no cover

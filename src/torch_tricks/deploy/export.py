@@ -17,6 +17,7 @@ saying how to install it, and the rest of the package works.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -222,7 +223,7 @@ def ort_quantize_dynamic(
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     src = _existing(path_in)
-    with _workdir(path_out) as d, atomic_path(path_out, suffix=".onnx") as tmp:
+    with _workdir(path_out) as d, atomic_path(path_out, suffix=".onnx") as tmp, _quiet_root_logger():
         quantize_dynamic(_without_value_info(src, d), tmp, per_channel=per_channel, weight_type=QuantType.QInt8,
                          op_types_to_quantize=list(op_types) if op_types else None)
     return Path(path_out)
@@ -269,7 +270,7 @@ def ort_quantize_static(
         def rewind(self) -> None:
             self._it = iter(batches)
 
-    with _workdir(path_out) as d:
+    with _workdir(path_out) as d, _quiet_root_logger():
         model_in = _without_value_info(src, d)
         if preprocess:
             from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -305,6 +306,22 @@ def _existing(path: str | os.PathLike[str]) -> str:
     if not p.is_file():
         raise UserError(f"no ONNX file at {str(p)!r}")
     return str(p)
+
+
+@contextlib.contextmanager
+def _quiet_root_logger() -> Iterator[None]:
+    """ONNX Runtime's quantizer warns through the *root* logger (``logging.warning``), which
+    on first use also installs a stderr handler for the whole process: a guard handler
+    keeps that from happening and a raised level drops the warnings, both only for the call."""
+    root = logging.getLogger()
+    level, guard = root.level, logging.NullHandler()
+    root.addHandler(guard)
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.removeHandler(guard)
+        root.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -49,6 +49,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -583,7 +584,8 @@ def optimize(
         try:
             new, res = _apply(p, current, ctx)
         except UserError as exc:
-            raise UserError(f"step {p.text!r} cannot apply: {_one_line(exc, with_type=False)}") from None
+            why = _CANNOT_APPLY.sub("", _one_line(exc, with_type=False))  # said once is enough
+            raise UserError(f"step {p.text!r} cannot apply: {why}") from None
         res.seconds = time.perf_counter() - t0
         res.model = new
         _measure_static(res, reference, new, check, previous=current)
@@ -628,7 +630,11 @@ def _apply(p: _Planned, model: Any, ctx: _Ctx) -> tuple[Any, StepResult]:
         res.changed = bool(rep.fused)
         res.details = {"fused": len(rep.fused), "batchnorm_before": rep.batchnorm_before,
                        "batchnorm_after": rep.batchnorm_after, "kept_batchnorm": rep.kept_batchnorm}
-        res.notes = list(rep.notes) + ([] if rep.fused else ["nothing folded: the step is a no-op"])
+        done = "nothing folded: the step is a no-op"
+        if rep.fused:
+            done = (f"folded {len(rep.fused)} Conv/Linear+BN pairs: BatchNorm layers "
+                    f"{rep.batchnorm_before} -> {rep.batchnorm_after}")
+        res.notes = [done, *rep.notes]
     elif p.name == "reparam":
         from torch_tricks.deploy.reparam import reparameterize_with_report
 
@@ -689,11 +695,13 @@ def _onnx_step(p: _Planned, model: nn.Module, ctx: _Ctx, res: StepResult) -> Any
 
     path = Path(ctx.workdir.name) / f"step{ctx.index}.onnx"
     try:
-        exp = export_onnx_checked(model, ctx.example, path)
+        with _quiet_torch():  # a failed capture prints its partial graph and log lines
+            exp = export_onnx_checked(model, ctx.example, path)
     except UserError:
         raise
     except Exception as exc:
-        raise UserError(f"torch.onnx.export failed: {_one_line(exc)}") from None
+        # the exporter wraps the real reason ("step 1/3 of exporting ... Next steps: ...")
+        raise UserError(f"torch.onnx.export failed: {_one_line(exc.__cause__ or exc)}") from None
     res.details = {"export": {k: v for k, v in exp.to_dict().items() if k != "path"}}
     res.notes = list(exp.notes)
     if p.name == "onnx":
@@ -825,7 +833,8 @@ def _calibration(calib: Iterable[Any] | None, example: tuple[Any, ...],
     batches = [example] + [tuple(_like(a, gen) for a in example) for _ in range(_RANDOM_CALIB_BATCHES - 1)]
     return batches, (
         f"example_inputs plus {_RANDOM_CALIB_BATCHES - 1} random batches with its per-channel mean and std "
-        "(no calib given): int8 ranges come from these, so pass real batches with calib= for accurate int8"
+        "(no calib given): int8 ranges come from these, so pass real batches (calib=, or --data on the "
+        "command line) for accurate int8"
     )
 
 
@@ -1095,8 +1104,12 @@ def _describe_inputs(args: tuple[Any, ...]) -> str:
     return describe_inputs(args)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CANNOT_APPLY = re.compile(r"^[\w ()-]{0,40}? cannot apply: ")
+
+
 def _one_line(exc: BaseException, with_type: bool = True) -> str:
-    text = " ".join(str(exc).split())
+    text = " ".join(_ANSI.sub("", str(exc)).split())  # torch colours some messages for terminals
     text = text if len(text) <= 300 else text[:297] + "..."
     if not with_type:
         return text or type(exc).__name__

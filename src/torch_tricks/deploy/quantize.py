@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import io
 import logging
 import time
 import warnings
@@ -861,14 +862,20 @@ def _one_line(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Silence warnings and log lines from torch's deprecated ao APIs, export and inductor
-    around our calls: the library never prints; what matters goes into the report."""
+    """Silence warnings, log lines and prints from torch's deprecated ao APIs, export and
+    inductor around our calls: the library never prints; what matters goes into the report.
+
+    ``torch.export`` prints the partial graph of a failed capture straight to
+    ``sys.stderr`` (not through logging), which would bury a one-line error: both streams
+    are redirected to a discarded buffer for the duration.
+    """
     names = ["torch", "torchao"] + [
         n for n in list(logging.Logger.manager.loggerDict) if n.startswith(("torch.", "torchao."))
     ]
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
-    with warnings.catch_warnings():
+    sink = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stderr(sink), contextlib.redirect_stdout(sink):
         warnings.simplefilter("ignore")
         for lg in loggers:
             lg.setLevel(logging.CRITICAL + 1)
