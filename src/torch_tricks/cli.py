@@ -34,6 +34,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("torch-tricks: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `torch-tricks ... | head`: the reader left; not an error of ours
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
