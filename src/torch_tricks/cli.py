@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model.dot, model.svg (needs graphviz), model.onnx, or a directory for TensorBoard")
     sp.set_defaults(func=cmd_graph)
 
-    sp = sub.add_parser("doctor", help="find classic PyTorch pitfalls in code (PATH...) or in a running model (--model)",
+    sp = sub.add_parser("doctor", help="find classic PyTorch pitfalls in code (PATH...) or a running model (--model)",
                         description="Static: lint PATH... (read with ast, never run), one `file:line:col: ID message` "
                                     "per finding. Runtime: --model runs training steps and reports what only a run "
                                     "shows. Exit 0: nothing at or above --fail-on; 1: findings at or above it; "

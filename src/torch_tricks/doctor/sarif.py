@@ -15,13 +15,17 @@ SARIF_SCHEMA_URI = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/s
 _LEVEL = {"info": "note", "warning": "warning", "error": "error"}
 
 
-def to_sarif(findings: Iterable[Finding], rules: Iterable[Rule]) -> dict:
+def to_sarif(findings: Iterable[Finding], rules: Iterable[Rule],
+             unreadable: Iterable[tuple[str, str]] = ()) -> dict:
     """One SARIF run: ``rules`` as the driver's rule descriptors, ``findings`` as results.
 
     A finding whose rule is not among ``rules`` gets its descriptor added, so every
     ``ruleIndex`` resolves. Columns are 1-based and count characters
-    (``columnKind: unicodeCodePoints``). Findings without a file (runtime findings) have
-    no location; their ``extra`` goes into the result's property bag.
+    (``columnKind: unicodeCodePoints``). Runtime findings have no file: they get a
+    logical location instead (the module or parameter name); ``extra`` goes into the
+    result's property bag. ``unreadable`` holds ``(path, reason)`` for files that could
+    not be read or parsed: they become error notifications of the run's invocation (the
+    run itself still succeeded).
     """
     from torch_tricks import __version__
 
@@ -32,16 +36,18 @@ def to_sarif(findings: Iterable[Finding], rules: Iterable[Rule]) -> dict:
         if f.rule not in index:
             index[f.rule] = len(rules)
             rules.append(get_rule(f.rule))
-    return {
-        "$schema": SARIF_SCHEMA_URI,
-        "version": "2.1.0",
-        "runs": [{
-            "tool": {"driver": {"name": "torch-tricks", "version": __version__,
-                                "rules": [_descriptor(r) for r in rules]}},
-            "columnKind": "unicodeCodePoints",
-            "results": [_result(f, index[f.rule]) for f in findings],
-        }],
+    run = {
+        "tool": {"driver": {"name": "torch-tricks", "version": __version__,
+                            "rules": [_descriptor(r) for r in rules]}},
+        "columnKind": "unicodeCodePoints",
+        "results": [_result(f, index[f.rule]) for f in findings],
     }
+    notes = [{"level": "error", "message": {"text": reason},
+              "locations": [{"physicalLocation": {"artifactLocation": {"uri": _uri(path)}}}]}
+             for path, reason in unreadable]
+    if notes:
+        run["invocations"] = [{"executionSuccessful": True, "toolExecutionNotifications": notes}]
+    return {"$schema": SARIF_SCHEMA_URI, "version": "2.1.0", "runs": [run]}
 
 
 def _descriptor(rule: Rule) -> dict:
@@ -60,7 +66,10 @@ def _descriptor(rule: Rule) -> dict:
 def _result(finding: Finding, rule_index: int) -> dict:
     result = {"ruleId": finding.rule, "ruleIndex": rule_index, "level": _LEVEL[finding.severity],
               "message": {"text": finding.message}}
-    if finding.path:
+    if finding.path and get_rule(finding.rule).kind == "runtime":
+        # a module or parameter of the model ("layer4", "fc.weight", "(model)"), not a file
+        result["locations"] = [{"logicalLocations": [{"fullyQualifiedName": finding.path, "kind": "module"}]}]
+    elif finding.path:
         physical: dict = {"artifactLocation": {"uri": _uri(finding.path)}}
         if finding.line > 0:
             physical["region"] = {"startLine": finding.line, "startColumn": max(finding.col, 1)}

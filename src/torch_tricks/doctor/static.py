@@ -14,8 +14,9 @@ the pitfall (the receiver of ``.cuda()`` was made by ``torch.randn``, the input 
 passed in from another module, a loader built in another file — the rule stays quiet.
 
 Public API: :func:`lint_source`, :func:`lint_paths` (a :class:`LintResult`),
-:func:`format_text`, :func:`exit_code`, :func:`check_rule_codes`, and, re-exported from
-the sibling modules, :func:`load_config` / :class:`DoctorConfig` and :func:`to_sarif`.
+:func:`format_text`, :func:`exit_code`, :func:`check_rule_codes`, :func:`filter_findings`,
+and, re-exported from the sibling modules, :func:`load_config` / :class:`DoctorConfig` and
+:func:`to_sarif`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch_tricks.doctor.sarif import to_sarif
 from torch_tricks.errors import UserError
 
 __all__ = ["LintResult", "lint_source", "lint_paths", "format_text", "exit_code", "check_rule_codes",
-           "static_rules", "load_config", "DoctorConfig", "to_sarif"]
+           "filter_findings", "static_rules", "load_config", "DoctorConfig", "to_sarif"]
 
 
 # --------------------------------------------------------------------------- public API
@@ -116,6 +117,16 @@ def exit_code(findings: Iterable[Finding], fail_on: str = "warning") -> int:
     """1 if any finding is at or above the ``fail_on`` severity, else 0."""
     threshold = severity_rank(fail_on)
     return int(any(severity_rank(f.severity) >= threshold for f in findings))
+
+
+def filter_findings(findings: Iterable[Finding], select: Iterable[str] | None = None,
+                    ignore: Iterable[str] | None = None) -> list[Finding]:
+    """The findings whose rule ``select`` keeps (ids or prefixes; None keeps all) and
+    ``ignore`` does not drop: the same filter as linting's, for any rule (runtime too)."""
+    sel = None if select is None else check_rule_codes(select, "select")
+    ign = check_rule_codes(ignore or (), "ignore")
+    return [f for f in findings if (sel is None or any(f.rule.startswith(c) for c in sel))
+            and not any(f.rule.startswith(c) for c in ign)]
 
 
 def static_rules() -> list[Rule]:
@@ -502,6 +513,7 @@ _STATELESS_MODULES = frozenset("torch.nn." + n for n in """ReLU ReLU6 LeakyReLU 
     AdaptiveMaxPool1d AdaptiveMaxPool2d AdaptiveMaxPool3d LPPool1d LPPool2d Upsample UpsamplingNearest2d
     UpsamplingBilinear2d PixelShuffle PixelUnshuffle ChannelShuffle ZeroPad2d ConstantPad1d ConstantPad2d
     ConstantPad3d ReflectionPad1d ReflectionPad2d ReplicationPad1d ReplicationPad2d""".split())
+_RNN_MODULES = frozenset({"torch.nn.RNN", "torch.nn.LSTM", "torch.nn.GRU"})
 _CONTAINERS = frozenset({"torch.nn.ModuleList", "torch.nn.ModuleDict", "torch.nn.Sequential",
                          "torch.nn.ParameterList", "torch.nn.ParameterDict"})
 _DROPOUT_FNS = frozenset("torch.nn.functional." + n for n in
@@ -1075,6 +1087,8 @@ class _File:
             return _LOSS
         if fk.cat == "class":
             return _Kind("module", "local", fk.ref) if self.is_module_class(fk.ref) else None
+        if fk.cat == "module" and fk.detail in _RNN_MODULES:
+            return None  # (output, state): output is a PackedSequence when the input was packed
         if fk.cat == "module" or (fk.cat == "self" and self.is_module_class(fk.ref)):
             return _Kind("tensor", self.output_activation(fk))
         return None
@@ -1366,6 +1380,8 @@ def _functional_dropout(f: _File):
             continue
         if any(kw.arg == "training" for kw in call.keywords) or f.method_class(call) is None:
             continue
+        if _guarded(f, call, _tests_training):
+            continue  # `if self.training: x = F.dropout(x, p)` runs only in training
         fn = q.rsplit(".", 1)[-1]
         yield call, (f"F.{fn} without training= stays on after model.eval(): pass training=self.training "
                      f"or use an nn.Dropout module")
@@ -1389,6 +1405,50 @@ def _data_attribute(f: _File):
             yield node, "writing through `.data` hides the change from autograd: update in place under torch.no_grad()"
         else:
             yield node, "`.data` reads the tensor without autograd's checks: use .detach()"
+
+
+def _guarded(f: _File, node: ast.AST, test_ok: Callable[[ast.AST], bool]) -> bool:
+    """``node`` runs only when a condition ``test_ok`` recognises holds: it sits in the
+    body of ``if cond:`` / ``a if cond else b`` (or of ``if not cond:`` / ``if cond: ... else:``
+    in the negated branch), ``cond`` possibly one term of an ``and``, inside its function."""
+    def holds(test: ast.AST, branch_true: bool) -> bool:
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            return holds(test.operand, not branch_true)
+        if branch_true and isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+            return any(holds(v, True) for v in test.values)
+        if not branch_true and isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
+            return any(holds(v, False) for v in test.values)
+        return branch_true and test_ok(test) is True
+
+    def exits(body: list) -> bool:
+        return bool(body) and isinstance(body[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break))
+
+    child = node
+    for anc in f.local_ancestors(node):
+        if isinstance(anc, ast.If) and child is not anc.test:
+            if holds(anc.test, child in anc.body):
+                return True
+        elif isinstance(anc, ast.IfExp) and child is not anc.test:
+            if holds(anc.test, child is anc.body):
+                return True
+        for block in ("body", "orelse", "finalbody"):  # an early exit: `if not self.training: return x`
+            stmts = getattr(anc, block, None)
+            if isinstance(stmts, list) and child in stmts:
+                for stmt in stmts[:stmts.index(child)]:
+                    if isinstance(stmt, ast.If) and exits(stmt.body) and holds(stmt.test, False):
+                        return True
+        child = anc
+    parent = f.parent.get(child)  # the function itself: its top-level statements
+    if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)) and child in parent.body:
+        for stmt in parent.body[:parent.body.index(child)]:
+            if isinstance(stmt, ast.If) and exits(stmt.body) and holds(stmt.test, False):
+                return True
+    return False
+
+
+def _tests_training(test: ast.AST) -> bool | None:
+    """True for ``self.training`` (any receiver), None for anything else."""
+    return True if isinstance(test, ast.Attribute) and test.attr == "training" else None
 
 
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_grad", "record_stream"})
@@ -1818,10 +1878,51 @@ def _eval_without_no_grad(f: _File):
             continue  # gradients wanted (saliency, adversarial examples): no_grad would be wrong
         if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and _called_without_grad(f, scope):
             continue
+        if _frozen(f, scope, model, _pos(uncovered[0])):
+            continue  # no parameter requires grad: autograd records nothing
         reported.add((scope, model))
         name = ast.unparse(func.value)
         yield uncovered[0], (f"forward pass of `{name}` after {name}.eval() outside torch.no_grad()/inference_mode(): "
                              f"autograd still records the graph")
+
+
+def _frozen(f: _File, scope: ast.AST, model: str, before: tuple[int, int]) -> bool:
+    """Before ``before`` in ``scope``, the whole model (``model`` is its ``ast.dump``) was
+    frozen: ``model.requires_grad_(False)``, or ``requires_grad_(False)`` /
+    ``requires_grad = False`` on every ``p`` of ``for p in model.parameters()``."""
+    def false_flag(call: ast.Call) -> bool:
+        flag = _kwarg(call, "requires_grad", 0)
+        return isinstance(flag, ast.Constant) and flag.value is False
+
+    for call in f.calls_in(scope):
+        if _pos(call) >= before:
+            break
+        func = call.func
+        if isinstance(func, ast.Attribute) and func.attr == "requires_grad_" and false_flag(call):
+            receiver = func.value
+            if isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Attribute) and \
+                    receiver.func.attr in ("eval", "train", "to", "cuda", "cpu"):
+                receiver = receiver.func.value  # model.eval().requires_grad_(False)
+            if ast.dump(receiver) == model:
+                return True
+    for loop in _walk_local(scope):
+        if not (isinstance(loop, ast.For) and isinstance(loop.target, ast.Name) and _pos(loop) < before):
+            continue
+        it = loop.iter
+        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr == "parameters"
+                and ast.dump(it.func.value) == model):
+            continue
+        p = loop.target.id
+        for stmt in loop.body:
+            value = stmt.value if isinstance(stmt, ast.Expr) else None
+            if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                    and value.func.attr == "requires_grad_" and _dotted(value.func.value) == p and false_flag(value)):
+                return True
+            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                    and _dotted(stmt.targets[0]) == f"{p}.requires_grad"
+                    and isinstance(stmt.value, ast.Constant) and stmt.value.value is False):
+                return True
+    return False
 
 
 def _called_without_grad(f: _File, func: ast.AST) -> bool:
@@ -1848,6 +1949,8 @@ def _loss_accumulated(f: _File):
         if b is None or b[1] != "value" or b[3]:
             return False
         value = b[2]
+        if value is not None and f.no_grad(value):
+            return False  # computed under no_grad / inference_mode: it has no graph
         if isinstance(value, ast.Call) and (
                 (isinstance(value.func, ast.Attribute)
                  and value.func.attr in ("item", "detach", "tolist", "cpu", "numpy"))
@@ -1890,6 +1993,8 @@ def _loss_accumulated(f: _File):
             continue
         if f.backward_mentions(scope, acc.id):
             continue  # the sum is what gets backpropagated (gradient accumulation, multi-task)
+        if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and _called_without_grad(f, scope):
+            continue  # an evaluation helper that its callers run under no_grad
         fix = f"{acc.id}.append({loss.id}.item())" if how == "append" else f"{acc.id} += {loss.id}.item()"
         yield node, (f"`{loss.id}` accumulated into `{acc.id}` across iterations keeps every step's graph alive: "
                      f"use {fix}")
@@ -1901,14 +2006,51 @@ def _set_deterministic(f: _File):
                "torch.is_deterministic": "torch.are_deterministic_algorithms_enabled"}
     for node in f.nodes[ast.Attribute]:
         q = f.qualname(node)
-        if q in removed and not isinstance(f.parent.get(node), ast.Attribute):
+        if q in removed and not isinstance(f.parent.get(node), ast.Attribute) and not _version_guarded(f, node):
             yield node, f"{q} no longer exists (AttributeError): use {removed[q]}"
     for node in f.nodes[ast.ImportFrom]:
-        if node.module == "torch" and node.level == 0:
+        if node.module == "torch" and node.level == 0 and not _version_guarded(f, node):
             for alias in node.names:
                 if f"torch.{alias.name}" in removed:
                     new = removed["torch." + alias.name]
                     yield node, f"torch.{alias.name} no longer exists (ImportError): use {new}"
+
+
+_COMPAT_ERRORS = frozenset({"AttributeError", "ImportError", "ModuleNotFoundError", "Exception", "BaseException"})
+
+
+def _catches_compat(handler: ast.ExceptHandler) -> bool:
+    caught = handler.type
+    if caught is None:
+        return True
+    return any(_dotted(e) in _COMPAT_ERRORS for e in (caught.elts if isinstance(caught, ast.Tuple) else [caught]))
+
+
+def _version_guarded(f: _File, node: ast.AST) -> bool:
+    """Compatibility code for old torch versions: under a ``hasattr``/``getattr``/version
+    test (either branch: the other one holds the new spelling), or in a ``try`` whose
+    handler catches the AttributeError/ImportError that the new versions raise."""
+    def compat_test(test: ast.AST) -> bool:
+        for n in ast.walk(test):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("hasattr", "getattr"):
+                return True
+            name = n.attr if isinstance(n, ast.Attribute) else n.id if isinstance(n, ast.Name) else ""
+            if "version" in name.lower():
+                return True
+        return False
+
+    child = node
+    for anc in f.ancestors(node):
+        if isinstance(anc, (ast.If, ast.IfExp)) and child is not anc.test and compat_test(anc.test):
+            return True
+        if isinstance(anc, ast.Try) and child in anc.body and any(_catches_compat(h) for h in anc.handlers):
+            return True
+        if isinstance(anc, ast.ExceptHandler) and _catches_compat(anc):
+            return True  # the fallback after the new spelling failed
+        if isinstance(anc, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            break
+        child = anc
+    return False
 
 
 @_check("TT119")
