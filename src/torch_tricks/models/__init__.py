@@ -9,6 +9,8 @@ its shape. A user's own model is named ``package.module:factory`` instead.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -87,6 +89,9 @@ def load_model(ref: str, **kwargs: Any) -> tuple[nn.Module, str | None]:
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
         raise UserError(f"model reference {ref!r} must look like package.module:factory")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        # as `python -m` would: the console script's sys.path has its own folder, not the user's
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import failure is the user's to fix
