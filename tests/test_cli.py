@@ -180,3 +180,15 @@ def test_loader_tune_command_json(capsys, tmp_path):
     assert data["num_samples"] == 16
     assert data["best"]["samples_per_s"] > 0
     assert data["verdict"] in ("I/O-bound", "decode-bound", "overhead-bound", "unknown")
+
+
+def test_console_script_finds_a_factory_in_the_current_folder(tmp_path):
+    script = Path(sys.executable).parent / "torch-tricks"
+    if not script.exists():
+        pytest.skip("the torch-tricks console script is not installed beside this Python")
+    (tmp_path / "my_local_net.py").write_text(
+        "import torch.nn as nn\n\ndef build():\n    return nn.Sequential(nn.Flatten(), nn.Linear(12, 3))\n")
+    r = subprocess.run([str(script), "summary", "--model", "my_local_net:build", "--input", "12", "--json"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["totals"]["params"] == 12 * 3 + 3
