@@ -116,6 +116,11 @@ def test_bad_input_is_one_clear_error(packs):
     varying = PackedDataset(packs["jpeg"])  # no crop: samples of different shapes
     with pytest.raises(UserError, match="crops every sample to one size"):
         list(ThreadLoader(varying, 33, shuffle=False))
+    with pytest.raises(UserError, match="crops every sample to one size"):
+        varying.load_into(0, np.empty((5, 5, 3), np.uint8))
+    row = np.empty((24, 24, 3), np.uint8)
+    label = PackedDataset(varying.path, transform=crop).load_into(3, row)
+    assert np.array_equal(row, crop(varying[3][0])) and label == varying[3][1]
     with pytest.raises(UserError, match="batch_size"):
         ThreadLoader(varying, 0)
     with pytest.raises(UserError, match="num_threads"):

@@ -187,6 +187,34 @@ class PackedDataset(Dataset):
                 flat[row] = tmp[k]
                 self._cache.offer(misses[k], tmp[k])
 
+    def load_into(self, i: int, out: np.ndarray) -> int:
+        """Sample ``i`` (decoded, transformed) copied into ``out``; returns its label.
+
+        What :class:`~torch_tricks.data.threads.ThreadLoader` calls to fill a batch row: the
+        JPEG is decoded into a buffer the calling thread reuses (no allocation per image),
+        since the result is copied out at once. ``out`` must have the item's shape.
+        """
+        i = self._check(int(i))
+        buf = self._stored(i)
+        if self.storage == "raw":
+            rec = self.reader.index[i]
+            img = np.asarray(buf).reshape(int(rec["height"]), int(rec["width"]), int(rec["channels"]))
+        else:
+            try:
+                img = _dec.decode(buf, min_size=self.decode_size, decoder=self.decoder, reuse=True)
+            except _dec.DecodeError as exc:
+                raise _dec.DecodeError(f"sample {i} ({self.reader.name(i)}) of {self.path}: {exc}") from None
+        if self.transform is not None:
+            img = self.transform(img)
+        arr = img.numpy() if isinstance(img, torch.Tensor) else np.asarray(img)
+        if arr.shape != out.shape or arr.dtype != out.dtype:
+            raise UserError(
+                f"sample {i} is {tuple(arr.shape)} {arr.dtype} but the batch is {tuple(out.shape)} {out.dtype}: "
+                "give the dataset a transform that crops every sample to one size and keeps one dtype"
+            )
+        np.copyto(out, arr)
+        return self._label(i)
+
     def cache_info(self) -> dict[str, int]:
         """This process's RAM cache: ``budget``, ``samples``, ``bytes`` held, ``pid``."""
         return self._cache.info()

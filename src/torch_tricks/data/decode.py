@@ -32,6 +32,7 @@ levels and mean ``<= DECODER_TOLERANCE_MEAN``.
 from __future__ import annotations
 
 import io
+import threading
 import warnings
 from functools import lru_cache
 from typing import Any
@@ -112,6 +113,7 @@ def decode(
     min_size: int | None = None,
     decoder: str | None = None,
     name: str | None = None,
+    reuse: bool = False,
 ) -> np.ndarray:
     """Decode encoded image bytes to an ``(H, W, 3)`` uint8 RGB array.
 
@@ -120,6 +122,9 @@ def decode(
     can therefore be larger than ``min_size``: resize it afterwards.
     ``decoder``: one of :data:`DECODERS` (default: :func:`fastest_decoder`).
     ``name``: the sample's name (a path, an index) for the error message.
+    ``reuse``: decode JPEGs (with simplejpeg) into a buffer this thread reuses, saving an
+    allocation per image; the result is then overwritten by the thread's next ``reuse``
+    decode, so copy it first (what a loader writing into its batch buffer does).
 
     Raises :class:`DecodeError` for bytes that are not a readable image (truncated JPEGs
     included: every decoder is run in its strict mode).
@@ -134,6 +139,8 @@ def decode(
                 return _decode_pil(buf, info, min_size)
             return _decode_cv2(buf, None, 1)
         scale = _pick_scale(info[0], info[1], min_size)
+        if reuse and dec == "simplejpeg":
+            return _decode_simplejpeg(buf, info, scale, _scratch(-(-info[0] // scale) * -(-info[1] // scale) * 3))
         return _DECODE[dec](buf, info, scale)
     except DecodeError:
         raise
@@ -349,14 +356,26 @@ def _pick_scale(h: int, w: int, min_size: int | None) -> int:
     return 1
 
 
-def _decode_simplejpeg(buf: Any, info: tuple[int, int, int], scale: int) -> np.ndarray:
+def _decode_simplejpeg(buf: Any, info: tuple[int, int, int], scale: int, out: Any = None) -> np.ndarray:
     sj = _load("simplejpeg")
     if scale == 1:
-        return sj.decode_jpeg(buf, colorspace="RGB", strict=True)
+        return sj.decode_jpeg(buf, colorspace="RGB", strict=True, buffer=out)
     h, w = info[0], info[1]
     # simplejpeg picks the smallest libjpeg-turbo factor whose output is at least this big:
     # exactly 1/scale, since ceil(h/scale) x ceil(w/scale) is the 1/scale output size
-    return sj.decode_jpeg(buf, colorspace="RGB", min_height=-(-h // scale), min_width=-(-w // scale), strict=True)
+    return sj.decode_jpeg(buf, colorspace="RGB", min_height=-(-h // scale), min_width=-(-w // scale), strict=True,
+                          buffer=out)
+
+
+_LOCAL = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """This thread's reusable decode buffer, grown to at least ``nbytes``; a view of exactly ``nbytes``."""
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _LOCAL.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+    return buf[:nbytes]
 
 
 def _decode_turbojpeg(buf: Any, info: tuple[int, int, int], scale: int) -> np.ndarray:

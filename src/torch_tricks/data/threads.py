@@ -102,6 +102,7 @@ class ThreadLoader:
         self._skip = 0  # batches of the current epoch already consumed (set by load_state_dict)
         self._yielded = 0
         self._raw = _raw_shape(dataset)  # (H, W, C) when whole chunks can be copied in
+        self._item: tuple[tuple[int, ...], Any] | None = None  # an item's shape and dtype, once seen
 
     def __len__(self) -> int:
         n = len(self.dataset)
@@ -166,6 +167,8 @@ class ThreadLoader:
         b = _Batch(len(idx), self.pin_memory)
         if self._raw is not None:
             b.allocate(self._raw)
+        elif self._item is not None:  # every item has one shape: allocate now, decode straight into it
+            b.allocate(*self._item)
         # two chunks per thread: a slow sample delays half a thread's share, not all of it
         parts = min(len(idx), 2 * self.num_threads)
         bounds = np.linspace(0, len(idx), parts + 1).astype(int)
@@ -180,7 +183,11 @@ class ThreadLoader:
             self.dataset.read_batch_into(idx.tolist(), rows)
             b.labels[k0 : k0 + len(idx)] = self.dataset.labels[idx]
             return
+        load_into = getattr(self.dataset, "load_into", None)  # decodes straight into the row
         for k, i in enumerate(idx.tolist(), start=k0):
+            if load_into is not None and b.images is not None:
+                b.labels[k] = load_into(i, b.images[k])
+                continue
             item = self.dataset[i]
             if not isinstance(item, (tuple, list)) or len(item) != 2:
                 raise UserError(f"ThreadLoader needs (image, label) items; sample {i} is {type(item).__name__}")
@@ -188,13 +195,16 @@ class ThreadLoader:
             arr = img.numpy() if isinstance(img, torch.Tensor) else np.asarray(img)
             if b.images is None:
                 b.allocate(arr.shape, arr.dtype)
-            if arr.shape != b.images.shape[1:]:
+            if arr.shape != b.images.shape[1:] or arr.dtype != b.images.dtype:
                 raise UserError(
-                    f"sample {i} has shape {tuple(arr.shape)} but the batch has {tuple(b.images.shape[1:])}: "
-                    "give the dataset a transform that crops every sample to one size"
+                    f"sample {i} is {tuple(arr.shape)} {arr.dtype} but the batch is {tuple(b.images.shape[1:])} "
+                    f"{b.images.dtype}: give the dataset a transform that crops every sample to one size "
+                    "and keeps one dtype"
                 )
             b.images[k] = arr
             b.labels[k] = int(label)
+        if b.images is not None:
+            self._item = (tuple(b.images.shape[1:]), b.images.dtype)
 
 
 class _Batch:
