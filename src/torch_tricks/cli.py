@@ -110,6 +110,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(sp)
     sp.set_defaults(func=cmd_train)
 
+    sp = sub.add_parser("tune", help="measure every trick on your model and hardware; recommend a config (tricks.toml)")
+    model_args(sp, batch=32)
+    sp.add_argument("--optimizer", default="adamw", help="sgd, adam or adamw (default adamw)")
+    sp.add_argument("--lr", type=float, default=1e-3, help="learning rate of the measured steps (default 1e-3)")
+    sp.add_argument("--data", metavar="PATH", help="also time the data loader on this data set (a pack, an ImageFolder "
+                                                   "tree or an HDF5 file): is the step data-bound?")
+    sp.add_argument("--deploy", action="store_true", help="also measure the inference chain (fuse, int8, bf16 ...)")
+    sp.add_argument("--budget-seconds", type=float, default=120.0, help="wall-clock budget (default 120)")
+    sp.add_argument("--memory-limit", metavar="SIZE",
+                    help="e.g. 8GiB or 512MiB (default: the GPU's memory, or 80%% of the RAM available)")
+    sp.add_argument("--skip", action="append", metavar="TRICK", help="leave this trick out (repeatable)")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--out", metavar="DIR", help="write report.md, report.json, report.png and tricks.toml here")
+    sp.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    sp.set_defaults(func=cmd_tune)
+
     sp = sub.add_parser("graph", help="autograd graph as DOT/SVG, ONNX for Netron, or TensorBoard graph")
     model_args(sp)
     sp.add_argument("--out", required=True, metavar="PATH",
@@ -461,6 +477,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     if history.checkpoint:
         text.append(f"checkpoint: {history.checkpoint}")
     _emit(args, data, "\n".join(text))
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from torch_tricks.tune import example_batch, parse_size, tune
+
+    limit = parse_size(args.memory_limit) if args.memory_limit else None
+    model, inputs = _load(args)
+    batch, loss_fn = example_batch(model, inputs, seed=args.seed)
+    report = tune(model, batch, loss_fn, optimizer=args.optimizer, lr=args.lr, device=args.device,
+                  budget_s=args.budget_seconds, memory_limit=limit, data=args.data, deploy=args.deploy,
+                  seed=args.seed, progress=args.progress, name=args.model, skip=args.skip or ())
+    text = report.to_text()
+    if args.out:
+        paths = report.write(args.out)
+        text += "\nwritten: " + ", ".join(str(p) for p in paths.values())
+    _emit(args, report.to_dict(), text)
     return 0
 
 

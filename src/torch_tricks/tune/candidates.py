@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -32,7 +32,7 @@ class Candidate:
     goal: str  # "speed" | "memory" | "cost"
     ids: tuple[str, ...] = ()
     note: str = ""  # a caveat worth printing (emulated bf16 ...)
-    tricks: tuple[str, ...] = field(default=())
+    tricks: tuple[str, ...] = field(default=())  # the registered tricks it switches on
 
     def __post_init__(self) -> None:
         if not self.tricks:
@@ -47,6 +47,7 @@ class Skipped:
     ids: tuple[str, ...]
     kind: str
     reason: str
+    status: str = "skipped"  # skipped | failed
 
 
 _NOT_A_STEP_SWITCH = {
@@ -66,15 +67,25 @@ def training_candidates(
     *,
     batch: int,
     own_optimizer: bool = False,
+    skip: Sequence[str] = (),
 ) -> tuple[list[Candidate], list[Skipped]]:
-    """The candidates for ``model`` on ``device``, and every other registered trick as skipped."""
+    """The candidates for ``model`` on ``device``, and every other registered trick as skipped (or failed).
+
+    ``skip``: trick names the caller leaves out (reported as skipped, with that reason).
+    A trick whose applicability check itself raises is reported with status ``failed``.
+    """
     cands: list[Candidate] = []
     skipped: list[Skipped] = []
+    skip = set(skip)
     for trick in list_tricks():
+        if trick.name in skip:
+            skipped.append(Skipped(trick.name, trick.ids, trick.kind, "left out by the caller (skip)"))
+            continue
         if trick.kind != "train":
+            where = "--data" if trick.kind == "data" else "--deploy"
             skipped.append(Skipped(trick.name, trick.ids, trick.kind,
-                                   f"a {trick.kind} trick: measured with --{'data' if trick.kind == 'data' else 'deploy'}"
-                                   if trick.name in _MEASURED_ELSEWHERE else f"a {trick.kind} trick, not a training switch"))
+                                   f"a {trick.kind} trick: measured with {where}" if trick.name in _MEASURED_ELSEWHERE
+                                   else f"a {trick.kind} trick, not a switch of the training step"))
             continue
         if trick.config_key is None:
             skipped.append(Skipped(trick.name, trick.ids, trick.kind,
@@ -83,7 +94,12 @@ def training_candidates(
         if trick.name in _NOT_A_STEP_SWITCH:
             skipped.append(Skipped(trick.name, trick.ids, trick.kind, _NOT_A_STEP_SWITCH[trick.name]))
             continue
-        ok, why = trick.check(device)
+        try:
+            ok, why = trick.check(device)
+        except Exception as exc:
+            skipped.append(Skipped(trick.name, trick.ids, trick.kind, f"its availability check raised {_line(exc)}",
+                                   status="failed"))
+            continue
         if not ok:
             skipped.append(Skipped(trick.name, trick.ids, trick.kind, why))
             continue
@@ -91,31 +107,56 @@ def training_candidates(
         if make is None:
             skipped.append(Skipped(trick.name, trick.ids, trick.kind, "the tuner has no measurement for it yet"))
             continue
-        result = make(trick, model, inputs, device, batch, own_optimizer)
-        if isinstance(result, str):
-            skipped.append(Skipped(trick.name, trick.ids, trick.kind, result))
-        else:
-            result.ids = trick.ids
-            if why and not result.note:
-                result.note = why  # available with a caveat
-            cands.append(result)
+        try:
+            made = make(trick, model, inputs, device, batch, own_optimizer)
+        except Exception as exc:
+            skipped.append(Skipped(trick.name, trick.ids, trick.kind, f"checking whether it applies raised {_line(exc)}",
+                                   status="failed"))
+            continue
+        for item in made if isinstance(made, list) else [made]:
+            if isinstance(item, (Candidate, Skipped)) and item.name in skip:
+                skipped.append(Skipped(item.name, trick.ids, trick.kind, "left out by the caller (skip)"))
+                continue
+            if isinstance(item, Skipped):
+                item.ids, item.kind = trick.ids, trick.kind
+                skipped.append(item)
+            elif isinstance(item, str):
+                skipped.append(Skipped(trick.name, trick.ids, trick.kind, item))
+            else:
+                item.ids = trick.ids
+                if why and not item.note:
+                    item.note = why  # available with a caveat
+                cands.append(item)
     return cands, skipped
 
 
-_MEASURED_ELSEWHERE = {"packed_dataset", "loader_defaults", "fast_decode", "pack", "prefetch",
-                       "fuse_conv_bn", "int8_static", "int8_dynamic", "reparameterize", "half_precision_inference",
-                       "prune_channels", "onnx_export"}
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+# What ``tune(data=...)`` (the loader-tune: workers, pinning, a pack's batched reads, the
+# decoder's rate) and ``tune(deploy=True)`` (the deploy chains) measure.
+_MEASURED_ELSEWHERE = {"packed_dataset", "loader_defaults", "fast_decode",
+                       "fuse_conv_bn", "int8_static", "int8_dynamic", "reparameterize", "half_precision_inference"}
 
 
 # -- one maker per trick: a Candidate, or the reason it does not apply --------------------------
 
-def _precision(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+def _precision(trick: Trick, model, inputs, device, batch, own_opt) -> list[Candidate | Skipped]:
+    """bf16 and fp16 autocast, each measured where it runs, else skipped with the reason."""
     from torch_tricks.train.precision import _precision_support
 
+    out: list[Candidate | Skipped] = []
     for p in ("bf16", "fp16"):
-        if _precision_support(p, device)[0]:
-            return Candidate(trick.name, {"precision": p}, "speed")
-    return "no reduced precision runs here"
+        ok, why = _precision_support(p, device)
+        name = f"{trick.name}:{p}"
+        if ok:
+            note = "fp16 with a grad scaler" if p == "fp16" else ""
+            out.append(Candidate(name, {"precision": p}, "speed", note=note, tricks=(trick.name,)))
+        else:
+            out.append(Skipped(name, trick.ids, trick.kind, why))
+    return out
 
 
 def _channels_last(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:

@@ -5,35 +5,83 @@ on its own copy of the same initial weights:
 
 * **drift**: the first gradients, and the losses of the first few steps on fixed
   batches, against the plain fp32 run from the same seed;
-* **memory**: the peak of live tensor bytes from building the copy through two steps
-  (weights, gradients, optimizer state, EMA copy, activations): CUDA's
-  ``max_memory_allocated``, elsewhere the inspector's :class:`LiveTensors` (the CPU
-  allocator has no counter; process RSS cannot separate one step from the next);
-  the forward/backward peak measured at the batch and at half of it gives bytes per
-  sample, and so the largest batch under a memory limit (a straight-line estimate,
-  stated as such);
+* **memory**: the peak of live tensor bytes from building the copy through a step and
+  one more forward/backward with everything resident (weights, gradients, optimizer
+  state, EMA copy, activations): CUDA's ``max_memory_allocated``, elsewhere a dispatch
+  mode that counts each *newly allocated* storage once (the CPU allocator has no
+  counter, and process RSS cannot separate one configuration from the next). The
+  activation memory is what one forward keeps alive for its backward (live bytes
+  after forward + loss); the same at half the batch gives bytes per sample, and so the
+  largest batch under a memory limit (a straight-line estimate, stated as such);
 * **time**: steps timed round-robin against the baseline (see :func:`time_interleaved`),
   so drift of the machine hits all alike; compile time is the first call, apart.
+
+Switches that are process-wide rather than per model (``deterministic``,
+``cudnn_benchmark``) are set around every call of a candidate and put back after it,
+so one candidate's switch never leaks into another's timings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import math
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten
 
+from torch_tricks.inspect.memory import LiveTensors
 from torch_tricks.inspect.timing import synchronize
-from torch_tricks.train.loop import TrainStep
+from torch_tricks.train.loop import TrainStep, micro_batches
 
-__all__ = ["Runner", "Memory", "build_runner", "measure_memory", "time_interleaved", "paired_ratio", "relative_diff"]
+__all__ = ["Runner", "Memory", "TooSlow", "build_runner", "measure_memory", "time_interleaved", "paired_ratio",
+           "relative_diff", "error_line"]
 
+
+def error_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (what a report shows for a failure)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+# -- process-wide switches ---------------------------------------------------------------------
+
+def _global_state() -> tuple[bool, bool, bool, bool]:
+    return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            bool(torch.backends.cudnn.deterministic), bool(torch.backends.cudnn.benchmark))
+
+
+def _set_global_state(state: tuple[bool, bool, bool, bool]) -> None:
+    det, warn_only, cudnn_det, bench = state
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
+            det, warn_only):  # the setter is slow the first time (it imports inductor): only on change
+        torch.use_deterministic_algorithms(det, warn_only=warn_only)
+    torch.backends.cudnn.deterministic = cudnn_det
+    torch.backends.cudnn.benchmark = bench
+
+
+@contextlib.contextmanager
+def switches(config: Any) -> Iterator[None]:
+    """The process-wide switches of ``config`` (a dict or TrainConfig) inside, the previous ones after."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    before = _global_state()
+    det = bool(get("deterministic", False))
+    bench = bool(get("cudnn_benchmark", False)) and not det
+    _set_global_state((det, False, det, bench))
+    try:
+        yield
+    finally:
+        _set_global_state(before)
+
+
+# -- runners -----------------------------------------------------------------------------------
 
 @dataclass
 class Runner:
@@ -45,13 +93,24 @@ class Runner:
     first_call_s: float = 0.0
     losses: list[float] = field(default_factory=list)
     grads: list[torch.Tensor] | None = None
-    times: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)  # of the drift steps (a first estimate only)
+    probe_s: float | None = None  # one forward/backward on an eighth of the batch, before anything else
+    error: str | None = None  # set when a timed step raised: the runner is out
     _i: int = 0
 
     def __call__(self) -> torch.Tensor:
         batch = self.batches[self._i % len(self.batches)]
         self._i += 1
-        return self.step(batch)
+        with switches(self.step.config):
+            return self.step(batch)
+
+
+class TooSlow(Exception):
+    """A candidate's probe step took longer than the limit: not worth measuring further."""
+
+    def __init__(self, probe_s: float, limit_s: float) -> None:
+        super().__init__(f"a probe step took {probe_s:.3g} s, over the limit of {limit_s:.3g} s")
+        self.probe_s, self.limit_s = probe_s, limit_s
 
 
 def build_runner(
@@ -63,31 +122,62 @@ def build_runner(
     loss_fn: Callable[..., torch.Tensor] | None,
     optimizer_fn: Callable[..., torch.optim.Optimizer] | None,
     drift_steps: int = 3,
+    probe: bool = True,
+    probe_limit_s: float | None = None,
 ) -> Runner:
     """A runner on a copy of ``model`` under ``config``, with its drift figures measured.
 
-    The first call (which includes ``torch.compile``'s compilation when on) is timed
-    apart as ``first_call_s``: gradients of the first batch, then ``drift_steps`` steps.
+    With ``probe``, a forward/backward on an eighth of the first batch comes first
+    (timed as ``probe_s``; buffers such as BatchNorm statistics and the random state
+    are put back after it, so probed and unprobed runners compare); past ``probe_limit_s`` it raises
+    :class:`TooSlow` before the full-batch work (an emulated fp16 step on a CPU can
+    take 100 times the fp32 one). Then the first call (which includes
+    ``torch.compile``'s compilation when on) is timed apart as ``first_call_s``:
+    gradients of the first batch, then ``drift_steps`` steps.
     """
-    step = TrainStep(copy.deepcopy(model), loss_fn=loss_fn, optimizer=optimizer_fn, config=config)
-    r = Runner(name, step, batches)
-    dev = step.device
-    t0 = time.perf_counter()
-    r.grads = step.gradients(batches[0])
-    synchronize(dev)
-    r.first_call_s = time.perf_counter() - t0
-    for i in range(drift_steps):
-        r.losses.append(float(step(batches[i % len(batches)])))
+    with switches(config):
+        step = TrainStep(copy.deepcopy(model), loss_fn=loss_fn, optimizer=optimizer_fn, config=config)
+        r = Runner(name, step, batches)
+        dev = step.device
+        if probe:
+            small = _slice(batches[0], max(_batch_len(batches[0]) // 8, 1))
+            buffers = [(b, b.detach().clone()) for b in step.model.buffers()]
+            rng = torch.random.get_rng_state()
+            cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+            t0 = time.perf_counter()
+            step.gradients(small)
+            synchronize(dev)
+            r.probe_s = time.perf_counter() - t0
+            with torch.no_grad():
+                for b, old in buffers:
+                    b.copy_(old)
+            torch.random.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            if probe_limit_s is not None and r.probe_s > probe_limit_s:
+                raise TooSlow(r.probe_s, probe_limit_s)
+        t0 = time.perf_counter()
+        r.grads = step.gradients(batches[0])
+        synchronize(dev)
+        r.first_call_s = time.perf_counter() - t0
+        for i in range(drift_steps):
+            t0 = time.perf_counter()
+            r.losses.append(float(step(batches[i % len(batches)])))  # float() waits for the device
+            r.step_times.append(time.perf_counter() - t0)
     return r
 
 
+# -- memory ------------------------------------------------------------------------------------
+
 @dataclass
 class Memory:
-    """Peak tensor bytes of one configuration, and its bytes per sample."""
+    """Tensor bytes of one configuration."""
 
-    peak_bytes: int  # build + one step + one more forward/backward, at the batch
-    fb_peak_bytes: int  # the forward/backward part of that, with the optimizer state resident
-    bytes_per_sample: float | None  # slope of the forward/backward peak between the batch and half of it
+    peak_bytes: int  # build + two steps at the batch (the second with optimizer state), plus the batch itself
+    state_bytes: int  # live between steps: weights, optimizer state, EMA copy ...
+    activation_bytes: int | None  # kept alive by one forward (one micro-batch) for its backward
+    bytes_per_sample: float | None  # slope of the memory a step needs in the batch (see measure_memory)
+    micro_batch: int  # samples per forward: the batch / accumulate
 
 
 def measure_memory(
@@ -102,40 +192,94 @@ def measure_memory(
     """Peak tensor bytes of building a copy of ``model`` under ``config`` and training on ``batch``.
 
     Inside one measurement: the copy, the optimizer, a first step (which creates the
-    optimizer state and runs its update), then a forward/backward with everything
-    resident. With ``per_sample``, forward/backward peaks at the batch and at half of
-    it give bytes per sample (the straight line the largest-batch estimate uses). The
-    batch's own bytes are included.
+    optimizer state), then a second step with everything resident. Then, apart: the
+    activation memory of one forward at the batch and at half of it, and the peak of
+    one step at each. Bytes per sample is the larger of the two slopes (activations,
+    step peak) between the batch and half of it, per sample of a forward (of a
+    micro-batch under accumulation).
     """
     gc.collect()
     dev = _device_of(config)
     extra = _nbytes(batch)
-    half = _slice(batch, _batch_len(batch) // 2) if per_sample and _batch_len(batch) >= 2 else None
-    with _Peak(dev) as whole:
-        step = TrainStep(copy.deepcopy(model), loss_fn=loss_fn, optimizer=optimizer_fn, config=config)
-        step(batch)
-        whole.mark()
-        step.gradients(batch)
-        fb_peak = whole.since_mark()
-    slope = None
-    if half is not None and config.get("accumulate", 1) <= _batch_len(half):
-        with _Peak(dev) as full_rel:
-            step.gradients(batch)
-        with _Peak(dev) as half_rel:
-            step.gradients(half)
-        n, h = _batch_len(batch), _batch_len(half)
-        slope = max((full_rel.peak - half_rel.peak) / (n - h), 1.0)
-    del step
-    return Memory(whole.peak + extra, fb_peak + extra, slope)
+    k = max(int(config.get("accumulate", 1)), 1)
+    n = _batch_len(batch)
+    with switches(config):
+        with _Peak(dev) as whole:
+            step = TrainStep(copy.deepcopy(model), loss_fn=loss_fn, optimizer=optimizer_fn, config=config)
+            step(batch)
+            state = whole.live()
+            step(batch)  # now with the optimizer state resident
+        peak = whole.peak
+        act_full = _activation_bytes(step, batch)
+        slope = None
+        micro = _batch_len(micro_batches(batch, k)[0])
+        if per_sample and n >= 2 * k:
+            half = _slice(batch, n // 2)
+            micro_half = _batch_len(micro_batches(half, k)[0])
+            with _Peak(dev) as fb_full:
+                step(batch)
+            with _Peak(dev) as fb_half:
+                step(half)
+            act_half = _activation_bytes(step, half)
+            if micro > micro_half:
+                slopes = [(fb_full.peak - fb_half.peak) / (micro - micro_half)]
+                if act_full is not None and act_half is not None:
+                    slopes.append((act_full - act_half) / (micro - micro_half))
+                slope = max(max(slopes), 1.0)
+        del step
+    gc.collect()
+    return Memory(peak + extra, state, act_full, slope, micro)
+
+
+def _activation_bytes(step: TrainStep, batch: Any) -> int | None:
+    """Live tensor bytes one forward + loss leaves for backward (the first micro-batch of ``batch``)."""
+    if step.config.compile:
+        return None  # a compiled graph plans its own buffers; measured eagerly elsewhere
+    from torch_tricks.train.precision import autocast
+
+    t = step._trainer  # the very forward fit runs (autocast, channels_last input, checkpointed blocks)
+    mb = micro_batches(batch, step.config.accumulate)[0]
+    with _Peak(step.device) as p:
+        x, y = t._to_device(mb)
+        with autocast(step.config.precision, step.device):
+            out = t.model(*x) if isinstance(x, tuple) else t.model(x)
+            loss = t.loss_fn(out, y)
+        live = p.live()
+        del out, loss, x, y
+    return max(live, 0)
+
+
+class _NewStorages(LiveTensors):
+    """:class:`LiveTensors` that counts only storages an op *allocates*.
+
+    An op whose output shares storage with one of its inputs (a view, ``detach``,
+    ``.data``, an in-place op) allocates nothing; counting it would count weights that
+    existed before the region (``copy.deepcopy`` reads them through ``.data``,
+    checkpointing through ``detach``) as new.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_sid(t) for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and _sid(t) not in inputs:
+                self._track(t)
+        return out
+
+
+def _sid(t: torch.Tensor) -> int | None:
+    try:
+        return id(t.untyped_storage())
+    except Exception:  # tensors without storage (sparse, some subclasses)
+        return None
 
 
 class _Peak:
-    """Peak of newly allocated bytes in a region: CUDA's counters, else :class:`LiveTensors`."""
+    """Peak and live bytes allocated in a region: CUDA's counters, else :class:`_NewStorages`."""
 
     def __init__(self, dev: torch.device) -> None:
         self.dev = dev
         self.peak = 0
-        self._mark_peak = 0
 
     def __enter__(self) -> "_Peak":
         if self.dev.type == "cuda":
@@ -143,76 +287,89 @@ class _Peak:
             torch.cuda.reset_peak_memory_stats(self.dev)
             self._base = torch.cuda.memory_allocated(self.dev)
         else:
-            from torch_tricks.inspect.memory import LiveTensors
-
-            self._live = LiveTensors()
+            self._live = _NewStorages()
             self._live.__enter__()
         return self
 
-    def mark(self) -> None:
-        """Start a sub-region: :meth:`since_mark` gives the peak (of everything live) from here on."""
+    def live(self) -> int:
+        """Bytes allocated in the region and still live now."""
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
-            self._mark_peak = torch.cuda.max_memory_allocated(self.dev)
-            torch.cuda.reset_peak_memory_stats(self.dev)
-        else:
-            self._mark_peak = self._live.peak_bytes
-            self._live.peak_bytes = self._live.live_bytes
-
-    def since_mark(self) -> int:
-        if self.dev.type == "cuda":
-            torch.cuda.synchronize(self.dev)
-            return torch.cuda.max_memory_allocated(self.dev) - self._base
-        return self._live.peak_bytes
+            return torch.cuda.memory_allocated(self.dev) - self._base
+        return self._live.live_bytes
 
     def __exit__(self, *exc: Any) -> None:
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
-            self.peak = max(torch.cuda.max_memory_allocated(self.dev), self._mark_peak) - self._base
+            self.peak = torch.cuda.max_memory_allocated(self.dev) - self._base
         else:
             self._live.__exit__(*exc)
-            self.peak = max(self._live.peak_bytes, self._mark_peak)
+            self.peak = self._live.peak_bytes
 
 
-def time_interleaved(runners: list[Runner], rounds: int, *, warmup: int = 1,
-                     deadline: float = math.inf) -> int:
-    """Time one step of every runner per round, rotating the order each round; returns rounds run.
+# -- time --------------------------------------------------------------------------------------
 
-    Appends to each runner's ``times``. Stops early (after at least 3 rounds) at
-    ``deadline`` (a ``time.perf_counter()`` value).
+def time_interleaved(runners: list[Runner], rounds: int, *, warmup: int = 1, deadline: float = math.inf,
+                     min_rounds: int = 3, seed: int = 0) -> list[list[float]]:
+    """Time one step of every runner per round, in a new random order each round.
+
+    A random order rather than a rotation: with a rotation each runner always follows
+    the same neighbour, and a neighbour that leaves the CPU slower (a heavy emulated
+    fp16 step lowers the clock for a while) biases the one after it every round.
+    Returns each runner's step times of this call (one per round, in round order).
+    Stops early (after at least ``min_rounds`` rounds) at ``deadline`` (a
+    ``time.perf_counter()`` value). A runner whose step raises gets ``error`` set and
+    leaves the rotation; the others go on.
     """
+    times: list[list[float]] = [[] for _ in runners]
+    live = [i for i, r in enumerate(runners) if r.error is None]
+    rng = random.Random(seed)
     for _ in range(warmup):
-        for r in runners:
-            r()
-    done = 0
+        for i in list(live):
+            if not _call(runners[i]):
+                live.remove(i)
     for k in range(rounds):
-        if done >= 3 and time.perf_counter() > deadline:
+        if not live or (k >= min_rounds and time.perf_counter() > deadline):
             break
-        order = runners[k % len(runners):] + runners[: k % len(runners)]
-        for r in order:
+        order = list(live)
+        rng.shuffle(order)
+        for i in order:
+            r = runners[i]
             dev = r.step.device
             synchronize(dev)
             t0 = time.perf_counter()
-            r()
+            ok = _call(r)
             synchronize(dev)
-            r.times.append(time.perf_counter() - t0)
-        done += 1
-    return done
+            if ok:
+                times[i].append(time.perf_counter() - t0)
+            else:
+                live.remove(i)
+    return times
+
+
+def _call(r: Runner) -> bool:
+    try:
+        r()
+        return True
+    except Exception as exc:  # a trick that breaks mid-tune is reported, not fatal
+        r.error = error_line(exc)
+        return False
 
 
 def paired_ratio(times: list[float], base: list[float]) -> tuple[float, float]:
-    """Median of per-round time ratios to the baseline, and half their inter-quartile range.
+    """Median of per-round time ratios to the baseline, and the half-width of its ~95% interval.
 
-    Pairing by round cancels slow drift of the machine that hits both alike.
+    Pairing by round cancels slow drift of the machine that hits both alike. The
+    interval is the distribution-free one of a median (order statistics
+    ``n/2 -+ 0.98 sqrt(n)``); with fewer than 6 rounds it is the whole range.
     """
     n = min(len(times), len(base))
-    ratios = [t / b for t, b in zip(times[-n:], base[-n:]) if b > 0]
+    ratios = sorted(t / b for t, b in zip(times[:n], base[:n]) if b > 0)
     if not ratios:
         return math.nan, math.nan
-    if len(ratios) < 4:
-        return statistics.median(ratios), (max(ratios) - min(ratios)) / 2
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return statistics.median(ratios), (q3 - q1) / 2
+    m = len(ratios)
+    k = max(int(math.floor((m - 1.96 * math.sqrt(m)) / 2)), 0)
+    return statistics.median(ratios), (ratios[m - 1 - k] - ratios[k]) / 2
 
 
 def relative_diff(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> float | None:
@@ -223,6 +380,8 @@ def relative_diff(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) ->
     den = math.sqrt(sum(float(y.float().pow(2).sum()) for y in b))
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
+
+# -- helpers -----------------------------------------------------------------------------------
 
 def _nbytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):

@@ -1,11 +1,12 @@
 """The tune report: what was measured, what to switch on, and the files that say so.
 
 ``write(out_dir)`` writes ``report.md``, ``report.json``, ``report.png`` (one bar per
-measured trick: speed-up and peak memory against plain fp32, the chosen combination
-marked) and ``tricks.toml`` — the recommended :class:`TrainConfig` keys, which
+trick: speed-up and memory against plain fp32, the chosen configuration marked) and
+``tricks.toml`` — the recommended :class:`~torch_tricks.train.TrainConfig` keys, which
 ``torch-tricks train --config tricks.toml`` and ``fit(config="tricks.toml")`` take as
 they are — plus ``tricks-largest-batch.toml`` for the configuration that fits the most
-samples per step. Every figure comes from the run that made the report.
+samples per step. Every figure comes from the run that made the report; a figure that
+was not measured is absent (``null``), never filled in.
 """
 
 from __future__ import annotations
@@ -31,30 +32,48 @@ class Result:
     changes: dict[str, Any]
     ids: tuple[str, ...]
     note: str = ""
-    status: str = "pending"  # measured | skipped | failed | measured (memory)
+    status: str = "pending"  # measured | measured (memory) | skipped | failed
     reason: str = ""
     step_s: float | None = None  # median step time
     ratio: float | None = None  # median of per-round step-time ratios to plain (< 1: faster)
-    ratio_spread: float | None = None  # half the IQR of those ratios
+    ratio_half_ci: float | None = None  # half-width of the ~95% interval of that median
+    rounds: int | None = None  # timed rounds behind ratio
+    vs_current: float | None = None  # combinations: the same ratio against the configuration it extends
+    vs_current_half_ci: float | None = None
+    vs_current_name: str | None = None
     first_call_s: float | None = None  # first gradient pass: includes compile time when compile is on
+    probe_ratio: float | None = None  # too slow to measure: its probe step's time / the plain one's
     peak_bytes: int | None = None  # peak tensor bytes of build + two steps at the batch
+    state_bytes: int | None = None  # live between steps: weights, optimizer state, EMA ...
+    activation_bytes: int | None = None  # kept by one forward for its backward (one micro-batch)
     bytes_per_sample: float | None = None
-    max_batch: int | None = None  # under the memory limit, from peaks at the batch and half of it
+    max_batch: int | None = None  # under the memory limit: straight line from the batch and half of it
     grad_drift: float | None = None  # ||g - g_fp32|| / ||g_fp32|| of the first step
     loss_drift: float | None = None  # max relative loss difference over the drift steps
     losses: list[float] = field(default_factory=list)
     verdict: str = ""
+    chosen: bool = False
     runner: Any = field(default=None, repr=False, compare=False)
 
     @property
     def speedup(self) -> float | None:
         return 1.0 / self.ratio if self.ratio and not math.isnan(self.ratio) else None
 
+    @property
+    def speedup_half_ci(self) -> float | None:
+        r, h = self.ratio, self.ratio_half_ci
+        if r is None or h is None or math.isnan(r) or math.isnan(h):
+            return None
+        lo = 1.0 / (r + h)
+        hi = 1.0 / (r - h) if r > h else math.inf
+        return (hi - lo) / 2
+
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "runner"}
         d["ids"] = list(self.ids)
         d["speedup"] = self.speedup
-        return d
+        d["speedup_half_ci"] = self.speedup_half_ci
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
 
 
 @dataclass
@@ -75,7 +94,11 @@ class TuneReport:
     skipped: list[Any] = field(default_factory=list)
     best_throughput: Result | None = None
     best_batch: Result | None = None
-    noise: float = 0.0  # relative: A/A disagreement of the plain step with itself (at least 2%)
+    fits_with: str | None = None  # when the plain step is over the memory limit: what fits
+    noise: float = math.nan  # relative: the A/A disagreement of the plain step with itself
+    aa_ratio: float = math.nan  # plain (again) / plain, median of per-round ratios
+    aa_half_ci: float = math.nan
+    min_effect: float = 0.02
     rounds: int = 0
     drift_tolerance: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -85,105 +108,171 @@ class TuneReport:
 
     # -- the recommended configuration ------------------------------------------------------
     def recommended_config(self, which: str = "throughput") -> dict[str, Any]:
-        """The TrainConfig keys of the chosen configuration, every tuned key stated."""
-        from torch_tricks.tune.tuner import TUNED_KEYS
+        """The TrainConfig keys of the chosen configuration: every tuned switch, the optimizer and the batch.
+
+        ``batch_size`` is the loader batch ``fit`` takes: the tuned batch divided by
+        ``accumulate``, so the effective batch is the one measured (for ``which="batch"``,
+        the estimated largest batch).
+        """
         from torch_tricks.train.config import TrainConfig
+        from torch_tricks.tune.tuner import TUNED_KEYS
 
         best = self.best_throughput if which == "throughput" else self.best_batch
         changes = dict(best.changes) if best else {}
         defaults = TrainConfig()
         cfg: dict[str, Any] = {k: getattr(defaults, k) for k in TUNED_KEYS}
-        cfg.update({"fused_optimizer": False, "optimizer": self.optimizer})
+        cfg.update({"fused_optimizer": False, "optimizer": self.optimizer})  # the plain step the tune measured
         cfg.update(changes)
         k = int(cfg.get("accumulate", 1))
         batch = self.batch if which == "throughput" or not (best and best.max_batch) else best.max_batch
         cfg["batch_size"] = max(batch // k, 1)
         return cfg
 
+    def recommended_tricks(self, which: str = "throughput") -> list[str]:
+        """The switches the recommendation turns on (``key=value`` for non-boolean ones)."""
+        cfg = self.recommended_config(which)
+        from torch_tricks.train.config import TrainConfig
+        from torch_tricks.tune.tuner import TUNED_KEYS
+
+        plain = {**{k: getattr(TrainConfig(), k) for k in TUNED_KEYS}, "fused_optimizer": False}
+        out = []
+        for k in TUNED_KEYS:
+            if cfg[k] != plain[k]:
+                out.append(k if cfg[k] is True else f"{k}={cfg[k]}")
+        return out
+
     def tricks_toml(self, which: str = "throughput") -> str:
         best = self.best_throughput if which == "throughput" else self.best_batch
         cfg = self.recommended_config(which)
-        lines = [f"# torch-tricks tune: {self.model}, batch {self.batch}, {self.device}",
-                 f"# chosen for {'throughput' if which == 'throughput' else 'the largest batch'}: "
-                 f"{best.name if best else 'plain'}" + (f" ({best.speedup:.2f}x the plain step)" if best and best.speedup else ""),
+        on = self.recommended_tricks(which)
+        head = f"# torch-tricks tune: {self.model}, batch {self.batch}, {self.device}, {self.optimizer}"
+        if which == "throughput":
+            why = "throughput under the memory limit"
+            if best is None or best is self.baseline:
+                what = "the plain fp32 step (no trick was faster beyond the noise)"
+            else:
+                what = best.name + (f" ({best.speedup:.2f}x the plain step)" if best.speedup else "")
+        else:
+            why = "the largest batch under the memory limit"
+            what = (best.name if best else "plain") + (
+                f"; batch_size is a straight-line estimate ({best.max_batch}), not a run at that size"
+                if best and best.max_batch else "")
+        lines = [head, f"# chosen for {why}: {what}",
+                 f"# switched on: {', '.join(on) if on else 'nothing'}; every tuned switch is stated",
                  "# use: torch-tricks train --config tricks.toml   or   fit(model, data, config='tricks.toml')",
                  "[train]"]
-        for k, v in cfg.items():
-            lines.append(f"{k} = {_toml_value(v)}")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in cfg.items()]
         return "\n".join(lines) + "\n"
 
     # -- views --------------------------------------------------------------------------------
+    HEADERS = ["trick", "ids", "goal", "speed-up", "step", "peak memory", "activations", "max batch",
+               "drift grad / loss", "verdict"]
+
     def rows(self) -> list[list[str]]:
-        """Table rows: baseline, each trick, each combination, each skipped trick."""
+        """Table rows: baseline, its A/A twin, each trick, each combination, each skipped trick."""
         out = []
-        for r in ([self.baseline] if self.baseline else []) + self.results + self.combos:
-            out.append([r.name, ",".join(r.ids), r.goal, _ratio(r), _fmt_s(r.step_s), _mem(r), _maxb(r),
-                        _drift(r), r.verdict or r.status + (f": {r.reason}" if r.reason else "")])
+        if self.baseline:
+            out.append(self._row(self.baseline))
+            if not math.isnan(self.aa_ratio):
+                out.append(["plain again (A/A)", "", "noise", f"{1 / self.aa_ratio:.2f}x ±{self.aa_half_ci:.2f}",
+                            "", "", "", "", "", "the noise: identical steps"])
+        for r in self.results + self.combos:
+            out.append(self._row(r))
         for s in self.skipped:
-            out.append([s.name, ",".join(s.ids), s.kind, "", "", "", "", "", f"skipped: {s.reason}"])
+            out.append([s.name, ",".join(s.ids), s.kind, "", "", "", "", "", "",
+                        f"{getattr(s, 'status', 'skipped')}: {s.reason}"])
         return out
 
-    HEADERS = ["trick", "ids", "goal", "speed-up", "step", "peak memory", "max batch", "drift (grad/loss)", "verdict"]
+    def _row(self, r: Result) -> list[str]:
+        if r.status in ("skipped", "failed"):
+            verdict = f"{r.status}: {r.reason}"
+        else:
+            verdict = r.verdict or r.status
+            if r.reason:
+                verdict += f" ({r.reason})"
+        if r.chosen:
+            verdict = "* recommended: " + verdict
+        return [r.name, ",".join(r.ids), r.goal, _speedup(r), _fmt_s(r.step_s), _bytes(r.peak_bytes),
+                _bytes(r.activation_bytes), _maxb(r), _drift(r), verdict]
 
     def summary_lines(self) -> list[str]:
         b = self.baseline
-        lines = [f"{self.model}: batch {self.batch}, {self.device}, {self.optimizer}; memory limit "
-                 f"{human_bytes(self.memory_limit)} ({self.memory_limit_source}); "
-                 f"{self.rounds} interleaved rounds; noise ±{self.noise:.1%} (plain vs plain)"]
+        noise = "n/a" if math.isnan(self.noise) else f"±{self.noise:.1%}"
+        lines = [f"{self.model}: batch {self.batch}, input {self.inputs}, {self.device}, {self.optimizer}; "
+                 f"memory limit {human_bytes(self.memory_limit)} ({self.memory_limit_source})",
+                 f"{self.rounds} interleaved rounds; noise {noise} (plain vs plain, A/A); a trick is called faster or "
+                 f"slower only beyond the larger of the noise, its own 95% interval and {self.min_effect:.0%}"]
         if b and b.step_s:
-            lines.append(f"plain fp32 step: {_fmt_s(b.step_s)}, peak {_bytes(b.peak_bytes)}")
+            lines.append(f"plain fp32 step: {_fmt_s(b.step_s)}, peak {_bytes(b.peak_bytes)} "
+                         f"(state {_bytes(b.state_bytes)}, activations {_bytes(b.activation_bytes)})")
         bt = self.best_throughput
         if bt is not None:
             if bt is b:
                 lines.append("throughput: no trick is faster beyond the noise here: keep the plain step")
             else:
-                lines.append(f"throughput: {bt.name}: {_ratio(bt)} the plain step"
+                lines.append(f"throughput: {bt.name}: {_speedup(bt)} the plain step"
                              + (f", peak {_bytes(bt.peak_bytes)}" if bt.peak_bytes else ""))
+        for r in self.results + self.combos:
+            if r.changes.get("compile") and r.status == "measured" and r.first_call_s is not None:
+                lines.append(f"compile ({r.name}): first call {r.first_call_s:.1f} s (compilation), apart from the step "
+                             "times; its memory is not measured (the eager figures do not apply)")
+        if self.fits_with:
+            lines.append(f"memory: the plain step does not fit under the limit; it fits with {self.fits_with}")
         bb = self.best_batch
         if bb is not None and bb.max_batch is not None:
             lines.append(f"largest batch under the limit: {bb.max_batch} with {bb.name}"
                          + (f" (plain: {b.max_batch})" if b and b.max_batch is not None and bb is not b else "")
-                         + " (straight-line estimate from peaks at the batch and half of it)")
+                         + " (straight-line estimate from the batch and half of it)")
         lines += [f"note: {n}" for n in self.notes]
-        if self.data and self.data.get("summary"):
-            lines.append(f"data: {self.data['summary']}")
+        if self.data:
+            lines.append("data: " + (self.data.get("summary") or f"{self.data.get('status')}: {self.data.get('reason', '')}"))
         if self.deploy:
             for s in self.deploy.get("steps", []):
                 lines.append("deploy " + "+".join(s["steps"]) + ": " + _deploy_line(s))
+        on = self.recommended_tricks("throughput") if self.baseline else []
+        lines.append(f"tricks.toml switches on: {', '.join(on) if on else 'nothing (the plain step)'}")
         lines.append(f"tune took {self.elapsed_s:.0f} s (budget {self.budget_s:.0f} s)")
         return lines
 
     def to_text(self) -> str:
-        return "\n".join([table(self.HEADERS, self.rows(), "llllrrrll"), ""] + self.summary_lines())
+        return "\n".join([table(self.HEADERS, self.rows(), "llllrrrrll"), ""] + self.summary_lines())
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model, "batch": self.batch, "inputs": self.inputs, "device": self.device,
             "optimizer": self.optimizer, "memory_limit": self.memory_limit,
             "memory_limit_source": self.memory_limit_source, "budget_s": self.budget_s,
-            "elapsed_s": self.elapsed_s, "noise": self.noise, "rounds": self.rounds,
-            "drift_tolerance": self.drift_tolerance,
+            "elapsed_s": self.elapsed_s, "rounds": self.rounds,
+            "noise": _num(self.noise), "aa_ratio": _num(self.aa_ratio), "aa_half_ci": _num(self.aa_half_ci),
+            "min_effect": self.min_effect, "drift_tolerance": self.drift_tolerance,
             "baseline": self.baseline.to_dict() if self.baseline else None,
             "results": [r.to_dict() for r in self.results],
             "combinations": [r.to_dict() for r in self.combos],
-            "skipped": [{"name": s.name, "ids": list(s.ids), "kind": s.kind, "reason": s.reason} for s in self.skipped],
+            "skipped": [{"name": s.name, "ids": list(s.ids), "kind": s.kind, "status": getattr(s, "status", "skipped"),
+                         "reason": s.reason} for s in self.skipped],
             "best_throughput": self.best_throughput.name if self.best_throughput else None,
             "best_batch": self.best_batch.name if self.best_batch else None,
-            "recommended": self.recommended_config("throughput"),
-            "recommended_largest_batch": self.recommended_config("batch"),
+            "fits_with": self.fits_with,
+            "recommended": self.recommended_config("throughput") if self.baseline else None,
+            "recommended_tricks": self.recommended_tricks("throughput") if self.baseline else None,
+            "recommended_largest_batch": self.recommended_config("batch") if self.baseline else None,
             "notes": self.notes, "data": self.data, "deploy": self.deploy,
         }
 
     def to_markdown(self) -> str:
         head = "| " + " | ".join(self.HEADERS) + " |\n|" + "---|" * len(self.HEADERS) + "\n"
         body = "".join("| " + " | ".join(c.replace("|", "/") for c in row) + " |\n" for row in self.rows())
-        return (f"# torch-tricks tune: {self.model}\n\n" + "\n".join(f"- {l}" for l in self.summary_lines())
-                + "\n\n## Every trick\n\n" + head + body
-                + "\nSpeed-up: median of per-round ratios of the plain step time to the trick's, steps timed "
-                  "round-robin in one run. Peak memory: tensor bytes from building the model through two steps. "
-                  "Drift: relative gradient difference of the first step and loss difference after "
-                  f"{len(self.baseline.losses) if self.baseline else 0} steps, against fp32 from the same seed "
-                  f"(tolerance {self.drift_tolerance}).\n\n![speed-up and memory per trick](report.png)\n\n"
+        n_drift = len(self.baseline.losses) if self.baseline else 0
+        return (f"# torch-tricks tune: {self.model}\n\n" + "\n".join(f"- {line}" for line in self.summary_lines())
+                + "\n\n![speed-up and memory per trick](report.png)\n\n## Every trick\n\n" + head + body
+                + "\n**Speed-up**: plain step time / the trick's, the median of per-round ratios, all steps timed "
+                  "round-robin in one run (± half the ~95% interval of that median). The *plain again* row is a "
+                  "second, identical plain step: its disagreement with the first is the noise. **Peak memory**: "
+                  "tensor bytes from building the model copy through two steps (weights, gradients, optimizer "
+                  "state, activations, the batch). **Activations**: what one forward keeps alive for backward. "
+                  "**Max batch**: under the memory limit, a straight line through the batch and half of it. "
+                  f"**Drift**: relative gradient difference of the first step and loss difference over {n_drift} steps, "
+                  f"against fp32 from the same seed (tolerance {self.drift_tolerance}).\n\n"
                   "## Recommended config (`tricks.toml`)\n\n```toml\n" + self.tricks_toml() + "```\n")
 
     # -- files --------------------------------------------------------------------------------
@@ -192,48 +281,71 @@ class TuneReport:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = {name: out / name for name in ("report.md", "report.json", "tricks.toml", "tricks-largest-batch.toml")}
+        png = self.plot(out / "report.png")  # first: a missing matplotlib adds a note the others carry
+        if png is not None:
+            paths["report.png"] = png
         with atomic_path(paths["report.json"]) as tmp:
             tmp.write_text(json.dumps(self.to_dict(), indent=2, default=str))
         with atomic_path(paths["tricks.toml"]) as tmp:
             tmp.write_text(self.tricks_toml("throughput"))
         with atomic_path(paths["tricks-largest-batch.toml"]) as tmp:
             tmp.write_text(self.tricks_toml("batch"))
-        png = self.plot(out / "report.png")
-        if png is not None:
-            paths["report.png"] = png
         with atomic_path(paths["report.md"]) as tmp:
             tmp.write_text(self.to_markdown())
         return paths
 
     def plot(self, path: str | Path) -> Path | None:
-        """Bar chart: speed-up and peak memory per measured trick and the chosen combination."""
+        """Bars per trick: speed-up (with its interval) and peak / activation memory against plain fp32."""
         try:
             import matplotlib
 
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            self.notes.append("no plot: matplotlib is not installed (pip install 'torch-tricks[plot]')")
+            self.notes.append("no plot: matplotlib is not installed (pip install matplotlib)")
             return None
-        rows = [r for r in self.results if r.status == "measured"]
+        rows = list(self.results)
         chosen = self.best_throughput
         if chosen is not None and chosen is not self.baseline and chosen not in rows:
             rows.append(chosen)
-        names = [r.name + (" *" if r is chosen else "") for r in rows]
+        if self.fits_with:
+            fit = next((r for r in self.combos if r.name == self.fits_with), None)
+            if fit is not None and fit not in rows:
+                rows.append(fit)
+        names = [("* " if r is chosen else "") + r.name for r in rows]
         base_peak = self.baseline.peak_bytes if self.baseline else None
+        base_act = self.baseline.activation_bytes if self.baseline else None
         speed = [r.speedup or 0.0 for r in rows]
-        mem = [(r.peak_bytes / base_peak) if (r.peak_bytes and base_peak) else 0.0 for r in rows]
-        fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.8), sharey=True)
-        colors = ["tab:orange" if r is chosen else "tab:blue" for r in rows]
-        axes[0].barh(names, speed, color=colors)
+        err = [r.speedup_half_ci or 0.0 for r in rows]
+        peak = [(r.peak_bytes / base_peak) if (r.peak_bytes and base_peak) else 0.0 for r in rows]
+        act = [(r.activation_bytes / base_act) if (r.activation_bytes is not None and base_act) else 0.0 for r in rows]
+        fig, axes = plt.subplots(1, 2, figsize=(13, 0.5 * len(rows) + 2.2), sharey=True)
+        colors = ["tab:orange" if r is chosen else ("tab:red" if r.status == "failed" else "tab:blue") for r in rows]
+        y = list(range(len(rows)))
+        axes[0].barh(y, speed, xerr=err, color=colors, capsize=2)
         axes[0].axvline(1.0, color="k", lw=1)
-        axes[0].axvspan(1 - 2 * self.noise, 1 + 2 * self.noise, color="grey", alpha=0.2, label="noise")
+        if not math.isnan(self.noise):
+            band = max(self.noise, self.min_effect)
+            axes[0].axvspan(1 - band, 1 + band, color="grey", alpha=0.25, label=f"noise ±{band:.0%}")
+            axes[0].legend(loc="lower right", fontsize=8)
         axes[0].set_xlabel("training-step speed-up vs plain fp32 (higher is better)")
-        axes[0].legend(loc="lower right")
-        axes[1].barh(names, mem, color=colors)
+        h = 0.38
+        axes[1].barh([v - h / 2 for v in y], peak, height=h, color=colors, label="peak")
+        axes[1].barh([v + h / 2 for v in y], act, height=h, color=colors, alpha=0.45, label="activations")
         axes[1].axvline(1.0, color="k", lw=1)
-        axes[1].set_xlabel("peak memory vs plain fp32 (lower is better; 0 = not measured)")
-        fig.suptitle(f"torch-tricks tune: {self.model}, batch {self.batch}, {self.device} (* = recommended)")
+        axes[1].set_xlabel("memory vs plain fp32: peak (solid), activations (light); lower is better")
+        axes[1].legend(loc="lower right", fontsize=8)
+        for i, r in enumerate(rows):
+            if r.status in ("skipped", "failed") or r.speedup is None:
+                axes[0].text(0.02, i, r.status if r.status in ("skipped", "failed") else "not timed",
+                             va="center", fontsize=8, color="tab:red" if r.status == "failed" else "dimgray",
+                             transform=axes[0].get_yaxis_transform())
+        axes[0].set_yticks(y)
+        axes[0].set_yticklabels(names)
+        axes[0].invert_yaxis()
+        noise = "" if math.isnan(self.noise) else f", noise ±{self.noise:.1%}"
+        fig.suptitle(f"torch-tricks tune: {self.model}, batch {self.batch}, {self.device}{noise} "
+                     "(* = recommended, orange)")
         fig.tight_layout()
         p = Path(path)
         with atomic_path(p) as tmp:
@@ -244,6 +356,10 @@ class TuneReport:
 
 # -- formatting --------------------------------------------------------------------------------
 
+def _num(x: float) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -252,10 +368,11 @@ def _toml_value(v: Any) -> str:
     return json.dumps(str(v))
 
 
-def _ratio(r: Result) -> str:
+def _speedup(r: Result) -> str:
     if r.speedup is None:
         return ""
-    spread = f" ±{r.ratio_spread:.2f}" if r.ratio_spread else ""
+    h = r.speedup_half_ci
+    spread = f" ±{h:.2f}" if h is not None and math.isfinite(h) else ""
     return f"{r.speedup:.2f}x{spread}"
 
 
@@ -266,15 +383,11 @@ def _fmt_s(s: float | None) -> str:
 
 
 def _bytes(n: float | None) -> str:
-    return human_bytes(n) if n is not None else "n/a"
-
-
-def _mem(r: Result) -> str:
-    return human_bytes(r.peak_bytes) if r.peak_bytes is not None else ""
+    return human_bytes(n) if n is not None else ""
 
 
 def _maxb(r: Result) -> str:
-    return str(r.max_batch) if r.max_batch is not None else ""
+    return f"{r.max_batch:,}" if r.max_batch is not None else ""
 
 
 def _drift(r: Result) -> str:
@@ -286,10 +399,20 @@ def _drift(r: Result) -> str:
 
 
 def _deploy_line(s: dict[str, Any]) -> str:
-    if s.get("status") != "measured":
+    if s.get("status") not in ("measured", "no change"):
         return f"{s.get('status')}: {s.get('reason', '')}"
     parts = []
-    for key in ("speedup_b1", "speedup", "max_abs_diff", "top1_agreement"):
-        if key in s and s[key] is not None:
-            parts.append(f"{key} {s[key]:.3g}" if isinstance(s[key], float) else f"{key} {s[key]}")
+    sp = s.get("speedup") or {}
+    parts += [f"{v:.2f}x at batch {k}" for k, v in sp.items() if isinstance(v, (int, float))]
+    ag = s.get("agreement") or {}
+    if ag.get("max_abs_diff") is not None:
+        parts.append(f"max abs diff {ag['max_abs_diff']:.2g}")
+    if ag.get("top1_agreement") is not None:
+        parts.append(f"top-1 agreement {ag['top1_agreement']:.0%}")
+    if s.get("within_tolerance") is not None:
+        parts.append("within tolerance" if s["within_tolerance"] else "OUTSIDE its tolerance")
+    if s.get("size_bytes") and s.get("original_size_bytes"):
+        parts.append(f"size {s['size_bytes'] / s['original_size_bytes']:.2f}x")
+    if s.get("status") == "no change":
+        parts.insert(0, "changed nothing")
     return ", ".join(parts) or "measured"

@@ -1,37 +1,47 @@
 """``tune``: measure every applicable trick on the user's model and hardware, then recommend.
 
-The plan, inside ``budget_s``:
+The plan, inside ``budget_s`` (each phase gets a share of what is left when it starts):
 
-1. build the plain fp32 baseline (a model that cannot run the input stops here, with
-   one line); time one step to size the rest of the plan;
+1. the plain fp32 baseline (a model that cannot run the input stops here, with one
+   line), and a second, identical baseline: the A/A pair whose disagreement is the
+   stated noise;
 2. for each candidate trick (see :mod:`torch_tricks.tune.candidates`): drift against
-   fp32 from the same seed, peak memory at the batch and at half of it, then all
-   candidates' steps timed round-robin with the baseline *twice* (an A/A pair whose
-   disagreement is the stated noise);
-3. greedy combinations: the fastest trick that fits the memory limit, plus the next
-   one while the pair is faster beyond the noise; if the plain step does not fit the
-   memory limit, memory tricks and micro-batching (accumulation) until one fits;
-4. the largest batch: all memory tricks that cut bytes per sample, together;
-5. with ``data``, the loader; with ``deploy``, the inference chain.
+   fp32 from the same seed, and memory (peak, activations, bytes per sample);
+3. all candidates' steps timed round-robin with both baselines, rotating the order
+   every round (so drift of the machine hits all alike);
+4. greedy combinations for throughput: the fastest trick that fits the memory limit,
+   plus the next one while the pair beats the current best beyond the noise, each
+   timed against it side by side. If the plain step does not fit the memory limit:
+   first the single tricks that fit, else the memory tricks together, then with
+   micro-batches (accumulation), until one fits;
+5. the largest batch: all memory tricks that cut bytes per sample, together;
+6. ``compile`` on top of the best configuration (one compilation), if the budget allows;
+7. with ``data``, the loader; with ``deploy``, the inference chain.
 
-A trick that fails is recorded with its reason and the tune goes on.
+A trick that fails (while checking, building, or in the middle of timing) is recorded
+as failed with its reason, and the tune goes on. Nothing is printed; the progress bar
+goes to stderr.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import statistics
 import time
-from typing import Any, Callable
+import warnings
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from torch_tricks.errors import UserError
-from torch_tricks.tune.candidates import training_candidates
+from torch_tricks.tune.candidates import Candidate, training_candidates
 from torch_tricks.tune.measure import (
     Runner,
+    TooSlow,
     build_runner,
+    error_line,
     measure_memory,
     paired_ratio,
     relative_diff,
@@ -39,7 +49,7 @@ from torch_tricks.tune.measure import (
 )
 from torch_tricks.tune.report import Result, TuneReport
 
-__all__ = ["tune", "TUNED_KEYS", "DRIFT_TOLERANCE"]
+__all__ = ["tune", "example_batch", "parse_size", "TUNED_KEYS", "DRIFT_TOLERANCE", "MIN_EFFECT"]
 
 # The config keys the tuner decides; tricks.toml states every one of them.
 TUNED_KEYS = ("precision", "channels_last", "checkpointing", "compile", "fused_optimizer", "inplace",
@@ -51,7 +61,12 @@ TUNED_KEYS = ("precision", "channels_last", "checkpointing", "compile", "fused_o
 # random batches (cancellation in BatchNorm's backward) and a few % on the loss: these
 # bounds catch broken numerics (overflow, a wrong accumulation), not ordinary rounding.
 DRIFT_TOLERANCE = {"grad": 0.5, "loss": 0.1}
-_COMPILE_RESERVE_S = 60.0  # seconds kept for torch.compile's first call on a small CPU
+# Effects smaller than this are not called faster/slower even when the A/A noise is smaller.
+MIN_EFFECT = 0.02
+# A candidate whose probe step (an eighth of the batch) takes this many times the plain one is
+# reported slower from the probe and not measured further (emulated fp16 on a CPU: ~100x).
+SLOW_FACTOR = 10.0
+_MIN_ROUNDS = 5
 
 
 def tune(
@@ -70,282 +85,577 @@ def tune(
     seed: int = 0,
     progress: bool = True,
     name: str = "",
+    skip: Sequence[str] = (),
 ) -> TuneReport:
     """Measure the training tricks on ``model_fn()`` with ``example_batch`` = ``(inputs, target)``.
 
-    ``loss_fn(output, target)`` defaults to cross-entropy; ``optimizer_fn(params)`` to
-    the ``optimizer`` by name with ``fit``'s no-decay groups. ``memory_limit`` in bytes
-    (default: CUDA's total memory, or 80% of the RAM available now). Returns a
-    :class:`TuneReport`; nothing is printed (the progress bar goes to stderr).
+    ``inputs`` is a tensor or a tuple of positional inputs, with the batch first.
+    ``loss_fn(output, target)`` must return the mean loss of the batch (default
+    cross-entropy); ``optimizer_fn(params)`` builds the optimizer (default: the
+    ``optimizer`` by name with ``fit``'s no-decay groups). ``memory_limit`` in bytes
+    (default: CUDA's total memory, or 80% of the RAM available now). ``data``: a
+    dataset path for the loader measurement; ``deploy``: also measure the inference
+    chain. ``skip``: trick names to leave out. Returns a :class:`TuneReport`; nothing
+    is printed (the progress bar goes to stderr; ``progress=False`` hides it).
     """
     t_start = time.perf_counter()
-    deadline = t_start + float(budget_s)
-    dev = torch.device(device)
+    if not budget_s or budget_s <= 0:
+        raise UserError("--budget-seconds must be > 0")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device cuda asked for, but this torch sees no CUDA device: use --device cpu")
-    if budget_s <= 0:
-        raise UserError("--budget-seconds must be > 0")
+    if not (isinstance(example_batch, (tuple, list)) and len(example_batch) == 2):
+        raise UserError("example_batch must be a pair (inputs, target)")
+    from torch_tricks.registry import get_trick
     from torch_tricks.train.seed import seed_everything
 
+    for name_ in skip:
+        get_trick(name_.split(":")[0])  # an unknown name is a UserError listing the tricks
     seed_everything(seed)
-    model = model_fn() if not isinstance(model_fn, nn.Module) else copy.deepcopy(model_fn)
-    inputs, target = example_batch
-    inputs_t = inputs if isinstance(inputs, tuple) else (inputs,)
-    batch = int(target.shape[0]) if isinstance(target, torch.Tensor) else len(target)
-    limit, limit_source = _memory_limit(memory_limit, dev)
-    base_cfg = {"optimizer": optimizer, "lr": lr, "fused_optimizer": False, "device": str(dev), "seed": seed,
-                "batch_size": batch}
-    batches = [_move(example_batch, dev)]
-    kw = {"loss_fn": loss_fn, "optimizer_fn": optimizer_fn}
-
-    cands, skipped = training_candidates(model, inputs_t, dev, batch=batch, own_optimizer=optimizer_fn is not None)
-    report = TuneReport(model=name or type(model).__name__, batch=batch, device=str(dev), optimizer=optimizer,
-                        memory_limit=limit, memory_limit_source=limit_source, budget_s=float(budget_s),
-                        skipped=skipped, drift_tolerance=dict(DRIFT_TOLERANCE),
-                        inputs=[list(t.shape[1:]) for t in inputs_t if isinstance(t, torch.Tensor)])
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=len(cands) + 5, desc="tune", unit="step", disable=not progress, leave=False)
-    try:
-        # 1. the baseline, and its A/A twin; a model that cannot run the input stops here
-        bar.set_postfix_str("baseline")
+    if isinstance(model_fn, nn.Module):
+        model = copy.deepcopy(model_fn)
+    else:
         try:
-            base = build_runner("plain", model, base_cfg, batches, **kw)
+            model = model_fn()
         except UserError:
             raise
         except Exception as exc:
-            raise UserError(f"{report.model} cannot run a training step on the given input: {_line(exc)}") from None
-        base_twin = build_runner("plain (again)", model, base_cfg, batches, **kw)
-        base_res = Result("plain", "baseline", {}, (), status="measured", verdict="baseline")
-        _memory_into(base_res, model, base_cfg, batches[0], limit, kw)
-        base_res.first_call_s = base.first_call_s
-        base_res.losses = base.losses
-        report.baseline = base_res
-        bar.update(1)
-        step_s = _quick_step_time(base)
+            raise UserError(f"building the model raised {error_line(exc)}") from None
+        if not isinstance(model, nn.Module):
+            raise UserError(f"model_fn returned {type(model).__name__}, not an nn.Module")
+    inputs, target = example_batch
+    inputs_t = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    batch = int(target.shape[0]) if isinstance(target, torch.Tensor) and target.dim() > 0 else len(target)
+    limit, limit_source = _memory_limit(memory_limit, dev)
+    base_cfg = {"optimizer": optimizer, "lr": lr, "fused_optimizer": False, "device": str(dev), "seed": seed,
+                "batch_size": batch}
+    report = TuneReport(model=name or type(model).__name__, batch=batch, device=str(dev), optimizer=optimizer,
+                        memory_limit=limit, memory_limit_source=limit_source, budget_s=float(budget_s),
+                        drift_tolerance=dict(DRIFT_TOLERANCE), min_effect=MIN_EFFECT,
+                        inputs=[list(t.shape[1:]) for t in inputs_t if isinstance(t, torch.Tensor)])
+    batches = [_move((inputs if isinstance(inputs, torch.Tensor) else inputs_t, target), dev)]
+    kw = {"loss_fn": loss_fn, "optimizer_fn": optimizer_fn}
+    cands, skipped = training_candidates(model, inputs_t, dev, batch=batch, own_optimizer=optimizer_fn is not None,
+                                         skip=skip)
+    report.skipped = skipped
 
-        # 2. every candidate alone (compile apart, at the end): drift and memory now, time together below
-        compile_cand = next((c for c in cands if c.name == "compile"), None)
-        runners: list[Runner] = [base, base_twin]
-        results: list[Result] = []
-        for c in cands:
-            res = Result(c.name, c.goal, c.changes, c.ids, note=c.note)
-            results.append(res)
-            if c is compile_cand:
-                continue
-            bar.set_postfix_str(c.name)
-            if deadline - time.perf_counter() < 12 * step_s * (len(runners) + 1):
-                res.status, res.reason = "skipped", "over --budget-seconds before it could be measured: raise it"
-                bar.update(1)
-                continue
-            try:
-                cfg = {**base_cfg, **c.changes}
-                r = build_runner(c.name, model, cfg, batches, **kw)
-                _drift_into(res, r, base)
-                _memory_into(res, model, cfg, batches[0], limit, kw)
-                runners.append(r)
-                res.runner = r
-            except Exception as exc:
-                res.status, res.reason = "failed", _line(exc)
-            bar.update(1)
+    from tqdm.auto import tqdm
 
-        # 3. all of them timed round-robin with the baseline twice (the A/A pair gives the noise)
-        bar.set_postfix_str("timing")
-        reserve = _COMPILE_RESERVE_S if compile_cand is not None else 0.0
-        left = deadline - time.perf_counter() - reserve
-        rounds = _rounds(runners, step_s, time.perf_counter() + 0.6 * max(left, 0.0))
-        report.rounds = time_interleaved(runners, rounds, deadline=time.perf_counter() + 0.6 * max(left, 0.0))
-        bar.update(1)
-        aa_ratio, aa_spread = paired_ratio(base_twin.times, base.times)
-        report.noise = max(abs(aa_ratio - 1.0), aa_spread, 0.02)
-        base_res.step_s = _median(base.times)
-        base_res.ratio = 1.0
-        for res in results:
-            if res.runner is not None and res.runner.times:
-                res.step_s = _median(res.runner.times)
-                res.ratio, res.ratio_spread = paired_ratio(res.runner.times, base.times)
-                res.status = "measured"
-                res.verdict = _verdict(res, report.noise, limit)
-            elif res.status == "pending" and res.name != "compile":
-                res.status, res.reason = "skipped", "over --budget-seconds before it could be timed"
-        report.results = results
-
-        # 4. combinations for throughput (under the memory limit), and for the largest batch
-        bar.set_postfix_str("combinations")
-        _best_throughput(report, model, base_cfg, batches, base, kw, deadline - reserve, limit)
-        bar.update(1)
-        _largest_batch(report, model, base_cfg, batches, kw, limit, deadline - reserve)
-        bar.update(1)
-        for res in results:
-            res.runner = None
-        del runners
-
-        # 5. compile, on top of the best configuration so far: one compilation, timed against both
-        if compile_cand is not None:
-            bar.set_postfix_str("compile")
-            _try_compile(report, compile_cand, model, base_cfg, batches, base, kw, deadline, limit)
-            bar.update(1)
-
-        # 6. data and deploy
-        if data:
-            bar.set_postfix_str("data")
-            report.data = _measure_data(data, report, deadline)
-        if deploy:
-            bar.set_postfix_str("deploy")
-            report.deploy = _measure_deploy(model, inputs_t, deadline)
+    total = 4 + len(cands) + bool(data) + bool(deploy)
+    bar = tqdm(total=total, desc="tune", unit="phase", disable=not progress, leave=False)
+    job = _Tune(model, batches, base_cfg, kw, limit, report, bar, t_start, float(budget_s), bool(data), bool(deploy))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch/inductor chatter would break the report's table
+            job.run(cands, data)
     finally:
         bar.close()
     report.elapsed_s = time.perf_counter() - t_start
     return report
 
 
-# -- combinations ------------------------------------------------------------------------------
+class _Tune:
+    """One tune's state: the runners, the deadlines of its phases, the report it fills."""
 
-def _best_throughput(report: TuneReport, model, base_cfg, batches, base: Runner, kw, deadline, limit) -> None:
-    report.best_throughput = report.baseline
-    """Greedy: the fastest fitting trick, plus the next fastest while the pair beats it beyond the noise."""
-    fits = lambda r: r.peak_bytes is None or r.peak_bytes <= limit  # noqa: E731
-    good = [r for r in report.results if r.verdict == "faster" and r.goal == "speed" and fits(r)]
-    good.sort(key=lambda r: r.ratio)
-    plain_fits = report.baseline.peak_bytes is None or report.baseline.peak_bytes <= limit
-    if not plain_fits:
-        report.notes.append(
-            f"the plain step needs {_gib(report.baseline.peak_bytes)} at batch {report.batch}, over the memory "
-            f"limit {_gib(limit)}: looking for a configuration that fits")
-        fitting = _make_it_fit(report, model, base_cfg, batches, base, kw, deadline, limit)
-        if fitting is None:
-            report.notes.append("no configuration tried fits under the memory limit: lower --batch or raise the limit")
-            report.best_throughput = report.baseline
-            return
-        current = fitting
-        good = [r for r in good if not (set(r.changes) & set(current.changes))]
-    else:
-        current = good[0] if good else report.baseline
-        good = good[1:]
-    for nxt in good:
-        if time.perf_counter() > deadline - 5:
-            report.notes.append(f"combination with {nxt.name} not tried: over --budget-seconds")
-            break
-        combo = _measure_combo(current, nxt, model, base_cfg, batches, base, kw, deadline, limit, report)
-        if combo is None:
-            continue
-        report.combos.append(combo)
-        if combo.status == "measured" and fits(combo) and combo.ratio < current.ratio - report.noise:
-            current = combo
-    report.best_throughput = current
+    def __init__(self, model, batches, base_cfg, kw, limit, report: TuneReport, bar, t0: float, budget: float,
+                 data: bool, deploy: bool) -> None:
+        self.model, self.batches, self.base_cfg, self.kw = model, batches, base_cfg, kw
+        self.limit, self.report, self.bar = limit, report, bar
+        self.deadline = t0 + budget
+        # data and deploy get fixed shares of the budget; training gets the rest
+        self.train_end = self.deadline - (0.15 * budget if data else 0.0) - (0.25 * budget if deploy else 0.0)
+        self.deploy_start_share = 0.25 * budget if deploy else 0.0
 
+    def probe_limit(self, until: float) -> float:
+        """Seconds a candidate's probe step may take: SLOW_FACTOR x plain, and what the time left allows."""
+        by_budget = max(until - time.perf_counter(), 0.0) / 80  # ~8x the probe batch, ~10 calls to set up
+        return max(min(SLOW_FACTOR * self.base.probe_s, by_budget), 0.05)
 
-def _make_it_fit(report, model, base_cfg, batches, base, kw, deadline, limit) -> Result | None:
-    """The fastest measured way under ``limit``: memory tricks alone, together, then with micro-batches."""
-    singles = [r for r in report.results if r.status == "measured" and r.peak_bytes is not None]
-    fit = [r for r in singles if r.peak_bytes <= limit]
-    if fit:
-        best = min(fit, key=lambda r: r.ratio)
-        report.notes.append(f"fits with {best.name}: peak {_gib(best.peak_bytes)}")
-        return best
-    mem = [r for r in singles if r.goal == "memory" and r.name != "gradient_accumulation"
-           and r.peak_bytes < report.baseline.peak_bytes * 0.98 and _drift_ok(r)]
-    changes: dict[str, Any] = {}
-    names: list[str] = []
-    for r in sorted(mem, key=lambda r: r.peak_bytes):
-        changes.update(r.changes)
-        names.append(r.name)
-    tries = [(names, changes)] if names else []
-    k = 2
-    while k <= report.batch:
-        tries.append((names + [f"accumulate={k}"], {**changes, "accumulate": k}))
-        k *= 2
-    for tnames, tchanges in tries:
-        if time.perf_counter() > deadline:
-            break
-        cfg = {**base_cfg, **tchanges}
-        res = Result("+".join(tnames), "memory", tchanges, ())
+    def left(self, until: float | None = None) -> float:
+        return (self.train_end if until is None else until) - time.perf_counter()
+
+    def phase(self, label: str) -> None:
+        self.bar.set_postfix_str(label, refresh=True)
+
+    # -- the plan ----------------------------------------------------------------------------
+    def run(self, cands: list[Candidate], data: str | None) -> None:
+        report = self.report
+        self.phase("baseline")
+        t0 = time.perf_counter()
         try:
-            _memory_into(res, model, cfg, batches[0], limit, kw)
+            base = build_runner("plain", self.model, self.base_cfg, self.batches, **self.kw)
+        except UserError:
+            raise
         except Exception as exc:
-            report.notes.append(f"{res.name} failed: {_line(exc)}")
-            continue
-        peak = res.peak_bytes
-        if peak > limit:
-            report.notes.append(f"{res.name}: peak {_gib(peak)}, still over the limit")
-            continue
-        _time_against_base(res, model, cfg, batches, base, kw, deadline, report)
-        report.combos.append(res)
-        report.notes.append(f"fits with {res.name}: peak {_gib(peak)} (limit {_gib(limit)})")
-        return res
-    return None
+            raise UserError(f"{report.model} cannot run a training step on the given input: {error_line(exc)}") from None
+        if not all(math.isfinite(x) for x in base.losses):
+            raise UserError(f"{report.model}: the plain fp32 loss is not finite on the given batch ({base.losses})")
+        self.base = base
+        base_res = Result("plain", "baseline", {}, (), status="measured", verdict="baseline")
+        base_res.first_call_s, base_res.losses = base.first_call_s, base.losses
+        self._memory_into(base_res, self.base_cfg)
+        self.setup_s = time.perf_counter() - t0  # what one candidate's drift + memory costs, roughly
+        twin = build_runner("plain (A/A)", self.model, self.base_cfg, self.batches, **self.kw)
+        twin.grads = None
+        report.baseline = base_res
+        self.base, self.twin = base, twin
+        self.step_s = max(_median(base.step_times) if base.step_times else 0.0, 1e-4)
+        self.bar.update(1)
 
+        compile_cand = next((c for c in cands if c.changes.get("compile")), None)
+        others = [c for c in cands if c is not compile_cand]
+        self.compile_reserve = 0.0
+        compile_res = None
+        if compile_cand is not None:
+            compile_res = Result(compile_cand.name, compile_cand.goal, compile_cand.changes, compile_cand.ids,
+                                 note=compile_cand.note)
+            est = _compile_estimate(self.model, self.step_s)
+            need_rest = len(others) * self.setup_s * 1.3 + 8 * (len(others) + 2) * self.step_s
+            if self.left() < est + need_rest:
+                compile_res.status = "skipped"
+                compile_res.reason = (f"compiling takes about {est:.0f} s here (a first estimate from the model's size), "
+                                      f"more than --budget-seconds leaves after the other tricks: raise it to about "
+                                      f"{math.ceil(report.budget_s + est + need_rest - self.left()):.0f} to measure it")
+                compile_res.verdict = "skipped"
+            else:
+                self.compile_reserve = est + 10 * self.step_s
 
-def _measure_combo(a: Result, b: Result, model, base_cfg, batches, base, kw, deadline, limit, report) -> Result | None:
-    if set(a.changes) & set(b.changes):
-        return None
-    changes = {**a.changes, **b.changes}
-    name = "+".join(sorted(set(a.name.split("+")) | set(b.name.split("+"))))
-    res = Result(name, "speed", changes, tuple(sorted(set(a.ids) | set(b.ids))))
-    cfg = {**base_cfg, **changes}
-    try:
-        _memory_into(res, model, cfg, batches[0], limit, kw)
-        _time_against_base(res, model, cfg, batches, base, kw, deadline, report)
-    except Exception as exc:
-        res.status, res.reason = "failed", _line(exc)
-    return res
+        # 2. each candidate alone: drift and memory now, time together below
+        results: list[Result] = []
+        setup_end = time.perf_counter() + 0.5 * self.left(self.train_end - self.compile_reserve)
+        for c in others:
+            res = Result(c.name, c.goal, c.changes, c.ids, note=c.note)
+            results.append(res)
+            self.phase(c.name)
+            if time.perf_counter() + self.setup_s > setup_end:
+                res.status, res.verdict = "skipped", "skipped"
+                res.reason = "over --budget-seconds before it could be measured: raise it"
+                self.bar.update(1)
+                continue
+            try:
+                cfg = {**self.base_cfg, **c.changes}
+                r = build_runner(c.name, self.model, cfg, self.batches, probe_limit_s=self.probe_limit(setup_end),
+                                 **self.kw)
+                _drift_into(res, r, base)
+                self._memory_into(res, cfg)
+                res.runner = r
+            except TooSlow as exc:
+                res.probe_ratio = exc.probe_s / base.probe_s
+                probe = f"a probe step on {max(report.batch // 8, 1)} samples took {exc.probe_s:.2g} s"
+                if res.probe_ratio >= SLOW_FACTOR:
+                    res.status, res.verdict = "measured (probe)", "slower"
+                    res.reason = f"{probe}, {res.probe_ratio:.0f}x the plain one: not measured further"
+                else:
+                    res.status, res.verdict = "skipped", "skipped"
+                    res.reason = f"over --budget-seconds: {probe}, too long to set it up in the time left; raise it"
+            except Exception as exc:
+                res.status, res.verdict, res.reason = "failed", "failed", error_line(exc)
+            self.bar.update(1)
+        if compile_res is not None:
+            results.append(compile_res)
+        report.results = results
 
+        # 3. all of them timed round-robin with the two baselines
+        self.phase("timing")
+        live = [r for r in results if r.runner is not None]
+        runners = [base, twin] + [r.runner for r in live]
+        timing_end = time.perf_counter() + 0.55 * self.left(self.train_end - self.compile_reserve)
+        rounds = _rounds(runners, self.step_s, timing_end)
+        times = time_interleaved(runners, rounds, deadline=timing_end, min_rounds=_MIN_ROUNDS)
+        report.rounds = len(times[0])
+        aa, aa_half = paired_ratio(times[1], times[0])
+        report.noise = max(abs(aa - 1.0), aa_half) if not math.isnan(aa) else math.nan
+        report.aa_ratio, report.aa_half_ci = aa, aa_half
+        base_res.step_s, base_res.ratio = _median(times[0]), 1.0
+        for res, t in zip(live, times[2:]):
+            if res.runner.error:
+                res.status, res.verdict, res.reason = "failed", "failed", f"raised while timed: {res.runner.error}"
+                res.runner = None
+                continue
+            res.step_s = _median(t)
+            res.ratio, res.ratio_half_ci = paired_ratio(t, times[0])
+            res.rounds = len(t)
+            res.verdict = self._verdict(res)
+        self.bar.update(1)
 
-def _time_against_base(res: Result, model, cfg, batches, base: Runner, kw, deadline, report: TuneReport) -> None:
-    r = build_runner(res.name, model, cfg, batches, **kw)
-    _drift_into(res, r, base)
-    base.times.clear()
-    step_s = _median(r.times) if r.times else report.baseline.step_s or 0.1
-    until = min(deadline, time.perf_counter() + max(15.0, 20 * step_s))
-    time_interleaved([base, r], _rounds([base, r], step_s, until), deadline=until)
-    res.step_s = _median(r.times)
-    res.ratio, res.ratio_spread = paired_ratio(r.times, base.times)
-    res.status = "measured"
-    res.verdict = _verdict(res, report.noise, report.memory_limit)
+        # 4. combinations for throughput (under the memory limit); 5. the largest batch
+        self.phase("combinations")
+        self._best_throughput()
+        self.bar.update(1)
+        self.phase("largest batch")
+        self._largest_batch()
+        self.bar.update(1)
 
+        # 6. compile, on top of the best configuration so far
+        if compile_res is not None and compile_res.status != "skipped":
+            self.phase("compile")
+            self._try_compile(compile_res)
+        for res in results + report.combos:
+            res.runner = None  # free the model copies
+        self.base = self.twin = None
 
-def _largest_batch(report: TuneReport, model, base_cfg, batches, kw, limit, deadline) -> None:
-    """All memory tricks that cut bytes per sample (drift within tolerance), together."""
-    base = report.baseline
-    if base.bytes_per_sample is None:
-        return
-    mem = [r for r in report.results if r.status == "measured" and r.bytes_per_sample is not None
-           and r.bytes_per_sample < base.bytes_per_sample * 0.95 and _drift_ok(r) and r.name != "gradient_accumulation"]
-    best = max([base] + mem, key=lambda r: r.max_batch or 0)
-    if len(mem) >= 2 and time.perf_counter() < deadline:
-        changes: dict[str, Any] = {}
-        for r in mem:
-            changes.update(r.changes)
-        combo = Result("+".join(sorted(r.name for r in mem)), "memory", changes,
-                       tuple(sorted({i for r in mem for i in r.ids})))
-        cfg = {**base_cfg, **changes}
-        try:
-            _memory_into(combo, model, cfg, batches[0], limit, kw)
-            combo.status = "measured (memory)"
+        # 7. data and deploy
+        if data:
+            self.phase("data")
+            report.data = self._measure_data(data)
+            self.bar.update(1)
+        if self.deploy_start_share:
+            self.phase("deploy")
+            report.deploy = self._measure_deploy()
+            self.bar.update(1)
+
+    # -- combinations ------------------------------------------------------------------------
+    def _fits(self, r: Result) -> bool:
+        return r.peak_bytes is not None and r.peak_bytes <= self.limit
+
+    def _best_throughput(self) -> None:
+        """Greedy: the fastest fitting trick, plus the next fastest while the pair beats it beyond the noise."""
+        report = self.report
+        base = report.baseline
+        report.best_throughput = base
+        good = [r for r in report.results if r.verdict == "faster" and r.goal == "speed" and self._fits(r)]
+        good.sort(key=lambda r: r.ratio)
+        end = self.train_end - self.compile_reserve
+        if not self._fits(base):
+            report.notes.append(
+                f"the plain step needs {_gib(base.peak_bytes)} at batch {report.batch}, over the memory limit "
+                f"{_gib(self.limit)}: looking for a configuration that fits")
+            current = self._make_it_fit(end)
+            if current is None:
+                return
+            report.fits_with = current.name
+            good = [r for r in good if not (set(r.changes) & set(current.changes))]
+        else:
+            current = good.pop(0) if good else base
+        report.best_throughput = current
+        for nxt in good:
+            if set(nxt.changes) & set(current.changes):
+                continue
+            if self.left(end) < 2 * self.setup_s + 8 * 3 * self.step_s:
+                report.notes.append(f"combination of {current.name} with {nxt.name} not tried: over --budget-seconds")
+                continue
+            combo = self._measure_combo(current, nxt, end)
             report.combos.append(combo)
-            if (combo.max_batch or 0) > (best.max_batch or 0):
-                best = combo
+            if (combo.status == "measured" and self._fits(combo) and combo.vs_current is not None
+                    and combo.vs_current < 1 - self._margin(combo.vs_current_half_ci)):
+                current = combo
+                report.best_throughput = current
+        if report.best_throughput is not base:
+            report.best_throughput.chosen = True
+
+    def _make_it_fit(self, end: float) -> Result | None:
+        """The fastest measured way under the limit: a single trick, the memory tricks together, then micro-batches."""
+        report = self.report
+        singles = [r for r in report.results if r.status == "measured" and r.peak_bytes is not None]
+        fit = [r for r in singles if self._fits(r) and _drift_ok(r)] or [r for r in singles if self._fits(r)]
+        if fit:
+            best = min(fit, key=lambda r: r.ratio if r.ratio is not None and not math.isnan(r.ratio) else math.inf)
+            report.notes.append(f"fits with {best.name}: peak {_gib(best.peak_bytes)} (limit {_gib(self.limit)})")
+            return best
+        mem = sorted((r for r in singles if r.goal == "memory" and not r.changes.get("accumulate")
+                      and r.peak_bytes < report.baseline.peak_bytes * 0.98 and _drift_ok(r)),
+                     key=lambda r: r.peak_bytes)
+        changes: dict[str, Any] = {}
+        names: list[str] = []
+        for r in mem:
+            if not set(r.changes) & set(changes):
+                changes.update(r.changes)
+                names.append(r.name)
+        tries = [(names, changes)] if len(names) > 1 else []
+        k = 2
+        while k <= report.batch:
+            tries.append((names + [f"accumulate={k}"], {**changes, "accumulate": k}))
+            k *= 2
+        closest: Result | None = None
+        for tnames, tchanges in tries:
+            if time.perf_counter() > end:
+                report.notes.append("stopped looking for a configuration that fits: over --budget-seconds")
+                break
+            res = Result("+".join(tnames), "memory", tchanges, _ids_of(report, tchanges))
+            cfg = {**self.base_cfg, **tchanges}
+            try:
+                self._memory_into(res, cfg)
+            except Exception as exc:
+                res.status, res.verdict, res.reason = "failed", "failed", error_line(exc)
+                report.combos.append(res)
+                continue
+            if not self._fits(res):
+                res.status, res.verdict = "measured (memory)", "over the memory limit"
+                report.combos.append(res)
+                closest = res if closest is None or res.peak_bytes < closest.peak_bytes else closest
+                continue
+            try:
+                r = build_runner(res.name, self.model, cfg, self.batches, **self.kw)
+                _drift_into(res, r, self.base)
+                res.runner = r
+                self._time_side_by_side(res, None, end)
+            except Exception as exc:
+                res.status, res.verdict, res.reason = "failed", "failed", error_line(exc)
+                report.combos.append(res)
+                continue
+            report.combos.append(res)
+            report.notes.append(f"fits with {res.name}: peak {_gib(res.peak_bytes)} (limit {_gib(self.limit)})")
+            return res
+        report.notes.append("no configuration tried fits under the memory limit: lower --batch or raise the limit"
+                            + (f" (closest: {closest.name}, peak {_gib(closest.peak_bytes)})" if closest else ""))
+        return None
+
+    def _measure_combo(self, a: Result, b: Result, end: float) -> Result:
+        changes = {**a.changes, **b.changes}
+        name = "+".join(sorted(set(a.name.split("+")) | set(b.name.split("+"))))
+        res = Result(name, "speed", changes, tuple(sorted(set(a.ids) | set(b.ids))))
+        cfg = {**self.base_cfg, **changes}
+        try:
+            r = build_runner(name, self.model, cfg, self.batches, **self.kw)
+            _drift_into(res, r, self.base)
+            self._memory_into(res, cfg)
+            res.runner = r
+            self._time_side_by_side(res, a if a is not self.report.baseline else None, end)
         except Exception as exc:
-            report.notes.append(f"memory combination {combo.name} failed: {_line(exc)}")
-    report.best_batch = best
+            res.status, res.verdict, res.reason = "failed", "failed", error_line(exc)
+            res.runner = None
+        return res
+
+    def _time_side_by_side(self, res: Result, current: Result | None, end: float) -> None:
+        """Time ``res`` round-robin with the plain step (and ``current``, to compare the two directly)."""
+        runners = [self.base, res.runner] + ([current.runner] if current is not None and current.runner else [])
+        until = min(end, time.perf_counter() + max(0.5 * self.left(end), 12 * len(runners) * self.step_s))
+        times = time_interleaved(runners, _rounds(runners, self.step_s, until, cap=30), deadline=until,
+                                 min_rounds=_MIN_ROUNDS)
+        if res.runner.error:
+            res.status, res.verdict, res.reason = "failed", "failed", f"raised while timed: {res.runner.error}"
+            res.runner = None
+            return
+        res.step_s = _median(times[1])
+        res.ratio, res.ratio_half_ci = paired_ratio(times[1], times[0])
+        res.rounds = len(times[1])
+        res.status = "measured"
+        if len(runners) == 3 and times[2]:
+            res.vs_current, res.vs_current_half_ci = paired_ratio(times[1], times[2])
+            res.vs_current_name = current.name
+        elif current is None:
+            res.vs_current, res.vs_current_half_ci = res.ratio, res.ratio_half_ci
+        res.verdict = self._verdict(res)
+
+    def _largest_batch(self) -> None:
+        """All memory tricks that cut bytes per sample (drift within tolerance), together."""
+        report = self.report
+        base = report.baseline
+        if base.bytes_per_sample is None:
+            return
+        mem = [r for r in report.results if r.status == "measured" and r.bytes_per_sample is not None
+               and r.max_batch is not None and r.bytes_per_sample < base.bytes_per_sample * 0.95 and _drift_ok(r)]
+        best = max([base] + mem, key=lambda r: r.max_batch or 0)
+        changes: dict[str, Any] = {}
+        chosen: list[Result] = []
+        for r in sorted(mem, key=lambda r: r.bytes_per_sample):
+            if not set(r.changes) & set(changes):
+                changes.update(r.changes)
+                chosen.append(r)
+        if len(chosen) >= 2:
+            if time.perf_counter() + self.setup_s < self.train_end - self.compile_reserve:
+                combo = Result("+".join(sorted(r.name for r in chosen)), "memory", changes,
+                               tuple(sorted({i for r in chosen for i in r.ids})))
+                try:
+                    self._memory_into(combo, {**self.base_cfg, **changes})
+                    combo.status, combo.verdict = "measured (memory)", "memory only: not timed"
+                    report.combos.append(combo)
+                    if (combo.max_batch or 0) > (best.max_batch or 0):
+                        best = combo
+                except Exception as exc:
+                    combo.status, combo.verdict, combo.reason = "failed", "failed", error_line(exc)
+                    report.combos.append(combo)
+            else:
+                report.notes.append("memory tricks not combined for the largest batch: over --budget-seconds")
+        report.best_batch = best
+
+    def _try_compile(self, res: Result) -> None:
+        """``compile`` on top of the best configuration so far (one compilation), timed against it and plain."""
+        report = self.report
+        best = report.best_throughput or report.baseline
+        on_best = best is not report.baseline
+        target = res
+        if on_best:
+            target = Result(f"{best.name}+{res.name}", "speed", {**best.changes, **res.changes},
+                            tuple(sorted(set(best.ids) | set(res.ids))))
+        cfg = {**self.base_cfg, **target.changes}
+        try:  # no probe: a second batch shape would make dynamo recompile with dynamic shapes
+            r = build_runner(target.name, self.model, cfg, self.batches, probe=False, **self.kw)
+            _drift_into(target, r, self.base)
+            target.runner = r
+            self._time_side_by_side(target, best if on_best else None, self.train_end)
+            target.note = (f"first call {target.first_call_s:.1f} s (compilation), not in the step time; "
+                           "memory not measured under compile")
+        except Exception as exc:
+            target.status, target.verdict, target.reason = "failed", "failed", error_line(exc)
+        target.runner = None
+        if on_best:
+            report.combos.append(target)
+            res.status, res.verdict = target.status, target.verdict
+            res.reason = f"measured on top of {best.name}: see {target.name}"
+        if target.status != "measured":
+            return
+        margin = self._margin(target.vs_current_half_ci)
+        if target.vs_current is not None and target.vs_current < 1 - margin and target.verdict == "faster":
+            if on_best:
+                best.chosen = False
+            target.chosen = True
+            report.best_throughput = target
+
+    # -- measurements ------------------------------------------------------------------------
+    def _memory_into(self, res: Result, cfg: dict[str, Any]) -> None:
+        """Peak, state and activation memory, and the largest batch under the limit (straight-line estimate)."""
+        m = measure_memory(self.model, cfg, self.batches[0], **self.kw)
+        res.peak_bytes, res.state_bytes, res.activation_bytes = m.peak_bytes, m.state_bytes, m.activation_bytes
+        res.bytes_per_sample = m.bytes_per_sample
+        if m.bytes_per_sample and int(cfg.get("accumulate", 1)) == 1:
+            res.max_batch = max(m.micro_batch + int((self.limit - m.peak_bytes) // m.bytes_per_sample), 0)
+        if res.status == "pending":
+            res.status = "measured"
+
+    def _margin(self, half_ci: float | None) -> float:
+        noise = self.report.noise if not math.isnan(self.report.noise) else 0.0
+        return max(noise, half_ci or 0.0, MIN_EFFECT)
+
+    def _verdict(self, res: Result) -> str:
+        if res.peak_bytes is not None and res.peak_bytes > self.limit:
+            return "over the memory limit"
+        if not _drift_ok(res):
+            return "drifts"
+        if res.ratio is None or math.isnan(res.ratio):
+            return "not timed"
+        margin = self._margin(res.ratio_half_ci)
+        if res.ratio < 1 - margin:
+            return "faster"
+        if res.ratio > 1 + margin:
+            return "slower"
+        return "no measurable change"
+
+    def _measure_data(self, path: str) -> dict[str, Any]:
+        """Loader throughput at the tuned batch vs the recommended step's samples/s: data-bound or not."""
+        try:
+            from torch_tricks.data.loader_tune import tune_loader_path
+        except ImportError as exc:
+            return {"path": path, "status": "failed", "reason": f"the data package cannot be imported: {exc}"}
+        until = self.deadline - self.deploy_start_share
+        left = until - time.perf_counter()
+        if left < 3:
+            return {"path": path, "status": "skipped", "reason": "over --budget-seconds before the loader could be timed"}
+        report = self.report
+        try:
+            lt = tune_loader_path(path, batch_sizes=(report.batch,), seconds_per_trial=min(max(left / 8, 0.5), 3.0),
+                                  progress=False, cold_read=False)
+        except Exception as exc:
+            return {"path": path, "status": "failed", "reason": error_line(exc)}
+        best = report.best_throughput or report.baseline
+        step_rate = report.batch / best.step_s if best and best.step_s else None
+        load_rate = lt.best.samples_per_s if lt.best else None
+        out: dict[str, Any] = {"path": path, "status": "measured", "loader_samples_per_s": load_rate,
+                               "step_samples_per_s": step_rate, "step_config": best.name if best else None,
+                               "loader": lt.loader_kwargs() if lt.best else None, "verdict": lt.verdict,
+                               "reasons": lt.reasons, "advice": lt.advice, "trials": lt.rows()}
+        if load_rate and step_rate:
+            out["data_bound"] = load_rate < step_rate
+            out["summary"] = (f"the loader delivers {load_rate:,.0f} samples/s ({lt.verdict}), the "
+                              f"{best.name} step consumes {step_rate:,.0f}: "
+                              + ("data-bound: the step waits for data" if load_rate < step_rate else "not data-bound"))
+        return out
+
+    def _measure_deploy(self) -> dict[str, Any]:
+        """The inference chains (fuse, int8 ...) on an eval copy, each against eager fp32."""
+        try:
+            from torch_tricks.deploy.pipeline import optimize
+        except ImportError as exc:
+            return {"status": "failed", "reason": f"the deploy package cannot be imported: {exc}", "steps": []}
+        x = self.batches[0][0]
+        example = tuple(t[:1] for t in x) if isinstance(x, tuple) else x[:1]
+        batch = self.report.batch
+        out: dict[str, Any] = {"steps": [], "batches": [1, batch]}
+        for chain in (["fuse", "int8"], ["int8-dynamic"], ["bf16"], ["reparam"], ["onnx"]):
+            if self.deadline - time.perf_counter() < 3:
+                out["steps"].append({"steps": chain, "status": "skipped", "reason": "over --budget-seconds"})
+                continue
+            try:
+                res = optimize(copy.deepcopy(self.model).eval(), chain, example, batches=(1, batch), warmup=2,
+                               repeats=7)
+            except Exception as exc:
+                out["steps"].append({"steps": chain, "status": "not applicable", "reason": error_line(exc)})
+                continue
+            d = res.as_dict()
+            for s in d["steps"]:
+                out["steps"].append({
+                    "steps": chain[: chain.index(s["step"]) + 1] if s["step"] in chain else chain,
+                    "status": "measured" if s.get("changed", True) else "no change",
+                    "speedup": s.get("speedup"), "latency_s": s.get("latency_s"),
+                    "agreement": s.get("agreement"), "within_tolerance": s.get("within_tolerance"),
+                    "tolerance": s.get("tolerance"), "size_bytes": s.get("size_bytes"),
+                    "original_size_bytes": d["original"].get("size_bytes"), "notes": s.get("notes"),
+                })
+        return out
+
+
+# -- inputs ------------------------------------------------------------------------------------
+
+def example_batch(model: nn.Module, inputs: Any, *, seed: int = 0) -> tuple[tuple[Any, torch.Tensor], Callable[..., torch.Tensor]]:
+    """``((inputs, target), loss_fn)`` for a model given only its inputs (what the CLI has).
+
+    One forward on the first sample (eval mode, no grad, on a copy) gives the output:
+    ``(batch, classes)`` gets random class labels and cross-entropy; any other tensor
+    output a random target of its shape and mean squared error. A forward that raises
+    is a :class:`UserError` naming the module and the shapes it got.
+    """
+    from torch_tricks.inspect.inputs import as_input_tuple
+
+    xs = as_input_tuple(inputs)
+    if not xs or not isinstance(xs[0], torch.Tensor) or xs[0].dim() == 0:
+        raise UserError("the tune needs batched tensor inputs")
+    n = int(xs[0].shape[0])
+    one = tuple(t[:1] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in xs)
+    probe = copy.deepcopy(model).eval()
+    try:
+        with torch.no_grad():
+            out = probe(*one)
+    except Exception:
+        from torch_tricks.inspect.summary import summary
+
+        summary(probe, one, depth=0)  # raises a ForwardError naming the module and the shapes it got
+        raise  # pragma: no cover  (summary ran it without error: re-raise the original)
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.dim() < 1:
+        raise UserError(f"the tune needs a model whose forward returns one floating-point tensor, got "
+                        f"{type(out).__name__}: give tune() your own loss_fn from Python")
+    gen = torch.Generator().manual_seed(seed)
+    dev = out.device
+    if out.dim() == 2:
+        target = torch.randint(0, int(out.shape[1]), (n,), generator=gen).to(dev)
+        return (inputs, target), nn.functional.cross_entropy
+    target = torch.randn((n, *out.shape[1:]), generator=gen).to(dev)
+    return (inputs, target), nn.functional.mse_loss
+
+
+# KB/MB/GB are decimal; KiB/MiB/GiB and the bare K/M/G (as docker and free read them) binary.
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"8GiB"`` -> 8589934592; ``"512MB"`` (decimal), ``"1.5G"`` (binary), ``"1000000"`` (bytes); else a UserError."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise UserError(f"cannot read the size {text!r}: give a number with a unit, e.g. 8GiB, 512MiB or 2GB")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise UserError(f"the size {text!r} must be > 0")
+    return value
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-def _verdict(res: Result, noise: float, limit: int) -> str:
-    if res.status != "measured":
-        return res.status
-    if res.peak_bytes is not None and res.peak_bytes > limit:
-        return "over the memory limit"
-    if not _drift_ok(res):
-        return "drifts"
-    margin = max(2 * noise, res.ratio_spread or 0.0)
-    if res.ratio < 1 - margin:
-        return "faster"
-    if res.ratio > 1 + margin:
-        return "slower"
-    return "no measurable change"
-
 
 def _drift_ok(res: Result) -> bool:
     g = res.grad_drift if res.grad_drift is not None else 0.0
@@ -359,56 +669,28 @@ def _loss_drift(losses: list[float], base: list[float]) -> float | None:
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, base))
 
 
-def _memory_into(res: Result, model, cfg, batch, limit: int, kw) -> None:
-    """Peak memory, bytes per sample and the largest batch under ``limit`` (straight-line estimate)."""
-    m = measure_memory(model, cfg, batch, **kw)
-    res.peak_bytes = m.peak_bytes
-    res.bytes_per_sample = m.bytes_per_sample
-    if m.bytes_per_sample and cfg.get("accumulate", 1) == 1:
-        n = _batch_len(batch)
-        fixed = m.fb_peak_bytes - m.bytes_per_sample * n
-        res.max_batch = max(int((limit - fixed) // m.bytes_per_sample), 0)
-
-
 def _drift_into(res: Result, r: Runner, base: Runner) -> None:
     res.first_call_s = r.first_call_s
     res.losses = r.losses
     res.grad_drift = relative_diff(r.grads, base.grads)
     res.loss_drift = _loss_drift(r.losses, base.losses)
-    r.grads = None if r is not base else r.grads
+    if r is not base:
+        r.grads = None
 
 
-def _try_compile(report: TuneReport, cand, model, base_cfg, batches, base: Runner, kw, deadline, limit) -> None:
-    """``compile`` on top of the best configuration so far (one compilation), timed against plain."""
-    res = next(r for r in report.results if r.name == "compile")
-    left = deadline - time.perf_counter()
-    if left < _COMPILE_RESERVE_S:
-        res.status, res.reason = "skipped", (f"compiling takes tens of seconds here and only {max(left, 0):.0f} s of "
-                                             "--budget-seconds are left: raise it to measure compile")
-        res.verdict = "skipped"
-        return
-    best = report.best_throughput or report.baseline
-    on_best = best is not report.baseline
-    target = res if not on_best else Result(f"{best.name}+compile", "speed", {**best.changes, **cand.changes},
-                                            tuple(sorted(set(best.ids) | set(cand.ids))))
-    target.changes = {**(best.changes if on_best else {}), **cand.changes}
-    try:
-        _time_against_base(target, model, {**base_cfg, **target.changes}, batches, base, kw, deadline, report)
-        target.peak_bytes = best.peak_bytes  # eager figure: inductor plans memory its own way
-        target.note = (f"first call {target.first_call_s:.0f} s (compilation), not in the step time; "
-                       "peak memory: the eager figure")
-    except Exception as exc:
-        target.status, target.reason, target.verdict = "failed", _line(exc), "failed"
-        if on_best:
-            res.status, res.reason, res.verdict = "failed", target.reason, "failed"
-        return
-    if on_best:
-        report.combos.append(target)
-        res.status, res.reason, res.verdict = "measured (with the best)", f"see {target.name}", target.verdict
-        if target.status == "measured" and target.ratio < best.ratio - report.noise:
-            report.best_throughput = target
-    elif target.verdict == "faster":
-        report.best_throughput = target
+def _ids_of(report: TuneReport, changes: dict[str, Any]) -> tuple[str, ...]:
+    ids = {i for r in report.results if r.changes and set(r.changes) <= set(changes) for i in r.ids}
+    return tuple(sorted(ids))
+
+
+def _compile_estimate(model: nn.Module, step_s: float) -> float:
+    """Seconds a first ``torch.compile`` of forward + backward takes, roughly, from the model's size.
+
+    On the 2-core machine this project is tested on, a cold compile took ~10 s for
+    small_cnn (13 modules) and ~15-25 s for ResNet-18 (68 modules); a warm inductor
+    cache is faster. Only used to decide whether the budget leaves room to try.
+    """
+    return 8.0 + 0.2 * sum(1 for _ in model.modules()) + 20 * step_s
 
 
 def _memory_limit(limit: int | None, dev: torch.device) -> tuple[int, str]:
@@ -428,44 +710,14 @@ def _memory_limit(limit: int | None, dev: torch.device) -> tuple[int, str]:
     return 8 << 30, "a default of 8 GiB (available RAM unknown)"
 
 
-def _rounds(runners: list[Runner], step_s: float, until: float) -> int:
+def _rounds(runners: list[Runner], step_s: float, until: float, cap: int = 60) -> int:
     left = max(until - time.perf_counter(), 0.0)
-    per_round = sum(_median(r.times) if r.times else step_s for r in runners) or step_s * len(runners)
-    return int(min(max(left / max(per_round, 1e-6), 3), 40))
-
-
-def _quick_step_time(r: Runner) -> float:
-    t0 = time.perf_counter()
-    r()
-    synchronize_all(r)
-    return max(time.perf_counter() - t0, 1e-4)
-
-
-def synchronize_all(r: Runner) -> None:
-    from torch_tricks.inspect.timing import synchronize
-
-    synchronize(r.step.device)
+    per_round = sum(_median(r.step_times) if r.step_times else step_s for r in runners) or step_s * len(runners)
+    return int(min(max(left / max(per_round, 1e-6), _MIN_ROUNDS), cap))
 
 
 def _median(xs: list[float]) -> float:
-    import statistics
-
     return statistics.median(xs) if xs else math.nan
-
-
-def _batch_len(batch: Any) -> int:
-    y = batch[1]
-    return int(y.shape[0]) if isinstance(y, torch.Tensor) else len(y)
-
-
-def _slice(batch: Any, n: int) -> Any:
-    def cut(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            return t[:n]
-        if isinstance(t, (tuple, list)):
-            return type(t)(cut(u) for u in t)
-        return t
-    return cut(batch)
 
 
 def _move(batch: Any, dev: torch.device) -> Any:
@@ -476,53 +728,7 @@ def _move(batch: Any, dev: torch.device) -> Any:
     return batch
 
 
-def _line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 def _gib(n: float | None) -> str:
     from torch_tricks._format import human_bytes
 
     return human_bytes(n) if n is not None else "n/a"
-
-
-def _measure_data(path: str, report: TuneReport, deadline: float) -> dict[str, Any]:
-    """Loader throughput at the tuned batch vs the recommended step's samples/s: data-bound or not."""
-    from torch_tricks.data.loader_tune import tune_loader_path
-
-    left = deadline - time.perf_counter()
-    seconds = min(max(left / 8, 0.5), 3.0)
-    lt = tune_loader_path(path, batch_sizes=(report.batch,), seconds_per_trial=seconds, progress=False,
-                          cold_read=False)
-    best = report.best_throughput or report.baseline
-    step_rate = report.batch / best.step_s if best and best.step_s else None
-    load_rate = lt.best.samples_per_s if lt.best else None
-    out: dict[str, Any] = {"path": path, "loader_samples_per_s": load_rate, "step_samples_per_s": step_rate,
-                           "loader": lt.loader_kwargs(), "verdict": lt.verdict, "advice": lt.advice}
-    if load_rate and step_rate:
-        out["data_bound"] = load_rate < step_rate
-        out["summary"] = (f"the loader delivers {load_rate:,.0f} samples/s, the step consumes {step_rate:,.0f}: "
-                          + ("data-bound: the step waits for data" if load_rate < step_rate
-                             else "not data-bound"))
-    return out
-
-
-def _measure_deploy(model: nn.Module, inputs: tuple[Any, ...], deadline: float) -> dict[str, Any]:
-    """The inference chain (fuse, int8 ...) on an eval copy, each step against eager fp32."""
-    try:
-        from torch_tricks.deploy.pipeline import optimize
-    except ImportError as exc:
-        return {"error": f"deploy measurement unavailable: {exc}"}
-    out: dict[str, Any] = {"steps": []}
-    example = tuple(t[:1] if isinstance(t, torch.Tensor) else t for t in inputs)
-    for steps in (["fuse"], ["int8"], ["int8-dynamic"], ["bf16"]):
-        if time.perf_counter() > deadline:
-            out["steps"].append({"steps": steps, "status": "skipped", "reason": "over --budget-seconds"})
-            continue
-        try:
-            res = optimize(copy.deepcopy(model).eval(), steps, example, measure=True)
-            out["steps"].append({"steps": steps, "status": "measured", **res.as_dict()})
-        except Exception as exc:
-            out["steps"].append({"steps": steps, "status": "not applicable", "reason": _line(exc)})
-    return out
