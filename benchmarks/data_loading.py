@@ -442,7 +442,13 @@ class PILFolder(Dataset):
 
 
 def _crop(img: np.ndarray) -> np.ndarray:
+    """The crop as its own array (the ceiling's output: decode + crop, materialised)."""
     return dec.center_crop(img, CROP)
+
+
+def _crop_view(img: np.ndarray) -> np.ndarray:
+    """The crop as a view: what a loader uses when it copies the crop into its batch anyway."""
+    return dec.center_crop(img, CROP, copy=False)
 
 
 def _resize_crop(img: np.ndarray) -> np.ndarray:
@@ -533,8 +539,8 @@ def build_candidates(root: Path, packs: dict[str, dict[str, Any]], peers: dict[s
 
     torch_candidate(BASELINE, PILFolder(root))
     torch_candidate(ENCODED, PackedDataset(packs["encoded"]["path"], decode_size=SHORT, transform=_resize_crop))
-    torch_candidate(LMDB, PackedDataset(packs["jpeg256-lmdb"]["path"], transform=_crop))
-    torch_candidate(NATIVE, PackedDataset(packs["jpeg256-native"]["path"], transform=_crop))
+    torch_candidate(LMDB, PackedDataset(packs["jpeg256-lmdb"]["path"], transform=_crop_view))
+    torch_candidate(NATIVE, PackedDataset(packs["jpeg256-native"]["path"], transform=_crop_view))
     torch_candidate(RAW, PackedDataset(packs["raw224-native"]["path"]), collate_fn=collate_packed)
     # a raw batch is one gather-copy: shipping it from a worker process costs more than reading it
     torch_candidate(RAW_MAIN, PackedDataset(packs["raw224-native"]["path"]), collate_fn=collate_packed, workers=0)
@@ -543,8 +549,8 @@ def build_candidates(root: Path, packs: dict[str, dict[str, Any]], peers: dict[s
 
     # the same datasets read by ThreadLoader: w threads of this process decode straight into the batch
     threads = {ENCODED_T: PackedDataset(packs["encoded"]["path"], decode_size=SHORT, transform=_resize_crop),
-               LMDB_T: PackedDataset(packs["jpeg256-lmdb"]["path"], transform=_crop),
-               NATIVE_T: PackedDataset(packs["jpeg256-native"]["path"], transform=_crop),
+               LMDB_T: PackedDataset(packs["jpeg256-lmdb"]["path"], transform=_crop_view),
+               NATIVE_T: PackedDataset(packs["jpeg256-native"]["path"], transform=_crop_view),
                RAW_T: PackedDataset(packs["raw224-native"]["path"]),
                RAW_T1: PackedDataset(packs["raw224-native"]["path"], verify=True)}
     for name, ds in threads.items():
@@ -574,7 +580,7 @@ def _thread_run(ds: Dataset, args: argparse.Namespace, counter: list[int], name:
 
 
 def _wds_decode(sample: dict[str, Any]) -> tuple[np.ndarray, int]:
-    return dec.center_crop(dec.decode(sample["jpg"]), CROP), int(sample["cls"])
+    return _crop_view(dec.decode(sample["jpg"])), int(sample["cls"])  # default_collate copies it into the batch
 
 
 def _wds_run(path: str, args: argparse.Namespace) -> tuple[float, float]:

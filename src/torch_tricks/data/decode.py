@@ -231,11 +231,12 @@ def resize_backend() -> str:
     return "pil"
 
 
-def center_crop(img: np.ndarray, size: int | tuple[int, int]) -> np.ndarray:
+def center_crop(img: np.ndarray, size: int | tuple[int, int], *, copy: bool = True) -> np.ndarray:
     """The central ``size`` (int for a square, or ``(h, w)``) of ``img``, as torchvision's ``CenterCrop``.
 
     Offsets are ``int(round((H - h) / 2))``; an image smaller than the crop is padded with
-    zeros first (also as torchvision). Returns a contiguous copy.
+    zeros first (also as torchvision). Returns a contiguous copy, or with ``copy=False`` a
+    view of ``img`` (when the next step copies anyway, e.g. into a batch buffer).
     """
     th, tw = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
     h, w = img.shape[:2]
@@ -246,7 +247,8 @@ def center_crop(img: np.ndarray, size: int | tuple[int, int]) -> np.ndarray:
         h, w = img.shape[:2]
     top = int(round((h - th) / 2.0))
     left = int(round((w - tw) / 2.0))
-    return np.ascontiguousarray(img[top : top + th, left : left + tw])
+    view = img[top : top + th, left : left + tw]
+    return np.ascontiguousarray(view) if copy else view
 
 
 def encode_jpeg(img: np.ndarray, quality: int = 90) -> bytes:

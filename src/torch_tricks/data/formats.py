@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+import torch
 
 from torch_tricks._io import atomic_path, fsync_dir
 from torch_tricks.errors import UserError
@@ -689,8 +690,49 @@ class NativeReader(_ReaderBase):
         idx = np.asarray(indices, dtype=np.int64)
         if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"sample indices out of range for a pack of {len(self)}")
-        for k, (i, rec) in enumerate(zip(idx.tolist(), st["index"][idx].tolist())):
+        recs = st["index"][idx]
+        if self._gather(st, idx, recs, out):
+            return
+        for k, (i, rec) in enumerate(zip(idx.tolist(), recs.tolist())):
             out[k] = self._slice(st, i, rec)
+
+    def _gather(self, st: dict[str, Any], idx: np.ndarray, recs: np.ndarray, out: np.ndarray) -> bool:
+        """Copy equal-size samples with one ``torch.index_select`` per shard: one call, the GIL released
+        once, rows copied in parallel by torch's threads (``np.take`` copies rows at half the speed).
+
+        Only when no checksum is due (``verify=False``, or ``"once"`` and all were checked)
+        and every sample is ``n`` bytes at an offset that is a multiple of ``n`` (a raw pack
+        of one shape: the shard is then an ``(count, n)`` array). Returns whether it did.
+        """
+        n = out.shape[1] if out.ndim == 2 else 0
+        if not len(idx) or not n or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            return False
+        if self.verify is True:
+            return False
+        if self.verify == "once":
+            self._must_check(int(idx[0]))  # creates the bitmap
+            if not self._verified[idx].all():
+                return False
+        if not ((recs["length"] == n).all() and (recs["offset"] % n == 0).all()):
+            return False
+        rows = (recs["offset"] // n).astype(np.int64)
+        shards = recs["shard"]
+        for shard in np.unique(shards).tolist():
+            m = st["maps"].get(shard)
+            if m is None:
+                m = st["maps"][shard] = _map_file(self.path / self.header["shards"][shard]["file"])
+            table = m[: (len(m) // n) * n].reshape(-1, n)
+            whole = len(np.unique(shards)) == 1
+            sel = slice(None) if whole else shards == shard
+            short = rows[sel] >= len(table)
+            if short.any():
+                raise self._corrupt(int(idx[sel][short][0]), self.header["shards"][shard]["file"], "is cut short")
+            src = _as_tensor(table)
+            if whole:
+                torch.index_select(src, 0, torch.from_numpy(rows), out=torch.from_numpy(out))
+            else:
+                out[sel] = torch.index_select(src, 0, torch.from_numpy(rows[sel])).numpy()
+        return True
 
     def _slice(self, st: dict[str, Any], i: int, rec: tuple) -> np.ndarray:
         shard, off, n, _, crc = rec[:5]
@@ -829,6 +871,15 @@ def _close_reader_env(path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _as_tensor(a: np.ndarray) -> "torch.Tensor":
+    """A read-only array (a memory map) as a tensor, for torch's copy kernels: torch never writes to it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        return torch.from_numpy(a)
 
 
 def _map_file(path: Path) -> np.ndarray:

@@ -138,7 +138,10 @@ class ThreadLoader:
         plan = self.batches()[self._skip :]
         self._yielded = self._skip
         self._skip = 0
-        pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="torch-tricks-loader")
+        # a raw batch is one index_select that torch's own threads split: one task at a time,
+        # or two callers' thread teams fight over the same cores
+        pool = ThreadPoolExecutor(1 if self._raw is not None else self.num_threads,
+                                  thread_name_prefix="torch-tricks-loader")
         inflight: deque[_Batch] = deque()
         try:
             todo = iter(plan)
@@ -170,7 +173,7 @@ class ThreadLoader:
         elif self._item is not None:  # every item has one shape: allocate now, decode straight into it
             b.allocate(*self._item)
         # two chunks per thread: a slow sample delays half a thread's share, not all of it
-        parts = min(len(idx), 2 * self.num_threads)
+        parts = 1 if self._raw is not None else min(len(idx), 2 * self.num_threads)
         bounds = np.linspace(0, len(idx), parts + 1).astype(int)
         for k0, k1 in zip(bounds[:-1], bounds[1:]):
             if k1 > k0:
