@@ -142,3 +142,24 @@ def test_pinned_batches_copy_to_the_gpu(packs):
 
 def test_registered():
     assert get_trick("thread_loader").kind == "data"
+
+
+@pytest.mark.parametrize("verify", [False, "once"])
+def test_batched_raw_gather_across_shards_equals_sample_reads(tree, tmp_path, verify, monkeypatch):
+    """Verified raw batches take the one-call gather path; it must give the per-sample bytes, across shards."""
+    from torch_tricks.data import formats
+
+    path = tmp_path / "multi"
+    pack(tree, path, storage="raw", raw_size=16, progress=False, workers=0, shard_bytes=5 * 16 * 16 * 3)
+    assert len(list(path.glob("shard-*.bin"))) > 3
+    ds = PackedDataset(path, verify=verify)
+    want = np.stack([np.array(ds[i][0]) for i in range(len(ds))])  # every sample read (and checked) once
+    calls = []
+    real = formats.NativeReader._gather
+    monkeypatch.setattr(formats.NativeReader, "_gather", lambda self, *a: calls.append(real(self, *a)) or calls[-1])
+    idx = np.random.default_rng(0).permutation(len(ds))[:20]
+    got, labels = ds.get_batch(idx.tolist())
+    assert calls == [True]  # the gather path ran
+    assert np.array_equal(got, want[idx]) and np.array_equal(labels, ds.labels[idx])
+    x, y = next(iter(ThreadLoader(ds, 12, seed=0)))
+    assert np.array_equal(x.numpy(), want[ThreadLoader(ds, 12, seed=0).batches()[0]])
