@@ -33,6 +33,8 @@ class Candidate:
     ids: tuple[str, ...] = ()
     note: str = ""  # a caveat worth printing (emulated bf16 ...)
     tricks: tuple[str, ...] = field(default=())  # the registered tricks it switches on
+    probe_ratio: float | None = None  # measured while choosing: a probe op's time / the same in fp32
+    probe_what: str = ""
 
     def __post_init__(self) -> None:
         if not self.tricks:
@@ -137,7 +139,7 @@ def _line(exc: BaseException) -> str:
 
 # What ``tune(data=...)`` (the loader-tune: workers, pinning, a pack's batched reads, the
 # decoder's rate) and ``tune(deploy=True)`` (the deploy chains) measure.
-_MEASURED_ELSEWHERE = {"packed_dataset", "loader_defaults", "fast_decode",
+_MEASURED_ELSEWHERE = {"packed_dataset", "loader_defaults", "fast_decode", "onnx_export",
                        "fuse_conv_bn", "int8_static", "int8_dynamic", "reparameterize", "half_precision_inference"}
 
 
@@ -153,10 +155,45 @@ def _precision(trick: Trick, model, inputs, device, batch, own_opt) -> list[Cand
         name = f"{trick.name}:{p}"
         if ok:
             note = "fp16 with a grad scaler" if p == "fp16" else ""
-            out.append(Candidate(name, {"precision": p}, "speed", note=note, tricks=(trick.name,)))
+            c = Candidate(name, {"precision": p}, "speed", note=note, tricks=(trick.name,))
+            if device.type == "cpu":  # a CPU without native fp16/bf16 emulates it, often ~100x slower
+                c.probe_ratio, c.probe_what = _autocast_slowdown(p, model)
+            out.append(c)
         else:
             out.append(Skipped(name, trick.ids, trick.kind, why))
     return out
+
+
+def _autocast_slowdown(p: str, model: nn.Module) -> tuple[float, str]:
+    """Time of one small layer (forward + backward) under ``p`` autocast on the CPU / in fp32.
+
+    A conv if the model has one, else a linear layer. Cheap (milliseconds), and it spares
+    building and probing the whole model in an emulated precision, which can take
+    minutes on a large input.
+    """
+    import time
+
+    from torch_tricks.train.precision import _DTYPES
+
+    gen = torch.Generator().manual_seed(0)
+    if any(isinstance(m, nn.Conv2d) for m in model.modules()):
+        layer, x, what = nn.Conv2d(32, 32, 3, padding=1), torch.randn(4, 32, 32, 32, generator=gen), "3x3 convolution"
+    else:
+        layer, x, what = nn.Linear(512, 512), torch.randn(256, 512, generator=gen), "linear layer"
+
+    def run(enabled: bool) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=_DTYPES[p], enabled=enabled):
+                y = layer(x)
+            y.float().sum().backward()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    run(False), run(True)  # warm-up
+    ratio = run(True) / max(run(False), 1e-9)
+    return ratio, f"a probe {what} (forward and backward) under {p} autocast"
 
 
 def _channels_last(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
@@ -204,7 +241,8 @@ def _mem_bn(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | 
     except Exception as exc:  # a model the pass cannot handle
         return f"cannot apply: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     if not n:
-        return "no BatchNorm followed by an activation"
+        return ("no BatchNorm -> activation pair it can convert (in an nn.Sequential, or a BatchNorm whose "
+                "only user is an inplace ReLU)")
     return Candidate(trick.name, {"memory_efficient_bn": True}, "memory")
 
 
@@ -231,5 +269,17 @@ _MAKERS: dict[str, Callable[..., Candidate | str]] = {
     "gradient_accumulation": _accumulate,
     "cudnn_benchmark": _simple("cudnn_benchmark", "speed"),
     "ema": _simple("ema", "cost"),
-    "deterministic": _simple("deterministic", "cost"),
+    "deterministic": lambda *a: _deterministic(*a),
 }
+
+
+def _deterministic(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+    import os
+
+    from torch_tricks.train.seed import CUBLAS_DETERMINISTIC_CONFIGS
+
+    if device.type == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_DETERMINISTIC_CONFIGS:
+        # cuBLAS reads it when CUDA starts, which it has by now: setting it here would be too late
+        return ("deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set before CUDA starts: "
+                "export it and tune again to measure it")
+    return Candidate(trick.name, {"deterministic": True}, "cost")

@@ -41,7 +41,7 @@ from torch_tricks.inspect.memory import LiveTensors
 from torch_tricks.inspect.timing import synchronize
 from torch_tricks.train.loop import TrainStep, micro_batches
 
-__all__ = ["Runner", "Memory", "TooSlow", "build_runner", "measure_memory", "time_interleaved", "paired_ratio",
+__all__ = ["Runner", "Memory", "TooSlow", "build_runner", "probe_seconds", "measure_memory", "time_interleaved", "paired_ratio",
            "relative_diff", "error_line"]
 
 
@@ -106,11 +106,11 @@ class Runner:
 
 
 class TooSlow(Exception):
-    """A candidate's probe step took longer than the limit: not worth measuring further."""
+    """A candidate's probe step (or first full step) took longer than the limit: not worth measuring further."""
 
-    def __init__(self, probe_s: float, limit_s: float) -> None:
-        super().__init__(f"a probe step took {probe_s:.3g} s, over the limit of {limit_s:.3g} s")
-        self.probe_s, self.limit_s = probe_s, limit_s
+    def __init__(self, seconds: float, limit_s: float, what: str = "probe") -> None:
+        super().__init__(f"its {what} step took {seconds:.3g} s, over the limit of {limit_s:.3g} s")
+        self.seconds, self.limit_s, self.what = seconds, limit_s, what
 
 
 def build_runner(
@@ -124,6 +124,7 @@ def build_runner(
     drift_steps: int = 3,
     probe: bool = True,
     probe_limit_s: float | None = None,
+    first_limit_s: float | None = None,
 ) -> Runner:
     """A runner on a copy of ``model`` under ``config``, with its drift figures measured.
 
@@ -131,7 +132,8 @@ def build_runner(
     (timed as ``probe_s``; buffers such as BatchNorm statistics and the random state
     are put back after it, so probed and unprobed runners compare); past ``probe_limit_s`` it raises
     :class:`TooSlow` before the full-batch work (an emulated fp16 step on a CPU can
-    take 100 times the fp32 one). Then the first call (which includes
+    take 100 times the fp32 one), and so does a first full-batch call past
+    ``first_limit_s`` (a probe batch can be too small to show it). Then the first call (which includes
     ``torch.compile``'s compilation when on) is timed apart as ``first_call_s``:
     gradients of the first batch, then ``drift_steps`` steps.
     """
@@ -140,31 +142,81 @@ def build_runner(
         r = Runner(name, step, batches)
         dev = step.device
         if probe:
-            small = _slice(batches[0], max(_batch_len(batches[0]) // 8, 1))
-            buffers = [(b, b.detach().clone()) for b in step.model.buffers()]
-            rng = torch.random.get_rng_state()
-            cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-            t0 = time.perf_counter()
-            step.gradients(small)
-            synchronize(dev)
-            r.probe_s = time.perf_counter() - t0
-            with torch.no_grad():
-                for b, old in buffers:
-                    b.copy_(old)
-            torch.random.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
+            r.probe_s = probe_seconds(step, batches[0])
             if probe_limit_s is not None and r.probe_s > probe_limit_s:
-                raise TooSlow(r.probe_s, probe_limit_s)
+                r.probe_s = min(r.probe_s, probe_seconds(step, batches[0], repeats=2))  # not a hiccup of the machine?
+                if r.probe_s > probe_limit_s:
+                    raise TooSlow(r.probe_s, probe_limit_s, "probe")
+        calibrate_grad_scaler(step, batches[0])
         t0 = time.perf_counter()
         r.grads = step.gradients(batches[0])
         synchronize(dev)
         r.first_call_s = time.perf_counter() - t0
+        if first_limit_s is not None and r.first_call_s > first_limit_s:
+            raise TooSlow(r.first_call_s, first_limit_s, "first")
         for i in range(drift_steps):
             t0 = time.perf_counter()
             r.losses.append(float(step(batches[i % len(batches)])))  # float() waits for the device
             r.step_times.append(time.perf_counter() - t0)
     return r
+
+
+def calibrate_grad_scaler(step: TrainStep, batch: Any, tries: int = 24) -> int:
+    """Halve an fp16 grad scaler's scale until ``batch`` gives finite gradients; returns the halvings.
+
+    ``fit``'s scaler starts at 2**16 and skips the steps that overflow while it halves
+    its way down: a few skipped steps at the start of a run, which say nothing about
+    the steady state but would make the drift steps compare a run that skipped updates
+    with one that did not. Buffers and the random state are put back, as for a probe.
+    A no-op without an enabled scaler.
+    """
+    scaler = step._trainer.scaler
+    if not scaler.is_enabled():
+        return 0
+    buffers = [(b, b.detach().clone()) for b in step.model.buffers()]
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    halvings = 0
+    with switches(step.config):
+        for _ in range(tries):
+            grads = step.gradients(batch)
+            if all(bool(torch.isfinite(g).all()) for g in grads):
+                break
+            scaler.update(float(scaler.get_scale()) / 2)
+            halvings += 1
+    with torch.no_grad():
+        for b, old in buffers:
+            b.copy_(old)
+    torch.random.set_rng_state(rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    return halvings
+
+
+def probe_seconds(step: TrainStep, batch: Any, repeats: int = 1, fraction: int = 8) -> float:
+    """Fastest of ``repeats`` forward/backward passes of ``step`` on ``1/fraction`` of ``batch``.
+
+    Buffers (BatchNorm statistics ...) and the random state are put back afterwards, so
+    the probe leaves no trace in what is measured next.
+    """
+    small = _slice(batch, max(_batch_len(batch) // fraction, 1))
+    buffers = [(b, b.detach().clone()) for b in step.model.buffers()]
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    best = math.inf
+    with switches(step.config):
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step.gradients(small)
+            synchronize(step.device)
+            best = min(best, time.perf_counter() - t0)
+    with torch.no_grad():
+        for b, old in buffers:
+            b.copy_(old)
+    torch.random.set_rng_state(rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    return best
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -208,21 +260,21 @@ def measure_memory(
             step = TrainStep(copy.deepcopy(model), loss_fn=loss_fn, optimizer=optimizer_fn, config=config)
             step(batch)
             state = whole.live()
+            first_peak = whole.reset_peak()
             step(batch)  # now with the optimizer state resident
-        peak = whole.peak
+            step_full = whole.peak_now() - state  # what the step itself adds at the batch
+        peak = max(first_peak, whole.peak)
         act_full = _activation_bytes(step, batch)
         slope = None
         micro = _batch_len(micro_batches(batch, k)[0])
         if per_sample and n >= 2 * k:
             half = _slice(batch, n // 2)
             micro_half = _batch_len(micro_batches(half, k)[0])
-            with _Peak(dev) as fb_full:
-                step(batch)
-            with _Peak(dev) as fb_half:
+            with _Peak(dev) as step_half:
                 step(half)
             act_half = _activation_bytes(step, half)
             if micro > micro_half:
-                slopes = [(fb_full.peak - fb_half.peak) / (micro - micro_half)]
+                slopes = [(step_full - step_half.peak) / (micro - micro_half)]
                 if act_full is not None and act_half is not None:
                     slopes.append((act_full - act_half) / (micro - micro_half))
                 slope = max(max(slopes), 1.0)
@@ -290,6 +342,22 @@ class _Peak:
             self._live = _NewStorages()
             self._live.__enter__()
         return self
+
+    def peak_now(self) -> int:
+        """The peak so far (since the start, or the last :meth:`reset_peak`)."""
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+            return torch.cuda.max_memory_allocated(self.dev) - self._base
+        return self._live.peak_bytes
+
+    def reset_peak(self) -> int:
+        """Return the peak so far and restart it from what is live now."""
+        peak = self.peak_now()
+        if self.dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.dev)
+        else:
+            self._live.peak_bytes = self._live.live_bytes
+        return peak
 
     def live(self) -> int:
         """Bytes allocated in the region and still live now."""

@@ -48,8 +48,8 @@ class Result:
     activation_bytes: int | None = None  # kept by one forward for its backward (one micro-batch)
     bytes_per_sample: float | None = None
     max_batch: int | None = None  # under the memory limit: straight line from the batch and half of it
-    grad_drift: float | None = None  # ||g - g_fp32|| / ||g_fp32|| of the first step
-    loss_drift: float | None = None  # max relative loss difference over the drift steps
+    grad_drift: float | None = None  # ||g - g_fp32|| / ||g_fp32|| of the first step (reported, does not decide)
+    loss_drift: float | None = None  # max |loss - fp32 loss| over the drift steps / the first fp32 loss
     losses: list[float] = field(default_factory=list)
     verdict: str = ""
     chosen: bool = False
@@ -98,6 +98,8 @@ class TuneReport:
     noise: float = math.nan  # relative: the A/A disagreement of the plain step with itself
     aa_ratio: float = math.nan  # plain (again) / plain, median of per-round ratios
     aa_half_ci: float = math.nan
+    aa_grad_drift: float | None = None  # plain vs plain again: the drift floor (run-to-run differences)
+    aa_loss_drift: float | None = None
     min_effect: float = 0.02
     rounds: int = 0
     drift_tolerance: dict[str, float] = field(default_factory=dict)
@@ -105,6 +107,7 @@ class TuneReport:
     data: dict[str, Any] | None = None
     deploy: dict[str, Any] | None = None
     elapsed_s: float = 0.0
+    own_optimizer: bool = False  # the caller's optimizer_fn: tricks.toml then names no optimizer
 
     # -- the recommended configuration ------------------------------------------------------
     def recommended_config(self, which: str = "throughput") -> dict[str, Any]:
@@ -121,7 +124,9 @@ class TuneReport:
         changes = dict(best.changes) if best else {}
         defaults = TrainConfig()
         cfg: dict[str, Any] = {k: getattr(defaults, k) for k in TUNED_KEYS}
-        cfg.update({"fused_optimizer": False, "optimizer": self.optimizer})  # the plain step the tune measured
+        cfg["fused_optimizer"] = False  # the plain step the tune measured
+        if not self.own_optimizer:
+            cfg["optimizer"] = self.optimizer
         cfg.update(changes)
         k = int(cfg.get("accumulate", 1))
         batch = self.batch if which == "throughput" or not (best and best.max_batch) else best.max_batch
@@ -168,19 +173,31 @@ class TuneReport:
     HEADERS = ["trick", "ids", "goal", "speed-up", "step", "peak memory", "activations", "max batch",
                "drift grad / loss", "verdict"]
 
-    def rows(self) -> list[list[str]]:
-        """Table rows: baseline, its A/A twin, each trick, each combination, each skipped trick."""
+    def rows(self, compact: bool = False) -> list[list[str]]:
+        """Table rows: baseline, its A/A twin, each trick, each combination, each skipped trick.
+
+        ``compact``: data and deploy tricks skipped for the same reason share one row.
+        """
         out = []
         if self.baseline:
             out.append(self._row(self.baseline))
             if not math.isnan(self.aa_ratio):
+                aa = Result("plain again (A/A)", "noise", {}, (), grad_drift=self.aa_grad_drift,
+                            loss_drift=self.aa_loss_drift)
                 out.append(["plain again (A/A)", "", "noise", f"{1 / self.aa_ratio:.2f}x ±{self.aa_half_ci:.2f}",
-                            "", "", "", "", "", "the noise: identical steps"])
+                            "", "", "", "", _drift(aa), "the noise: identical steps"])
         for r in self.results + self.combos:
             out.append(self._row(r))
+        groups: dict[tuple[str, str], list[Any]] = {}
         for s in self.skipped:
+            if compact and s.kind in ("data", "deploy") and getattr(s, "status", "skipped") == "skipped":
+                groups.setdefault((s.kind, s.reason), []).append(s)
+                continue
             out.append([s.name, ",".join(s.ids), s.kind, "", "", "", "", "", "",
                         f"{getattr(s, 'status', 'skipped')}: {s.reason}"])
+        for (kind, reason), items in groups.items():
+            out.append([f"{len(items)} {kind} tricks", "", kind, "", "", "", "", "", "",
+                        f"skipped: {reason}: {', '.join(s.name for s in items)}"])
         return out
 
     def _row(self, r: Result) -> list[str]:
@@ -235,7 +252,7 @@ class TuneReport:
         return lines
 
     def to_text(self) -> str:
-        return "\n".join([table(self.HEADERS, self.rows(), "llllrrrrll"), ""] + self.summary_lines())
+        return "\n".join([table(self.HEADERS, self.rows(compact=True), "llllrrrrll"), ""] + self.summary_lines())
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -244,6 +261,7 @@ class TuneReport:
             "memory_limit_source": self.memory_limit_source, "budget_s": self.budget_s,
             "elapsed_s": self.elapsed_s, "rounds": self.rounds,
             "noise": _num(self.noise), "aa_ratio": _num(self.aa_ratio), "aa_half_ci": _num(self.aa_half_ci),
+            "aa_grad_drift": self.aa_grad_drift, "aa_loss_drift": self.aa_loss_drift,
             "min_effect": self.min_effect, "drift_tolerance": self.drift_tolerance,
             "baseline": self.baseline.to_dict() if self.baseline else None,
             "results": [r.to_dict() for r in self.results],
@@ -271,8 +289,10 @@ class TuneReport:
                   "tensor bytes from building the model copy through two steps (weights, gradients, optimizer "
                   "state, activations, the batch). **Activations**: what one forward keeps alive for backward. "
                   "**Max batch**: under the memory limit, a straight line through the batch and half of it. "
-                  f"**Drift**: relative gradient difference of the first step and loss difference over {n_drift} steps, "
-                  f"against fp32 from the same seed (tolerance {self.drift_tolerance}).\n\n"
+                  f"**Drift**, against fp32 from the same seed and batch: the relative gradient difference of the "
+                  f"first step (reported only: a fresh deep net's early gradients are chaotic), and the largest loss "
+                  f"difference over {n_drift} steps relative to the first fp32 loss, which decides "
+                  f"(tolerance {self.drift_tolerance}).\n\n"
                   "## Recommended config (`tricks.toml`)\n\n```toml\n" + self.tricks_toml() + "```\n")
 
     # -- files --------------------------------------------------------------------------------
@@ -306,40 +326,49 @@ class TuneReport:
             return None
         rows = list(self.results)
         chosen = self.best_throughput
-        if chosen is not None and chosen is not self.baseline and chosen not in rows:
-            rows.append(chosen)
-        if self.fits_with:
-            fit = next((r for r in self.combos if r.name == self.fits_with), None)
-            if fit is not None and fit not in rows:
-                rows.append(fit)
+        extra = [r for r in self.combos if r.speedup is not None]  # the timed combinations (compile on top of the best)
+        extra += [chosen] if chosen is not None and chosen is not self.baseline else []
+        for r in extra:
+            if r not in rows:
+                rows.append(r)
         names = [("* " if r is chosen else "") + r.name for r in rows]
         base_peak = self.baseline.peak_bytes if self.baseline else None
         base_act = self.baseline.activation_bytes if self.baseline else None
         speed = [r.speedup or 0.0 for r in rows]
-        err = [r.speedup_half_ci or 0.0 for r in rows]
+        err = [r.speedup_half_ci if r.speedup_half_ci is not None and math.isfinite(r.speedup_half_ci) else 0.0
+               for r in rows]
         peak = [(r.peak_bytes / base_peak) if (r.peak_bytes and base_peak) else 0.0 for r in rows]
         act = [(r.activation_bytes / base_act) if (r.activation_bytes is not None and base_act) else 0.0 for r in rows]
-        fig, axes = plt.subplots(1, 2, figsize=(13, 0.5 * len(rows) + 2.2), sharey=True)
+        fig, axes = plt.subplots(1, 2, figsize=(15, 0.5 * len(rows) + 2.2), sharey=True,
+                                 gridspec_kw={"width_ratios": [3, 2]})
         colors = ["tab:orange" if r is chosen else ("tab:red" if r.status == "failed" else "tab:blue") for r in rows]
         y = list(range(len(rows)))
         axes[0].barh(y, speed, xerr=err, color=colors, capsize=2)
         axes[0].axvline(1.0, color="k", lw=1)
         if not math.isnan(self.noise):
             band = max(self.noise, self.min_effect)
-            axes[0].axvspan(1 - band, 1 + band, color="grey", alpha=0.25, label=f"noise ±{band:.0%}")
+            axes[0].axvspan(1 - band, 1 + band, color="grey", alpha=0.25, label=f"within noise: ±{band:.0%}")
             axes[0].legend(loc="lower right", fontsize=8)
         axes[0].set_xlabel("training-step speed-up vs plain fp32 (higher is better)")
         h = 0.38
         axes[1].barh([v - h / 2 for v in y], peak, height=h, color=colors, label="peak")
         axes[1].barh([v + h / 2 for v in y], act, height=h, color=colors, alpha=0.45, label="activations")
         axes[1].axvline(1.0, color="k", lw=1)
-        axes[1].set_xlabel("memory vs plain fp32: peak (solid), activations (light); lower is better")
+        if base_peak and self.memory_limit < 2 * base_peak:
+            axes[1].axvline(self.memory_limit / base_peak, color="tab:red", lw=1.5, ls="--",
+                            label=f"memory limit ({human_bytes(self.memory_limit)})")
+        axes[1].set_xlabel("memory vs plain fp32 (lower is better)")
         axes[1].legend(loc="lower right", fontsize=8)
+        left = axes[0].get_yaxis_transform()
         for i, r in enumerate(rows):
-            if r.status in ("skipped", "failed") or r.speedup is None:
-                axes[0].text(0.02, i, r.status if r.status in ("skipped", "failed") else "not timed",
-                             va="center", fontsize=8, color="tab:red" if r.status == "failed" else "dimgray",
-                             transform=axes[0].get_yaxis_transform())
+            if r.speedup is not None:
+                axes[0].text(speed[i] + err[i] + 0.01, i, f"{speed[i]:.2f}x", va="center", fontsize=8)
+            else:
+                axes[0].text(0.02, i, _plot_label(r), va="center", fontsize=8, transform=left,
+                             color="tab:red" if r.status == "failed" else "dimgray")
+            if not peak[i]:
+                axes[1].text(0.02, i, "memory not measured", va="center", fontsize=8, color="dimgray",
+                             transform=axes[1].get_yaxis_transform())
         axes[0].set_yticks(y)
         axes[0].set_yticklabels(names)
         axes[0].invert_yaxis()
@@ -355,6 +384,17 @@ class TuneReport:
 
 
 # -- formatting --------------------------------------------------------------------------------
+
+def _plot_label(r: Result) -> str:
+    """Why a trick has no speed-up bar, in a few words."""
+    if r.probe_ratio is not None:
+        return f"{r.probe_ratio:.0f}x slower in a probe: not timed further"
+    if r.reason.startswith("measured on top of"):
+        return "timed on top of the best: see its +compile row"
+    if r.status in ("skipped", "failed"):
+        return f"{r.status}: {r.reason[:60]}" + ("..." if len(r.reason) > 60 else "")
+    return "not timed"
+
 
 def _num(x: float) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
