@@ -139,8 +139,9 @@ class TrainStep:
         t.optimizer.zero_grad(set_to_none=True)
         t._accumulate(micro_batches(batch, self.config.accumulate))
         scale = float(t.scaler.get_scale()) if t.scaler.is_enabled() else 1.0
-        grads = [(p.grad.float() / scale if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
-                 for p in t.raw_model.parameters()]
+        # the grads are handed over (set_to_none below drops the model's references): no copy when unscaled
+        grads = [(p.grad.float() / scale if scale != 1.0 else p.grad.float()) if p.grad is not None
+                 else torch.zeros_like(p, dtype=torch.float32) for p in t.raw_model.parameters()]
         t.optimizer.zero_grad(set_to_none=True)
         return grads
 
