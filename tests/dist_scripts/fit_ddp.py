@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from test_train_fit_ddp import N, config, dataset, make_model  # noqa: E402
 
 from torch_tricks.train import fit  # noqa: E402
+from torch_tricks.train.distributed import cleanup  # noqa: E402
 
 torch.set_num_threads(1)
 out = Path(sys.argv[1])
@@ -23,4 +24,4 @@ fit(model, dataset(), config=config(sync_bn=True))
 if torch.distributed.get_rank() == 0:
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / "params.pt")
     (out / "done").write_text(str(N))
-torch.distributed.destroy_process_group()
+cleanup()  # every rank leaves together

@@ -118,8 +118,17 @@ def init_distributed(
 
 
 def cleanup() -> None:
-    """Leave the process group (a no-op when there is none); call once at the end."""
+    """Leave the process group (a no-op when there is none); call once at the end, on every rank.
+
+    All ranks meet at a barrier first: a rank that tears gloo down while its peer is still
+    sending (rank 0 saving a checkpoint, say) can make the peer's gloo thread abort the
+    process ("terminate called without an active exception").
+    """
     if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        except Exception:  # a peer already gone: leave anyway
+            pass
         dist.destroy_process_group()
 
 
