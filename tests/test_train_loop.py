@@ -42,7 +42,7 @@ def test_small_cnn_learns_digits_with_tricks():
     h = fit(get_model("small_cnn"), train, val,
             config=TrainConfig(precision="bf16", ema=True, accumulate=2, checkpointing="blocks", **QUIET))
     assert h.final["acc"] >= 0.97 and h.final["acc_ema"] >= 0.97, h.final
-    assert {"ema"} <= set(h.applied) and any(a.startswith("checkpointing") for a in h.applied)
+    assert {"ema", "precision=bf16"} <= set(h.applied) and any(a.startswith("checkpointing") for a in h.applied)
     assert h.steps == h.epochs * 12  # 23 batches in groups of 2: the short last group is flushed
 
 

@@ -234,6 +234,8 @@ def test_recommended_switches_reach_fit_exactly(tmp_path):
         assert any(a.startswith("checkpointing") for a in applied) == bool(r.changes.get("checkpointing"))
         assert history.config["accumulate"] == r.changes.get("accumulate", 1)
         assert history.config["fused_optimizer"] == bool(r.changes.get("fused_optimizer", False))
+        assert ("fused_optimizer" in applied or "foreach_optimizer" in applied) == \
+            bool(r.changes.get("fused_optimizer", False))
 
 
 def test_bad_inputs_are_one_line_user_errors():

@@ -209,6 +209,8 @@ class _Trainer:
                 raise UserError("device cuda asked for, but this torch sees no CUDA device: use device=cpu")
         self.is_main = self.dist is None or self.dist.is_main
         check_precision(cfg.precision, self.device)
+        if cfg.precision != "fp32":
+            self.history.applied.append(f"precision={cfg.precision}")
         rank = self.dist.rank if self.dist else 0
         seed_everything(cfg.seed + rank, deterministic=cfg.deterministic)
         if cfg.cudnn_benchmark:
@@ -323,6 +325,9 @@ class _Trainer:
             groups, cfg.optimizer, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
             fused=None if cfg.fused_optimizer else False, foreach=None if cfg.fused_optimizer else False,
         )
+        if cfg.fused_optimizer:  # say which multi-tensor form PyTorch could give this optimizer here
+            kind = "fused" if opt.defaults.get("fused") else "foreach" if opt.defaults.get("foreach") else ""
+            self.history.applied.append(f"{kind}_optimizer" if kind else "fused_optimizer=unavailable")
         return opt
 
     def _total_steps(self) -> int:
