@@ -54,6 +54,7 @@ import json
 import os
 import shutil
 import struct
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -616,12 +617,21 @@ class _ReaderBase:
             out[k] = self.read(i)
 
     def _state(self) -> dict[str, Any]:
-        """Handles for this process: opened on first use, re-opened after a fork."""
+        """Handles for this process: opened on first use, re-opened after a fork.
+
+        Opened under a lock: loader threads reach this together, and besides opening
+        everything twice, CPython 3.11 fails parsing (``np.load``'s header) in two threads
+        at once ("AST constructor recursion depth mismatch").
+        """
         pid = os.getpid()
-        if self._pid != pid or self._handles is None:
-            self._handles = self._open_handles()
-            self._pid = pid
-        return self._handles
+        handles = self._handles
+        if self._pid == pid and handles is not None:
+            return handles
+        with _OPEN_LOCK:
+            if self._pid != pid or self._handles is None:
+                self._handles = self._open_handles()
+                self._pid = pid
+            return self._handles
 
     def _open_handles(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -871,6 +881,9 @@ def _close_reader_env(path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+_OPEN_LOCK = threading.RLock()  # readers open their files one thread at a time (see _ReaderBase._state)
 
 
 def _as_tensor(a: np.ndarray) -> "torch.Tensor":
