@@ -710,8 +710,8 @@ class NativeReader(_ReaderBase):
         """Copy equal-size samples with one ``torch.index_select`` per shard: one call, the GIL released
         once, rows copied in parallel by torch's threads (``np.take`` copies rows at half the speed).
 
-        Only when no checksum is due (``verify=False``, or ``"once"`` and all were checked)
-        and every sample is ``n`` bytes at an offset that is a multiple of ``n`` (a raw pack
+        Only when no checksum is due on every read (``verify=False`` or ``"once"``: samples
+        read for the first time are checked here first) and every sample is ``n`` bytes at an offset that is a multiple of ``n`` (a raw pack
         of one shape: the shard is then an ``(count, n)`` array). Returns whether it did.
         """
         n = out.shape[1] if out.ndim == 2 else 0
@@ -719,12 +719,12 @@ class NativeReader(_ReaderBase):
             return False
         if self.verify is True:
             return False
-        if self.verify == "once":
-            self._must_check(int(idx[0]))  # creates the bitmap
-            if not self._verified[idx].all():
-                return False
         if not ((recs["length"] == n).all() and (recs["offset"] % n == 0).all()):
             return False
+        if self.verify == "once":
+            self._must_check(int(idx[0]))  # creates the bitmap
+            for k in np.flatnonzero(~self._verified[idx]).tolist():  # first reads: check just those
+                self._slice(st, int(idx[k]), recs[k].tolist())
         rows = (recs["offset"] // n).astype(np.int64)
         shards = recs["shard"]
         for shard in np.unique(shards).tolist():
