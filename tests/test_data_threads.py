@@ -189,3 +189,20 @@ def test_many_threads_opening_a_fresh_reader_at_once(packs):
             t.join()
         assert not errors, errors[:2]
         assert got == {k: ds.labels[k] for k in range(8)}
+
+
+def test_threads_are_kept_across_epochs_and_closed(packs):
+    import threading
+
+    ds = PackedDataset(packs["jpeg"], transform=crop)
+    loader = ThreadLoader(ds, 8, num_threads=2, seed=0)
+    list(loader)
+    names = {t.name for t in threading.enumerate() if t.name.startswith("torch-tricks-loader")}
+    list(loader)  # a second epoch reuses the same threads
+    assert names and names == {t.name for t in threading.enumerate() if t.name.startswith("torch-tricks-loader")}
+    it = iter(loader)
+    next(it)
+    it.close()  # an epoch left early: its queued batches are dropped, the loader still works
+    assert len(list(loader)) == len(loader)
+    loader.close()
+    assert not any(t.name in names and t.is_alive() for t in threading.enumerate())

@@ -103,6 +103,7 @@ class ThreadLoader:
         self._yielded = 0
         self._raw = _raw_shape(dataset)  # (H, W, C) when whole chunks can be copied in
         self._item: tuple[tuple[int, ...], Any] | None = None  # an item's shape and dtype, once seen
+        self._pool: ThreadPoolExecutor | None = None
 
     def __len__(self) -> int:
         n = len(self.dataset)
@@ -138,10 +139,7 @@ class ThreadLoader:
         plan = self.batches()[self._skip :]
         self._yielded = self._skip
         self._skip = 0
-        # a raw batch is one index_select that torch's own threads split: one task at a time,
-        # or two callers' thread teams fight over the same cores
-        pool = ThreadPoolExecutor(1 if self._raw is not None else self.num_threads,
-                                  thread_name_prefix="torch-tricks-loader")
+        pool = self._threads()
         inflight: deque[_Batch] = deque()
         try:
             todo = iter(plan)
@@ -160,9 +158,30 @@ class ThreadLoader:
             self.epoch += 1
             self._yielded = 0
         finally:
-            for b in inflight:
+            for b in inflight:  # an epoch left early: drop its queued work, finish what runs
                 b.cancel()
-            pool.shutdown(wait=True, cancel_futures=True)
+            for b in inflight:
+                b.wait()
+
+    def close(self) -> None:
+        """Stop the loader's threads (also done when the loader is garbage-collected)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _threads(self) -> ThreadPoolExecutor:
+        """The loader's threads, kept across epochs: a new thread per epoch would also start a new
+        OpenMP team for torch's copies in it. A raw batch is one index_select that torch's own
+        threads split: one task at a time, or two callers' thread teams fight over the same cores."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1 if self._raw is not None else self.num_threads,
+                                            thread_name_prefix="torch-tricks-loader")
+        return self._pool
 
     # ------------------------------------------------------------------ internals
 
@@ -237,6 +256,12 @@ class _Batch:
     def cancel(self) -> None:
         for f in self.futures:
             f.cancel()
+
+    def wait(self) -> None:
+        """Until no thread writes into this batch any more (its errors are dropped: nobody reads it)."""
+        from concurrent.futures import wait
+
+        wait(self.futures)
 
 
 def _raw_shape(dataset: Any) -> tuple[int, ...] | None:
