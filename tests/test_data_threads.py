@@ -196,10 +196,11 @@ def test_threads_are_kept_across_epochs_and_closed(packs):
 
     ds = PackedDataset(packs["jpeg"], transform=crop)
     loader = ThreadLoader(ds, 8, num_threads=2, seed=0)
+    prefix = f"torch-tricks-loader-{id(loader):x}"
     list(loader)
-    names = {t.name for t in threading.enumerate() if t.name.startswith("torch-tricks-loader")}
+    names = {t.name for t in threading.enumerate() if t.name.startswith(prefix)}
     list(loader)  # a second epoch reuses the same threads
-    assert names and names == {t.name for t in threading.enumerate() if t.name.startswith("torch-tricks-loader")}
+    assert names and names == {t.name for t in threading.enumerate() if t.name.startswith(prefix)}
     it = iter(loader)
     next(it)
     it.close()  # an epoch left early: its queued batches are dropped, the loader still works

@@ -180,7 +180,7 @@ class ThreadLoader:
         threads split: one task at a time, or two callers' thread teams fight over the same cores."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1 if self._raw is not None else self.num_threads,
-                                            thread_name_prefix="torch-tricks-loader")
+                                            thread_name_prefix=f"torch-tricks-loader-{id(self):x}")
         return self._pool
 
     # ------------------------------------------------------------------ internals
