@@ -195,24 +195,8 @@ class PackedDataset(Dataset):
         since the result is copied out at once. ``out`` must have the item's shape.
         """
         i = self._check(int(i))
-        buf = self._stored(i)
-        if self.storage == "raw":
-            rec = self.reader.index[i]
-            img = np.asarray(buf).reshape(int(rec["height"]), int(rec["width"]), int(rec["channels"]))
-        else:
-            try:
-                img = _dec.decode(buf, min_size=self.decode_size, decoder=self.decoder, reuse=True)
-            except _dec.DecodeError as exc:
-                raise _dec.DecodeError(f"sample {i} ({self.reader.name(i)}) of {self.path}: {exc}") from None
-        if self.transform is not None:
-            img = self.transform(img)
-        arr = img.numpy() if isinstance(img, torch.Tensor) else np.asarray(img)
-        if arr.shape != out.shape or arr.dtype != out.dtype:
-            raise UserError(
-                f"sample {i} is {tuple(arr.shape)} {arr.dtype} but the batch is {tuple(out.shape)} {out.dtype}: "
-                "give the dataset a transform that crops every sample to one size and keeps one dtype"
-            )
-        np.copyto(out, arr)
+        img = self._image(i, self._stored(i), transient=True)
+        copy_row(i, self.transform(img) if self.transform is not None else img, out)
         return self._label(i)
 
     def cache_info(self) -> dict[str, int]:
@@ -265,14 +249,28 @@ class PackedDataset(Dataset):
             return [self._stored(i) for i in indices]
         return self.reader.read_many(indices)  # one LMDB transaction for the batch
 
-    def _image(self, i: int, buf: np.ndarray) -> np.ndarray:
+    def _image(self, i: int, buf: np.ndarray, *, transient: bool = False) -> np.ndarray:
+        """Sample ``i``'s image from its stored bytes. ``transient``: the caller copies it out at
+        once, so a raw sample may stay a view of the pack and a JPEG may use the thread's decode buffer."""
         if self.storage == "raw":
             rec = self.reader.index[i]
-            return np.array(buf).reshape(int(rec["height"]), int(rec["width"]), int(rec["channels"]))
+            img = np.asarray(buf) if transient else np.array(buf)
+            return img.reshape(int(rec["height"]), int(rec["width"]), int(rec["channels"]))
         try:
-            return _dec.decode(buf, min_size=self.decode_size, decoder=self.decoder)
+            return _dec.decode(buf, min_size=self.decode_size, decoder=self.decoder, reuse=transient)
         except _dec.DecodeError as exc:
             raise _dec.DecodeError(f"sample {i} ({self.reader.name(i)}) of {self.path}: {exc}") from None
+
+
+def copy_row(i: int, img: Any, out: np.ndarray) -> None:
+    """Copy sample ``i``'s image (array or tensor) into its batch row ``out``, which fixes shape and dtype."""
+    arr = img.numpy() if isinstance(img, torch.Tensor) else np.asarray(img)
+    if arr.shape != out.shape or arr.dtype != out.dtype:
+        raise UserError(
+            f"sample {i} is {tuple(arr.shape)} {arr.dtype} but the batch is {tuple(out.shape)} {out.dtype}: "
+            "give the dataset a transform that crops every sample to one size and keeps one dtype"
+        )
+    np.copyto(out, arr)
 
 
 def collate_packed(batch: Any) -> Any:

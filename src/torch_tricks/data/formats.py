@@ -710,9 +710,10 @@ class NativeReader(_ReaderBase):
         """Copy equal-size samples with one ``torch.index_select`` per shard: one call, the GIL released
         once, rows copied in parallel by torch's threads (``np.take`` copies rows at half the speed).
 
-        Only when no checksum is due on every read (``verify=False`` or ``"once"``: samples
-        read for the first time are checked here first) and every sample is ``n`` bytes at an offset that is a multiple of ``n`` (a raw pack
-        of one shape: the shard is then an ``(count, n)`` array). Returns whether it did.
+        Only when no checksum is due on every read (``verify=False`` or ``"once"``: samples read
+        for the first time are checked here first) and every sample is ``n`` bytes at an offset
+        that is a multiple of ``n`` (a raw pack of one shape: the shard is then an ``(count, n)``
+        array). Returns whether it did.
         """
         n = out.shape[1] if out.ndim == 2 else 0
         if not len(idx) or not n or out.dtype != np.uint8 or not out.flags.c_contiguous:
@@ -727,28 +728,31 @@ class NativeReader(_ReaderBase):
                 self._slice(st, int(idx[k]), recs[k].tolist())
         rows = (recs["offset"] // n).astype(np.int64)
         shards = recs["shard"]
-        for shard in np.unique(shards).tolist():
-            m = st["maps"].get(shard)
-            if m is None:
-                m = st["maps"][shard] = _map_file(self.path / self.header["shards"][shard]["file"])
-            table = m[: (len(m) // n) * n].reshape(-1, n)
-            whole = len(np.unique(shards)) == 1
-            sel = slice(None) if whole else shards == shard
+        present = np.unique(shards).tolist()
+        for shard in present:
+            table = self._shard_map(st, shard)
+            table = table[: (len(table) // n) * n].reshape(-1, n)
+            sel = slice(None) if len(present) == 1 else shards == shard
             short = rows[sel] >= len(table)
             if short.any():
                 raise self._corrupt(int(idx[sel][short][0]), self.header["shards"][shard]["file"], "is cut short")
             src = _as_tensor(table)
-            if whole:
+            if len(present) == 1:
                 torch.index_select(src, 0, torch.from_numpy(rows), out=torch.from_numpy(out))
             else:
                 out[sel] = torch.index_select(src, 0, torch.from_numpy(rows[sel])).numpy()
         return True
 
-    def _slice(self, st: dict[str, Any], i: int, rec: tuple) -> np.ndarray:
-        shard, off, n, _, crc = rec[:5]
+    def _shard_map(self, st: dict[str, Any], shard: int) -> np.ndarray:
+        """Shard ``shard`` memory-mapped as uint8, mapped on first use in this process."""
         m = st["maps"].get(shard)
         if m is None:
             m = st["maps"][shard] = _map_file(self.path / self.header["shards"][shard]["file"])
+        return m
+
+    def _slice(self, st: dict[str, Any], i: int, rec: tuple) -> np.ndarray:
+        shard, off, n, _, crc = rec[:5]
+        m = self._shard_map(st, shard)
         buf = m[off : off + n]
         if len(buf) != n:
             raise self._corrupt(i, self.header["shards"][shard]["file"], "is cut short")

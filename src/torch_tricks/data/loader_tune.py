@@ -47,6 +47,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, RandomSampler, default_collate
 
 from torch_tricks.data.loader import _cpu_count, _dataset_collate, _describe, make_loader
+from torch_tricks.data.prefetch import batch_nbytes, to_device
 from torch_tricks.errors import UserError
 from torch_tricks.train.seed import seeded_generator
 
@@ -305,7 +306,7 @@ def _trial(
         first = _consume(next(it), device)
         trial.first_batch_s = time.perf_counter() - start
         k = _batch_len(first)
-        trial.batch_bytes_per_sample = _nbytes(first) / k if k else None
+        trial.batch_bytes_per_sample = batch_nbytes(first) / k if k else None
         t0 = time.perf_counter()
         count = 0
         for batch in it:
@@ -457,8 +458,6 @@ class _TolerantCollate:
 
 def _consume(batch: Any, device: torch.device) -> Any:
     if device.type == "cuda":
-        from torch_tricks.data.prefetch import to_device
-
         return to_device(batch, device, non_blocking=True)
     return batch
 
@@ -473,16 +472,6 @@ def _batch_len(batch: Any) -> int:
     if isinstance(batch, dict) and batch:
         return _batch_len(next(iter(batch.values())))
     return 1
-
-
-def _nbytes(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.numel() * batch.element_size()
-    if isinstance(batch, (list, tuple)):
-        return sum(_nbytes(b) for b in batch)
-    if isinstance(batch, dict):
-        return sum(_nbytes(b) for b in batch.values())
-    return 0
 
 
 def _dataset_files(dataset: Any) -> list[str]:

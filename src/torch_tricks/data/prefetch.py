@@ -191,6 +191,17 @@ class Prefetcher:
             source = None  # a DataLoader iterator shuts its workers down when released
 
 
+def batch_nbytes(batch: Any) -> int:
+    """Bytes of every tensor in ``batch``, through lists, tuples and dicts (other leaves count 0)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    if isinstance(batch, (list, tuple)):
+        return sum(batch_nbytes(b) for b in batch)
+    if isinstance(batch, collections.abc.Mapping):
+        return sum(batch_nbytes(b) for b in batch.values())
+    return 0
+
+
 def to_device(batch: Any, device: torch.device | str, *, non_blocking: bool = False, pin: bool = False) -> Any:
     """``batch`` with every tensor moved to ``device``, through lists, tuples, named tuples and dicts.
 

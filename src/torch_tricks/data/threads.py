@@ -34,6 +34,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from torch_tricks.data.dataset import PackedDataset, copy_row
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 
@@ -214,16 +215,10 @@ class ThreadLoader:
             if not isinstance(item, (tuple, list)) or len(item) != 2:
                 raise UserError(f"ThreadLoader needs (image, label) items; sample {i} is {type(item).__name__}")
             img, label = item
-            arr = img.numpy() if isinstance(img, torch.Tensor) else np.asarray(img)
             if b.images is None:
-                b.allocate(arr.shape, arr.dtype)
-            if arr.shape != b.images.shape[1:] or arr.dtype != b.images.dtype:
-                raise UserError(
-                    f"sample {i} is {tuple(arr.shape)} {arr.dtype} but the batch is {tuple(b.images.shape[1:])} "
-                    f"{b.images.dtype}: give the dataset a transform that crops every sample to one size "
-                    "and keeps one dtype"
-                )
-            b.images[k] = arr
+                first = img.numpy() if isinstance(img, torch.Tensor) else np.asarray(img)
+                b.allocate(first.shape, first.dtype)  # the first sample fixes the batch's shape and dtype
+            copy_row(i, img, b.images[k])
             b.labels[k] = int(label)
         if b.images is not None:
             self._item = (tuple(b.images.shape[1:]), b.images.dtype)
@@ -266,8 +261,6 @@ class _Batch:
 
 def _raw_shape(dataset: Any) -> tuple[int, ...] | None:
     """The sample shape when ``dataset`` can copy whole chunks of raw samples into a batch."""
-    from torch_tricks.data.dataset import PackedDataset
-
     if (isinstance(dataset, PackedDataset) and dataset.storage == "raw" and dataset.shape is not None
             and dataset.transform is None and not dataset.labels_only):
         return tuple(dataset.shape)

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from torch_tricks.data.prefetch import batch_nbytes
 from torch_tricks.inspect.memory import LiveTensors
 from torch_tricks.inspect.timing import synchronize
 from torch_tricks.train.loop import TrainStep, micro_batches
@@ -252,7 +253,7 @@ def measure_memory(
     """
     gc.collect()
     dev = _device_of(config)
-    extra = _nbytes(batch)
+    extra = batch_nbytes(batch)
     k = max(int(config.get("accumulate", 1)), 1)
     n = _batch_len(batch)
     with switches(config):
@@ -450,16 +451,6 @@ def relative_diff(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) ->
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(_nbytes(o) for o in obj)
-    if isinstance(obj, dict):
-        return sum(_nbytes(o) for o in obj.values())
-    return 0
-
 
 def _batch_len(batch: Any) -> int:
     y = batch[1]

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from torch_tricks.data.prefetch import to_device
 from torch_tricks.errors import UserError
 from torch_tricks.tune.candidates import Candidate, training_candidates
 from torch_tricks.tune.measure import (
@@ -146,7 +147,7 @@ def tune(
                         memory_limit=limit, memory_limit_source=limit_source, budget_s=float(budget_s),
                         drift_tolerance=dict(DRIFT_TOLERANCE), min_effect=MIN_EFFECT,
                         inputs=[list(t.shape[1:]) for t in inputs_t if isinstance(t, torch.Tensor)])
-    batches = [_move((inputs if isinstance(inputs, torch.Tensor) else inputs_t, target), dev)]
+    batches = [to_device((inputs if isinstance(inputs, torch.Tensor) else inputs_t, target), dev)]
     kw = {"loss_fn": loss_fn, "optimizer_fn": optimizer_fn}
     cands, skipped = training_candidates(model, inputs_t, dev, batch=batch, own_optimizer=optimizer_fn is not None,
                                          skip=skip)
@@ -796,14 +797,6 @@ def _rounds(runners: list[Runner], step_s: float, until: float, cap: int = 60) -
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else math.nan
-
-
-def _move(batch: Any, dev: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(dev)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_move(b, dev) for b in batch)
-    return batch
 
 
 def _gib(n: float | None) -> str:
