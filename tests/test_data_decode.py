@@ -80,6 +80,32 @@ def test_decoders_agree_within_stated_tolerance():
     print(f"cross-decoder difference over {others}: max {worst_max}, mean {worst_mean:.4f}")
 
 
+@pytest.mark.parametrize("decoder", [d for d in ("simplejpeg", "turbojpeg") if d in D.available_decoders()])
+def test_fast_dct_is_within_its_stated_tolerance_and_really_differs(decoder):
+    """The fast IDCT (FFCV's) vs the accurate one, quality <= 90, at every DCT scale and reused buffer."""
+    worst_max, worst_mean, differs = 0, 0.0, False
+    for seed, (h, w) in enumerate([(120, 160), (97, 61), (224, 300)]):
+        img = smooth(h, w, seed)
+        img[::7] = 255 - img[::7]  # sharp edges: the fast IDCT's error shows most there
+        for q in (50, 75, 90):
+            data = jpeg(img, quality=q)
+            for min_size in (None, 30):
+                ref = D.decode(data, min_size=min_size, decoder=decoder)
+                fast = D.decode(data, min_size=min_size, decoder=decoder, fast_dct=True,
+                                reuse=decoder == "simplejpeg")
+                diff = np.abs(fast.astype(np.int16) - ref)
+                differs |= bool(diff.any())
+                worst_max, worst_mean = max(worst_max, int(diff.max())), max(worst_mean, float(diff.mean()))
+    assert differs  # the switch reaches the decoder
+    assert worst_max <= D.FAST_DCT_TOLERANCE_MAX and worst_mean <= D.FAST_DCT_TOLERANCE_MEAN, (worst_max, worst_mean)
+
+
+@pytest.mark.parametrize("decoder", [d for d in ("cv2", "pil") if d in D.available_decoders()])
+def test_fast_dct_is_ignored_by_decoders_without_the_switch(decoder):
+    data = jpeg(smooth(64, 80), quality=90)
+    assert np.array_equal(D.decode(data, decoder=decoder, fast_dct=True), D.decode(data, decoder=decoder))
+
+
 @pytest.mark.parametrize("decoder", D.available_decoders())
 def test_reduce_on_decode_picks_largest_fast_scale(decoder):
     data = jpeg(smooth(96, 128), quality=90)
@@ -199,3 +225,86 @@ def test_no_decoder_at_all_says_install_pillow(monkeypatch):
     monkeypatch.setattr(D, "_load", lambda name: None)
     with pytest.raises(UserError, match="pip install Pillow"):
         D.fastest_decoder()
+
+
+# ---------------------------------------------------------------------------- crop-aware decoding
+
+
+def crop_ready_cases():
+    """Crop-ready JPEGs of several layouts: ours (4:2:0 with the MCU-offset trailer), and Pillow's with a
+    restart marker after every MCU but no trailer, in 4:4:4, 4:2:2, 4:2:0 and grayscale, odd sizes."""
+    for h, w in [(97, 131), (48, 64), (17, 250), (200, 33)]:
+        img = smooth(h, w, h + w)
+        img[::5] = 255 - img[::5]  # sharp edges: upsampling at the cut borders would show
+        yield f"{h}x{w}-ours", D.encode_jpeg(img, 90, crop_ready=True)
+        for sub, mode in ((0, "RGB"), (1, "RGB"), (2, "RGB"), (2, "L")):
+            yield f"{h}x{w}-pil-{sub}-{mode}", jpeg(img, mode=mode, quality=85, subsampling=sub, restart_marker_blocks=1)
+
+
+def test_decode_crop_is_bit_identical_to_decode_then_crop():
+    rng = np.random.default_rng(0)
+    cut = 0
+    for name, data in crop_ready_cases():
+        assert D.crop_ready(data), name
+        layout = D._restart_layout(data)
+        for dec in D.available_decoders():
+            for fast in (False, True):
+                full = D.decode(data, decoder=dec, fast_dct=fast)
+                h, w = full.shape[:2]
+                boxes = [(0, 0, h, w), (0, 0, 1, 1), (h - 1, w - 1, 1, 1), (h // 3, w // 3, h // 3 + 1, w // 3 + 1)]
+                for _ in range(6):
+                    bh, bw = int(rng.integers(1, h + 1)), int(rng.integers(1, w + 1))
+                    boxes.append((int(rng.integers(0, h - bh + 1)), int(rng.integers(0, w - bw + 1)), bh, bw))
+                for box in boxes:
+                    t, l, bh, bw = box
+                    got = D.decode_crop(data, *box, decoder=dec, fast_dct=fast)
+                    assert got.shape == (bh, bw, 3) and got.flags.c_contiguous, (name, dec, box)
+                    assert np.array_equal(got, full[t : t + bh, l : l + bw]), (name, dec, fast, box)
+                    cut += layout.cut(data, *box)[0] is not None
+    assert cut > 100  # most boxes really were decoded from a cut-out part
+
+
+def test_decode_crop_decodes_only_what_the_crop_covers():
+    data = D.encode_jpeg(smooth(256, 341), 90, crop_ready=True)
+    part, origin = D._restart_layout(data).cut(data, 16, 58, 224, 224)
+    assert origin == (0, 48) and D.jpeg_info(part)[:2] == (256, 240)  # whole MCUs, a 3-pixel margin
+    assert len(part) < 0.8 * len(data)
+    reused = D.decode_crop(data, 16, 58, 224, 224, reuse=True)  # a view of this thread's buffer
+    assert not reused.flags.c_contiguous and np.array_equal(reused, D.decode(data)[16:240, 58:282])
+
+
+def test_decode_crop_of_other_images_decodes_whole():
+    img = smooth(61, 97)
+    for data in (jpeg(img, quality=90), jpeg(img, quality=90, progressive=True), encoded(img, "PNG")):
+        assert not D.crop_ready(data)
+        assert np.array_equal(D.decode_crop(data, 5, 7, 20, 30), D.decode(data)[5:25, 7:37])
+
+
+def test_decode_crop_without_or_with_a_damaged_trailer_finds_the_markers():
+    data = D.encode_jpeg(smooth(97, 131), 90, crop_ready=True)
+    want = D.decode(data)[10:70, 20:90]
+    plain = data[: data.rindex(b"\xff\xd9") + 2]  # the JPEG without its offsets
+    assert len(plain) < len(data)
+    damaged = bytearray(data)
+    damaged[-20] ^= 0x55  # an offset in the trailer
+    for d in (plain, bytes(damaged)):
+        assert np.array_equal(D.decode_crop(d, 10, 20, 60, 70), want)
+
+
+def test_decode_crop_rejects_a_box_outside_the_image():
+    data = D.encode_jpeg(smooth(40, 50), 90, crop_ready=True)
+    for box in [(-1, 0, 10, 10), (0, 0, 41, 10), (35, 0, 10, 10), (0, 0, 0, 5)]:
+        with pytest.raises(UserError, match="does not fit"):
+            D.decode_crop(data, *box)
+    with pytest.raises(UserError, match="does not fit"):
+        D.decode_crop(encoded(smooth(40, 50), "PNG"), 0, 0, 50, 50)
+
+
+def test_crop_ready_jpegs_read_anywhere():
+    """The restart markers and the trailer after EOI do not bother any decoder."""
+    img = smooth(97, 131)
+    ready, plain = D.encode_jpeg(img, 90, crop_ready=True), D.encode_jpeg(img, 90)
+    for dec in D.available_decoders():
+        diff = np.abs(D.decode(ready, decoder=dec).astype(np.int16) - D.decode(plain, decoder=dec))
+        assert diff.mean() < 1.5  # two encoders' rounding, not damage
+    Image.open(io.BytesIO(ready)).load()

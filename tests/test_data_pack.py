@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from torch_tricks.data import decode as D
 from torch_tricks.data.dataset import PackedDataset, collate_packed
+from torch_tricks.data.threads import ThreadLoader
 from torch_tricks.data.formats import (
     CorruptSampleError,
     NativeWriter,
@@ -205,8 +206,40 @@ def test_jpeg_round_trip_pre_resized(tree, packs, fmt):
                                       backend=meta["resize_backend"])
             assert img.shape == source.shape
             # the stored bytes are exactly the resized source encoded once at the chosen quality
-            assert bytes(ds.reader.read(i)) == D.encode_jpeg(source, quality=95)
+            assert bytes(ds.reader.read(i)) == D.encode_jpeg(source, quality=95, crop_ready=True)
             assert np.abs(img.astype(np.int16) - source).mean() < 12  # 4:2:0 JPEG loss on a busy 24-pixel image
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", ["jpeg", "encoded", "raw_pil", "raw_fixed"])
+def test_center_crop_items_equal_cropping_the_decoded_image(packs, fmt, kind, monkeypatch):
+    """center_crop= gives torchvision's CenterCrop of each image (padded when the image is smaller); JPEGs
+    go through decode_crop (whose bit-identity to decode-then-crop is tested in test_data_decode)."""
+    path = packs[fmt, kind][0]
+    whole = PackedDataset(path)
+    calls = []
+    real = D.decode_crop
+    monkeypatch.setattr(D, "decode_crop", lambda *a, **k: calls.append(a[1:]) or real(*a, **k))
+    for size in (16, (10, 22), 40):
+        ds = PackedDataset(path, center_crop=size)
+        hw = (size, size) if isinstance(size, int) else size
+        for i in range(len(ds)):
+            (img, y), (ref, y_ref) = ds[i], whole[i]
+            assert y == y_ref and img.shape == (*hw, 3)
+            assert np.array_equal(img, D.center_crop(ref, hw)), (size, i)
+    assert bool(calls) == (kind in ("jpeg", "encoded"))  # 40 is larger than the images: padded, not cut
+    loader = ThreadLoader(PackedDataset(path, center_crop=16), 5, seed=1)
+    x, y = next(iter(loader))
+    idx = loader.batches(0)[0]
+    assert np.array_equal(x.numpy(), np.stack([D.center_crop(whole[int(i)][0], 16) for i in idx]))
+    with pytest.raises(UserError, match="center_crop"):
+        PackedDataset(path, center_crop=0)
+
+
+def test_jpeg_packs_are_crop_ready_unless_told_not(tree, tmp_path):
+    plain = pack(tree, tmp_path / "plain", storage="jpeg", resize=24, crop_ready=False, progress=False, workers=0)
+    assert plain.count > 0
+    assert not D.crop_ready(PackedDataset(tmp_path / "plain").reader.read(0))
 
 
 def test_decode_size_reduces_on_read(packs):

@@ -54,10 +54,11 @@ def reference(ds, idx):
     return np.stack([np.asarray(x) for x, _ in items]), np.array([y for _, y in items], np.int64)
 
 
-@pytest.mark.parametrize("kind,threads", [("raw", 2), ("raw", 1), ("jpeg", 3), ("lmdb-jpeg", 2)])
-def test_batches_equal_the_dataset_items_exactly(packs, kind, threads):
+@pytest.mark.parametrize("kind,threads,prefetch", [("raw", 2, 2), ("raw", 1, 2), ("jpeg", 3, 2), ("lmdb-jpeg", 2, 2),
+                                                   ("raw", 5, 1), ("jpeg", 5, 1)])  # 5 threads, 2 in flight: split
+def test_batches_equal_the_dataset_items_exactly(packs, kind, threads, prefetch):
     ds = PackedDataset(packs[kind], transform=None if kind == "raw" else crop)
-    loader = ThreadLoader(ds, 8, num_threads=threads, seed=3, drop_last=False)
+    loader = ThreadLoader(ds, 8, num_threads=threads, prefetch=prefetch, seed=3, drop_last=False)
     plans = loader.batches()
     got = list(loader)
     assert len(got) == len(loader) == len(plans) == 5  # 33 samples, the last batch partial
@@ -144,25 +145,52 @@ def test_registered():
     assert get_trick("thread_loader").kind == "data"
 
 
-@pytest.mark.parametrize("verify", [False, "once"])
-def test_batched_raw_gather_across_shards_equals_sample_reads(tree, tmp_path, verify, monkeypatch):
-    """Verified raw batches take the one-call gather path; it must give the per-sample bytes, across shards."""
-    from torch_tricks.data import formats
-
+@pytest.mark.parametrize("verify", [False, "once", True])
+def test_batched_raw_reads_across_shards_equal_sample_reads(tree, tmp_path, verify):
+    """Raw batches copied a part per thread, from several shards, give the per-sample bytes."""
     path = tmp_path / "multi"
     pack(tree, path, storage="raw", raw_size=16, progress=False, workers=0, shard_bytes=5 * 16 * 16 * 3)
     assert len(list(path.glob("shard-*.bin"))) > 3
     ds = PackedDataset(path, verify=verify)
-    want = np.stack([np.array(ds[i][0]) for i in range(len(ds))])  # every sample read (and checked) once
-    calls = []
-    real = formats.NativeReader._gather
-    monkeypatch.setattr(formats.NativeReader, "_gather", lambda self, *a: calls.append(real(self, *a)) or calls[-1])
+    want = np.stack([np.array(ds[i][0]) for i in range(len(ds))])
     idx = np.random.default_rng(0).permutation(len(ds))[:20]
     got, labels = ds.get_batch(idx.tolist())
-    assert calls == [True]  # the gather path ran
     assert np.array_equal(got, want[idx]) and np.array_equal(labels, ds.labels[idx])
-    x, y = next(iter(ThreadLoader(ds, 12, seed=0)))
-    assert np.array_equal(x.numpy(), want[ThreadLoader(ds, 12, seed=0).batches()[0]])
+    loader = ThreadLoader(ds, 12, num_threads=3, seed=0)
+    for (x, y), b in zip(loader, loader.batches(0)):
+        assert np.array_equal(x.numpy(), want[b]) and np.array_equal(y.numpy(), ds.labels[b])
+
+
+@pytest.mark.parametrize("kind", ["raw", "jpeg"])
+def test_batches_kept_by_the_caller_are_never_overwritten(packs, kind):
+    """Buffers are reused, but only once nothing holds the batch made from one: batches kept
+    (whole, as a row view, or as a numpy array) still hold their own samples after later batches."""
+    ds = PackedDataset(packs[kind], transform=None if kind == "raw" else crop)
+    loader = ThreadLoader(ds, 4, num_threads=2, prefetch=1, seed=5)
+    plans = loader.batches(0) + loader.batches(1)
+    kept = []
+    for k, (x, _) in enumerate(_epochs(loader, 2)):
+        kept.append(x if k % 3 == 0 else x[1] if k % 3 == 1 else x.numpy())
+    assert len(kept) == len(plans) > loader.prefetch + 3  # more batches than buffers kept for reuse
+    for k, (held, idx) in enumerate(zip(kept, plans)):
+        want = reference(ds, idx)[0]
+        want = want if k % 3 != 1 else want[1]
+        assert np.array_equal(np.asarray(held), want), f"batch {k} changed after it was yielded"
+
+
+def test_buffers_are_reused_once_batches_are_dropped(packs):
+    ds = PackedDataset(packs["raw"])
+    loader = ThreadLoader(ds, 4, num_threads=2, prefetch=1, seed=5)
+    ptrs, n = set(), 0
+    for x, _ in _epochs(loader, 3):  # each batch dropped when the next one comes
+        ptrs.add(x.data_ptr())
+        n += 1
+    assert n >= 20 and len(ptrs) <= loader.prefetch + 3
+
+
+def _epochs(loader, n):
+    for _ in range(n):
+        yield from loader
 
 
 def test_many_threads_opening_a_fresh_reader_at_once(packs):

@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--raw-size", type=int, metavar="N",
                     help="raw storage: shorter side to N then center crop NxN, so batches read as one array")
     sp.add_argument("--quality", type=int, default=90, help="JPEG quality for --storage jpeg (default 90)")
+    sp.add_argument("--no-crop-ready", dest="crop_ready", action="store_false",
+                    help="--storage jpeg: plain JPEGs, without the restart markers and MCU offsets that let "
+                         "crops decode only what they cover (~6%% smaller)")
     sp.add_argument("--workers", type=int, help="packing processes (default: the usable cores)")
     sp.add_argument("--no-resume", dest="resume", action="store_false",
                     help="start over instead of carrying on an interrupted pack")
@@ -677,8 +680,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
     storage = args.storage or ("jpeg" if args.resize else "encoded")
     report = pack(args.src, args.dst, fmt=args.fmt, storage=storage, resize=args.resize, raw_size=args.raw_size,
-                  quality=args.quality, workers=args.workers, progress=args.progress, resume=args.resume,
-                  overwrite=args.overwrite)
+                  quality=args.quality, crop_ready=args.crop_ready, workers=args.workers, progress=args.progress,
+                  resume=args.resume, overwrite=args.overwrite)
     lines = [f"packed {report.count:,} samples ({len(report.classes)} classes) into {report.path}: "
              f"{report.fmt}, {report.storage}, {human_bytes(report.bytes)} on disk, {report.seconds:.1f} s"
              + (f", resumed after {report.resumed_from:,}" if report.resumed_from else "")]

@@ -73,6 +73,14 @@ class PackedDataset(Dataset):
     still caught the first time it is read (:func:`~torch_tricks.data.formats.verify_pack`
     checks a whole pack at once).
     ``decoder``: force one of :data:`~torch_tricks.data.decode.DECODERS`.
+    ``center_crop``: items are the central ``N x N`` (or ``(h, w)``) of each image, as
+    torchvision's ``CenterCrop`` (small images padded with zeros), before ``transform``.
+    For JPEG packs made crop-ready (``pack(storage="jpeg")``'s default) only the MCUs the
+    crop covers are decoded (:func:`~torch_tricks.data.decode.decode_crop`, same pixels):
+    ~9% less time per image for a 224 crop of a 256-short-side image, measured.
+    ``fast_dct``: decode JPEGs with libjpeg-turbo's fast IDCT (as FFCV does): ~3% less
+    decode time for pixels within a few levels of the accurate IDCT (see
+    :func:`~torch_tricks.data.decode.decode`); off by default.
     """
 
     def __init__(
@@ -85,11 +93,15 @@ class PackedDataset(Dataset):
         cache_bytes: int = 0,
         verify: bool | str = "once",
         decoder: str | None = None,
+        center_crop: int | tuple[int, int] | None = None,
+        fast_dct: bool = False,
     ) -> None:
         self.path = Path(path)
         self.reader: NativeReader | LMDBReader = open_reader(path, verify=verify)
         self.transform = transform
         self.decode_size = decode_size
+        self.fast_dct = bool(fast_dct)
+        self.center_crop = _crop_size(center_crop)
         self.labels_only = labels_only
         self.storage = self.reader.storage
         self.shape = self.reader.shape
@@ -168,10 +180,10 @@ class PackedDataset(Dataset):
         write straight into a batch buffer they own.
         """
         self._require_fixed_raw()
-        indices = [self._check(int(i)) for i in indices]
         if not self._cache.active:
-            self.reader.read_into(indices, flat)
+            self.reader.read_into(self._check_many(indices), flat)
             return
+        indices = [self._check(int(i)) for i in indices]
         misses, rows = [], []
         for k, i in enumerate(indices):
             hit = self._cache.get(i)
@@ -227,6 +239,15 @@ class PackedDataset(Dataset):
                 "re-pack with storage='raw', raw_size=N, or read samples one by one"
             )
 
+    def _check_many(self, indices: Sequence[int]) -> np.ndarray:
+        """``indices`` as an int64 array, negative ones counted from the end (one numpy pass, not one call each)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        if len(idx) and (idx.min() < -n or idx.max() >= n):
+            bad = int(idx[(idx < -n) | (idx >= n)][0])
+            raise IndexError(f"sample index {bad} out of range for {n} samples")
+        return np.where(idx < 0, idx + n, idx) if len(idx) and idx.min() < 0 else idx
+
     def _check(self, i: int) -> int:
         n = len(self)
         if not -n <= i < n:
@@ -250,16 +271,37 @@ class PackedDataset(Dataset):
         return self.reader.read_many(indices)  # one LMDB transaction for the batch
 
     def _image(self, i: int, buf: np.ndarray, *, transient: bool = False) -> np.ndarray:
-        """Sample ``i``'s image from its stored bytes. ``transient``: the caller copies it out at
-        once, so a raw sample may stay a view of the pack and a JPEG may use the thread's decode buffer."""
+        """Sample ``i``'s image from its stored bytes (center-cropped if asked). ``transient``: the caller
+        copies it out at once, so it may be a view of the pack or of the thread's decode buffer."""
+        crop = self.center_crop
         if self.storage == "raw":
             rec = self.reader.index[i]
-            img = np.asarray(buf) if transient else np.array(buf)
-            return img.reshape(int(rec["height"]), int(rec["width"]), int(rec["channels"]))
+            img = np.asarray(buf).reshape(int(rec["height"]), int(rec["width"]), int(rec["channels"]))
+            if crop is not None:
+                return _dec.center_crop(img, crop, copy=not transient)
+            return img if transient else np.array(img)
         try:
-            return _dec.decode(buf, min_size=self.decode_size, decoder=self.decoder, reuse=transient)
+            if crop is not None and self.decode_size is None:
+                rec = self.reader.index[i]
+                h, w = int(rec["height"]), int(rec["width"])
+                if h >= crop[0] and w >= crop[1]:  # else decode whole and pad, as center_crop does
+                    top, left = int(round((h - crop[0]) / 2.0)), int(round((w - crop[1]) / 2.0))
+                    return _dec.decode_crop(buf, top, left, crop[0], crop[1], decoder=self.decoder,
+                                            reuse=transient, fast_dct=self.fast_dct)
+            img = _dec.decode(buf, min_size=self.decode_size, decoder=self.decoder, reuse=transient,
+                              fast_dct=self.fast_dct)
+            return img if crop is None else _dec.center_crop(img, crop, copy=not transient)
         except _dec.DecodeError as exc:
             raise _dec.DecodeError(f"sample {i} ({self.reader.name(i)}) of {self.path}: {exc}") from None
+
+
+def _crop_size(size: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    if size is None:
+        return None
+    hw = (size, size) if isinstance(size, int) and not isinstance(size, bool) else tuple(size)
+    if len(hw) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in hw):
+        raise UserError(f"center_crop must be a positive int or (height, width), not {size!r}")
+    return hw
 
 
 def copy_row(i: int, img: Any, out: np.ndarray) -> None:

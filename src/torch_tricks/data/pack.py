@@ -89,6 +89,7 @@ def pack(
     storage: str = "encoded",
     resize: int | None = None,
     quality: int = 90,
+    crop_ready: bool = True,
     workers: int | None = None,
     progress: bool = True,
     resume: bool = True,
@@ -112,6 +113,10 @@ def pack(
     ``resize``: shorter side to this many pixels (needs ``jpeg`` or ``raw``); the JPEG is
     decoded at the smallest fast DCT scale that is still large enough, then resized with
     ``interpolation`` (linear by default).
+    ``crop_ready``: ``jpeg`` storage only: a restart marker after every MCU and the MCUs'
+    byte offsets after the image's end (~6% more on disk at quality 90), so that a reader
+    with a crop (``PackedDataset(center_crop=...)``) decodes only the MCUs the crop covers
+    (:func:`~torch_tricks.data.decode.decode_crop`; same pixels). Any decoder reads them.
     ``raw_size``: raw storage only: shorter side to N then center-crop N x N, so that all
     samples share one shape and batches can be read as one array.
     ``workers``: processes that decode and encode (default: the usable cores; 0 or 1:
@@ -150,6 +155,8 @@ def pack(
         "resize_backend": backend,
         "interpolation": interpolation if backend else None,
     }
+    if storage == "jpeg" and crop_ready:  # only then: fingerprints of packs made before this option still match
+        opts["crop_ready"] = True
     fingerprint = _fingerprint(src, opts, fmt)
     if fmt == "native":
         writer: NativeWriter | LMDBWriter = NativeWriter(
@@ -440,7 +447,7 @@ def _one(ref: Any, label: int | None) -> tuple[bytes, int, tuple[int, int, int]]
     if opts["raw_size"]:
         img = _dec.center_crop(img, opts["raw_size"])
     if storage == "jpeg":
-        return _dec.encode_jpeg(img, opts["quality"]), int(label), img.shape
+        return _dec.encode_jpeg(img, opts["quality"], crop_ready=opts.get("crop_ready", False)), int(label), img.shape
     img = np.ascontiguousarray(img)
     return img.tobytes(), int(label), img.shape
 
