@@ -235,3 +235,20 @@ def test_threads_are_kept_across_epochs_and_closed(packs):
     assert len(list(loader)) == len(loader)
     loader.close()
     assert not any(t.name in names and t.is_alive() for t in threading.enumerate())
+
+
+def test_keep_freed_heap_is_set_once_unless_turned_off(packs, monkeypatch):
+    import platform
+
+    from torch_tricks.data import threads
+
+    calls = []
+    monkeypatch.setattr(threads, "keep_freed_heap", lambda: calls.append(1) or True)
+    ds = PackedDataset(packs["raw"])
+    next(iter(ThreadLoader(ds, 4, seed=0, keep_freed_heap=False)))
+    assert calls == []
+    next(iter(ThreadLoader(ds, 4, seed=0)))
+    assert calls == [1]
+    monkeypatch.undo()
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert threads.keep_freed_heap() is glibc  # mallopt said yes (or there is no glibc to ask)
