@@ -285,10 +285,17 @@ def test_decode_crop_without_or_with_a_damaged_trailer_finds_the_markers():
     want = D.decode(data)[10:70, 20:90]
     plain = data[: data.rindex(b"\xff\xd9") + 2]  # the JPEG without its offsets
     assert len(plain) < len(data)
-    damaged = bytearray(data)
-    damaged[-20] ^= 0x55  # an offset in the trailer
-    for d in (plain, bytes(damaged)):
+    for d in [plain] + [_damage_offset(data, k) for k in range(1, 40)]:
         assert np.array_equal(D.decode_crop(d, 10, 20, 60, 70), want)
+
+
+def _damage_offset(data: bytes, k: int) -> bytes:
+    """``data`` with the k-th MCU offset of its trailer moved by a few bytes."""
+    count = int.from_bytes(data[-8:-4], "little")
+    at = len(data) - 8 - 4 * count + 4 * k
+    damaged = bytearray(data)
+    damaged[at : at + 4] = (int.from_bytes(data[at : at + 4], "little") + 3).to_bytes(4, "little")
+    return bytes(damaged)
 
 
 def test_decode_crop_rejects_a_box_outside_the_image():

@@ -242,6 +242,16 @@ def test_jpeg_packs_are_crop_ready_unless_told_not(tree, tmp_path):
     assert not D.crop_ready(PackedDataset(tmp_path / "plain").reader.read(0))
 
 
+def test_crop_ready_without_an_encoder_for_it_is_one_clear_error(tree, tmp_path, monkeypatch):
+    def no_restarts(img, quality):
+        raise UserError("crop-ready JPEGs need opencv or Pillow >= 10.2 (restart markers): pip install x")
+
+    monkeypatch.setattr(D, "_encode_restarts", no_restarts)
+    with pytest.raises(UserError, match="crop-ready JPEGs need opencv"):
+        pack(tree, tmp_path / "p", storage="jpeg", resize=24, progress=False, workers=0)
+    assert not is_complete(tmp_path / "p")
+
+
 def test_decode_size_reduces_on_read(packs):
     ds = PackedDataset(packs["native", "encoded"][0], decode_size=12)
     assert min(ds[0][0].shape[:2]) == 12  # a 48x64 JPEG decoded at 1/4

@@ -252,3 +252,16 @@ def test_keep_freed_heap_is_set_once_unless_turned_off(packs, monkeypatch):
     monkeypatch.undo()
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert threads.keep_freed_heap() is glibc  # mallopt said yes (or there is no glibc to ask)
+
+
+def test_huge_page_buffers_are_plain_writable_arrays():
+    from torch_tricks.data.threads import _huge_pages
+
+    for shape, dtype in [((3, 1024, 1024), np.uint8), ((5, 300, 301, 3), np.float32), ((4, 4), np.uint8)]:
+        a = _huge_pages(shape, np.dtype(dtype))
+        assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+        if a.nbytes >= 2 << 20:
+            assert a.ctypes.data % (2 << 20) == 0  # starts on a 2-MB boundary
+        a[...] = 7
+        t = torch.from_numpy(a)
+        assert t.sum().item() == 7 * a.size

@@ -597,15 +597,19 @@ _TRAILER = b"TTMC"  # after the EOI of a crop-ready JPEG: its MCUs' byte offsets
 def _mcu_bounds(a: np.ndarray, scan: int, mcus: int) -> np.ndarray:
     """``bounds`` (int64, ``mcus + 1``): MCU k's entropy-coded bytes, ending with its marker, are
     ``a[scan + bounds[k] : scan + bounds[k + 1]]``. From the trailer :func:`encode_jpeg` appends when
-    it is there and agrees with the file, else by finding the markers (~10 us for 40 KB)."""
+    it is there and agrees with the file (every offset just after a marker, in order), else by
+    finding the markers (~10 us for 40 KB)."""
     n = len(a)
     if n >= scan + 8 and a[n - 4 :].tobytes() == _TRAILER:
         count = int(a[n - 8 : n - 4].view("<u4")[0])
         at = n - 8 - 4 * count
         if count == mcus + 1 and at >= scan:
             bounds = a[at : n - 8].view("<u4").astype(np.int64)
-            if bounds[0] == 0 and scan + bounds[-1] == at and a[at - 2] == 0xFF and a[at - 1] == 0xD9:
-                return bounds
+            if bounds[0] == 0 and scan + bounds[-1] == at and (np.diff(bounds) > 2).all():
+                after = a[scan + bounds[1:] - 1]  # each MCU ends with a marker: RSTn, the last with EOI
+                if (a[scan + bounds[1:] - 2] == 0xFF).all() and ((after[:-1] & 0xF8) == 0xD0).all() \
+                        and after[-1] == 0xD9:
+                    return bounds
     body = a[scan:]
     ff = np.flatnonzero(body[:-1] == 0xFF)  # markers; 0xFF bytes in entropy data are followed by 0x00
     nxt = body[ff + 1]

@@ -157,6 +157,8 @@ def pack(
     }
     if storage == "jpeg" and crop_ready:  # only then: fingerprints of packs made before this option still match
         opts["crop_ready"] = True
+        # here, once: in the workers a missing encoder would look like every image being unreadable
+        _dec.encode_jpeg(np.zeros((16, 16, 3), dtype=np.uint8), int(quality), crop_ready=True)
     fingerprint = _fingerprint(src, opts, fmt)
     if fmt == "native":
         writer: NativeWriter | LMDBWriter = NativeWriter(
