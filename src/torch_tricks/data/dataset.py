@@ -77,7 +77,7 @@ class PackedDataset(Dataset):
     torchvision's ``CenterCrop`` (small images padded with zeros), before ``transform``.
     For JPEG packs made crop-ready (``pack(storage="jpeg")``'s default) only the MCUs the
     crop covers are decoded (:func:`~torch_tricks.data.decode.decode_crop`, same pixels):
-    ~9% less time per image for a 224 crop of a 256-short-side image, measured.
+    ~7% less time per image for a 224 crop of a 256-short-side image, measured.
     ``fast_dct``: decode JPEGs with libjpeg-turbo's fast IDCT (as FFCV does): ~3% less
     decode time for pixels within a few levels of the accurate IDCT (see
     :func:`~torch_tricks.data.decode.decode`); off by default.

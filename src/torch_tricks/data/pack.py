@@ -155,7 +155,7 @@ def pack(
         "resize_backend": backend,
         "interpolation": interpolation if backend else None,
     }
-    if storage == "jpeg" and crop_ready:  # only then: fingerprints of packs made before this option still match
+    if storage == "jpeg" and crop_ready:  # recorded for jpeg storage only: other packs keep their fingerprints
         opts["crop_ready"] = True
         # here, once: in the workers a missing encoder would look like every image being unreadable
         _dec.encode_jpeg(np.zeros((16, 16, 3), dtype=np.uint8), int(quality), crop_ready=True)
