@@ -404,7 +404,8 @@ def _verdict(
     )
     if t >= DECODE_BOUND_FRACTION * predicted:
         advice = [
-            "faster decoding: OpenCV / turbojpeg, reduce-on-decode, or raw uint8 storage (D3)",
+            "faster decoding (D3): decode only the crop (PackedDataset(center_crop=N) on a crop-ready JPEG "
+            "pack), the fast IDCT (fast_dct=True), reduce-on-decode, or raw uint8 storage",
             *([] if pre_resized else ["store samples pre-resized to the training size (D1)"]),
             "move augmentation to the device as batched transforms (D2)",
         ]
