@@ -63,6 +63,23 @@ def test_live_tensors_tracks_alloc_and_free():
         assert live.live_bytes == 0 and live.peak_bytes == 6000
 
 
+def test_live_tensors_does_not_count_views_of_tensors_made_before():
+    """Views, detach, .data and in-place ops of weights that existed before the region allocate nothing."""
+    w = torch.randn(1000)
+    model = nn.Linear(100, 10)
+    with LiveTensors() as live:
+        kept = [w.view(10, 100), w.detach(), w.data, w[::2]]
+        w.mul_(2)
+        for p in model.parameters():
+            kept.append(p.data)
+            kept.append(p.detach())
+        assert live.live_bytes == 0 and live.peak_bytes == 0
+        y = w * 2  # a new storage
+        assert live.live_bytes == 4000
+        del y
+        assert live.live_bytes == 0 and live.peak_bytes == 4000
+
+
 def _loop(accumulate):
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -274,7 +274,13 @@ def _live_graph_nodes() -> int:
 
 
 class LiveTensors(TorchDispatchMode):
-    """Live and peak bytes of tensor storages created while active (see module docstring)."""
+    """Live and peak bytes of tensor storages allocated while active (see module docstring).
+
+    Only storages an op *allocates* count: an op whose output shares storage with one of
+    its inputs (a view, ``detach``, ``.data``, an in-place op) allocates nothing, and
+    counting it would count weights that existed before the region (``copy.deepcopy``
+    reads them through ``.data``, checkpointing through ``detach``) as new.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -285,9 +291,9 @@ class LiveTensors(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        flat, _ = tree_flatten(out)
-        for t in flat:
-            if isinstance(t, torch.Tensor):
+        inputs = {_storage_id(t) for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and _storage_id(t) not in inputs:
                 self._track(t)
         return out
 
@@ -311,6 +317,13 @@ class LiveTensors(TorchDispatchMode):
             if key in self._alive:
                 self._alive.discard(key)
                 self.live_bytes -= nbytes
+
+
+def _storage_id(t: torch.Tensor) -> int | None:
+    try:
+        return id(t.untyped_storage())
+    except Exception:  # tensors without storage (sparse, some subclasses)
+        return None
 
 
 def process_memory() -> dict[str, int]:

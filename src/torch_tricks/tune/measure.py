@@ -35,7 +35,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
 from torch_tricks.data.prefetch import batch_nbytes
 from torch_tricks.inspect.memory import LiveTensors
@@ -302,33 +301,8 @@ def _activation_bytes(step: TrainStep, batch: Any) -> int | None:
     return max(live, 0)
 
 
-class _NewStorages(LiveTensors):
-    """:class:`LiveTensors` that counts only storages an op *allocates*.
-
-    An op whose output shares storage with one of its inputs (a view, ``detach``,
-    ``.data``, an in-place op) allocates nothing; counting it would count weights that
-    existed before the region (``copy.deepcopy`` reads them through ``.data``,
-    checkpointing through ``detach``) as new.
-    """
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {_sid(t) for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and _sid(t) not in inputs:
-                self._track(t)
-        return out
-
-
-def _sid(t: torch.Tensor) -> int | None:
-    try:
-        return id(t.untyped_storage())
-    except Exception:  # tensors without storage (sparse, some subclasses)
-        return None
-
-
 class _Peak:
-    """Peak and live bytes allocated in a region: CUDA's counters, else :class:`_NewStorages`."""
+    """Peak and live bytes allocated in a region: CUDA's counters, else :class:`LiveTensors`."""
 
     def __init__(self, dev: torch.device) -> None:
         self.dev = dev
@@ -340,7 +314,7 @@ class _Peak:
             torch.cuda.reset_peak_memory_stats(self.dev)
             self._base = torch.cuda.memory_allocated(self.dev)
         else:
-            self._live = _NewStorages()
+            self._live = LiveTensors()
             self._live.__enter__()
         return self
 
