@@ -266,8 +266,8 @@ def test_decode_crop_is_bit_identical_to_decode_then_crop():
 
 def test_decode_crop_decodes_only_what_the_crop_covers():
     data = D.encode_jpeg(smooth(256, 341), 90, crop_ready=True)
-    part, origin = D._restart_layout(data).cut(data, 16, 58, 224, 224)
-    assert origin == (0, 48) and D.jpeg_info(part)[:2] == (256, 240)  # whole MCUs, a 3-pixel margin
+    part, origin, size = D._restart_layout(data).cut(data, 16, 58, 224, 224)
+    assert origin == (0, 48) and D.jpeg_info(part)[:2] == size == (256, 240)  # whole MCUs, a 3-pixel margin
     assert len(part) < 0.8 * len(data)
     reused = D.decode_crop(data, 16, 58, 224, 224, reuse=True)  # a view of this thread's buffer
     assert not reused.flags.c_contiguous and np.array_equal(reused, D.decode(data)[16:240, 58:282])

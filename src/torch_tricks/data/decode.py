@@ -342,11 +342,11 @@ def decode_crop(
                         f"of {h}x{w}: crop inside the image (center_crop pads smaller images)")
     if layout is not None and _resolve(decoder) in ("simplejpeg", "turbojpeg", "cv2", "pil"):
         try:
-            part, (y0, x0) = layout.cut(buf, top, left, height, width)
+            part, (y0, x0), size = layout.cut(buf, top, left, height, width)
         except _NotCroppable:
             part, y0, x0 = None, 0, 0
         if part is not None:
-            img = _decode_part(part, decoder, name, reuse, fast_dct)
+            img = _decode_part(part, size, decoder, name, reuse, fast_dct)
             view = img[top - y0 : top - y0 + height, left - x0 : left - x0 + width]
             return view if reuse else np.ascontiguousarray(view)
     img = decode(buf, decoder=decoder, name=name, reuse=reuse, fast_dct=fast_dct)
@@ -358,12 +358,13 @@ def decode_crop(
     return view if reuse else np.ascontiguousarray(view)
 
 
-def _decode_part(part: np.ndarray, decoder: str | None, name: str | None, reuse: bool, fast_dct: bool) -> np.ndarray:
-    """:func:`decode` for a part cut out by :func:`decode_crop` (a plain baseline JPEG whose frame
-    header it wrote itself): straight to simplejpeg, without parsing the header again."""
+def _decode_part(part: np.ndarray, size: tuple[int, int], decoder: str | None, name: str | None, reuse: bool,
+                 fast_dct: bool) -> np.ndarray:
+    """:func:`decode` for a part cut out by :func:`decode_crop` (a plain baseline JPEG of ``size``, whose
+    frame header it wrote itself): straight to simplejpeg, without parsing the header again."""
     if _resolve(decoder) != "simplejpeg":
         return decode(part, decoder=decoder, name=name, reuse=reuse, fast_dct=fast_dct)
-    info = jpeg_info(part)
+    info = (size[0], size[1], 3)
     try:
         out = _scratch(info[0] * info[1] * 3) if reuse else None
         return _decode_simplejpeg(part, info, 1, out, fast_dct=fast_dct)
@@ -561,15 +562,16 @@ class _RestartLayout:
     def __init__(self, height: int, width: int, sof: int, scan: int, mcu_h: int, mcu_w: int) -> None:
         self.height, self.width, self.sof, self.scan, self.mcu_h, self.mcu_w = height, width, sof, scan, mcu_h, mcu_w
 
-    def cut(self, buf: Any, top: int, left: int, height: int, width: int) -> tuple[Any, tuple[int, int]]:
-        """A JPEG of the MCUs covering the region (plus margin) and its pixel origin; ``(None, ...)``
-        when that would be the whole image."""
+    def cut(self, buf: Any, top: int, left: int, height: int, width: int) -> tuple[Any, tuple[int, int],
+                                                                                   tuple[int, int]]:
+        """A JPEG of the MCUs covering the region (plus margin), its pixel origin in the image and its
+        size; ``(None, ...)`` when that would be (nearly) the whole image."""
         mh, mw = self.mcu_h, self.mcu_w
         rows, cols = -(-self.height // mh), -(-self.width // mw)
         r0, r1 = max(0, (top - _CROP_MARGIN) // mh), min(rows, -(-(top + height + _CROP_MARGIN) // mh))
         c0, c1 = max(0, (left - _CROP_MARGIN) // mw), min(cols, -(-(left + width + _CROP_MARGIN) // mw))
         if (r1 - r0) * (c1 - c0) * 10 > rows * cols * 9:  # saves under 10%: not worth cutting
-            return None, (0, 0)
+            return None, (0, 0), (self.height, self.width)
         a = np.frombuffer(buf, dtype=np.uint8)
         body = a[self.scan :]
         bounds = _mcu_bounds(a, self.scan, rows * cols)
@@ -588,7 +590,7 @@ class _RestartLayout:
         marks = (grid[:, 1:] + shift[:, None]).ravel()
         out[marks] = _RST_CYCLE[: len(marks)] if len(marks) <= len(_RST_CYCLE) else 0xD0 + (np.arange(len(marks)) & 7)
         out[marks[-1]] = 0xD9
-        return out, (r0 * mh, c0 * mw)
+        return out, (r0 * mh, c0 * mw), (h, w)
 
 
 _TRAILER = b"TTMC"  # after the EOI of a crop-ready JPEG: its MCUs' byte offsets, their count, this tag
@@ -605,10 +607,11 @@ def _mcu_bounds(a: np.ndarray, scan: int, mcus: int) -> np.ndarray:
         at = n - 8 - 4 * count
         if count == mcus + 1 and at >= scan:
             bounds = a[at : n - 8].view("<u4").astype(np.int64)
-            if bounds[0] == 0 and scan + bounds[-1] == at and (np.diff(bounds) > 2).all():
-                after = a[scan + bounds[1:] - 1]  # each MCU ends with a marker: RSTn, the last with EOI
-                if (a[scan + bounds[1:] - 2] == 0xFF).all() and ((after[:-1] & 0xF8) == 0xD0).all() \
-                        and after[-1] == 0xD9:
+            if bounds[0] == 0 and scan + bounds[-1] == at:
+                ends = bounds[1:] + (scan - 1)  # each MCU ends with a marker (RSTn; the last one EOI): its 2nd byte
+                second = a[ends]
+                if (ends[1:] > ends[:-1] + 2).all() and (a[ends - 1] == 0xFF).all() \
+                        and ((second[:-1] & 0xF8) == 0xD0).all() and second[-1] == 0xD9:
                     return bounds
     body = a[scan:]
     ff = np.flatnonzero(body[:-1] == 0xFF)  # markers; 0xFF bytes in entropy data are followed by 0x00
