@@ -138,7 +138,7 @@ class PackedDataset(Dataset):
         if self.labels_only:
             return [self._label(i) for i in indices]
         if self.storage == "raw" and self.shape is not None and self.transform is None:
-            images, labels = self.get_batch(indices)
+            images, labels = self._batch(np.asarray(indices, dtype=np.int64))
             return _StackedSamples(images, labels)
         stored = self._stored_many(indices)
         out = []
@@ -168,10 +168,7 @@ class PackedDataset(Dataset):
         share one shape).
         """
         self._require_fixed_raw()
-        indices = [self._check(int(i)) for i in indices]
-        out = np.empty((len(indices), *self.shape), dtype=np.uint8)
-        self.read_batch_into(indices, out.reshape(len(indices), -1))
-        return out, self.labels[indices]
+        return self._batch(self._check_many(indices))
 
     def read_batch_into(self, indices: Sequence[int], flat: np.ndarray) -> None:
         """Copy raw samples ``indices`` into the rows of ``flat`` (``(B, H*W*C)`` uint8; crc-checked, cached).
@@ -180,12 +177,21 @@ class PackedDataset(Dataset):
         write straight into a batch buffer they own.
         """
         self._require_fixed_raw()
+        self._read_rows(self._check_many(indices), flat)
+
+    def _batch(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`get_batch` for indices already checked (non-negative, in range)."""
+        out = np.empty((len(idx), *self.shape), dtype=np.uint8)
+        self._read_rows(idx, out.reshape(len(idx), -1))
+        return out, self.labels[idx]
+
+    def _read_rows(self, idx: np.ndarray, flat: np.ndarray) -> None:
+        """:meth:`read_batch_into` for indices already checked: from the RAM cache where it has them."""
         if not self._cache.active:
-            self.reader.read_into(self._check_many(indices), flat)
+            self.reader.read_into(idx, flat)
             return
-        indices = [self._check(int(i)) for i in indices]
         misses, rows = [], []
-        for k, i in enumerate(indices):
+        for k, i in enumerate(idx.tolist()):
             hit = self._cache.get(i)
             if hit is not None:
                 flat[k] = hit

@@ -156,8 +156,7 @@ def decode(
     except DecodeError:
         raise
     except Exception as exc:  # every decoder has its own error types; unify them
-        reason = _reason(exc)
-        raise DecodeError(f"cannot decode {_label(name, buf)}: {reason}; skip or replace this file", reason) from None
+        raise _decode_error(exc, name, buf) from None
 
 
 def jpeg_info(data: Any) -> tuple[int, int, int] | None:
@@ -337,10 +336,9 @@ def decode_crop(
     else:
         info = jpeg_info(buf)
         h, w = (info[0], info[1]) if info is not None else (None, None)
-    if h is not None and (top < 0 or left < 0 or height < 1 or width < 1 or top + height > h or left + width > w):
-        raise UserError(f"crop {height}x{width} at ({top}, {left}) does not fit in {_label(name, buf)} "
-                        f"of {h}x{w}: crop inside the image (center_crop pads smaller images)")
-    if layout is not None and _resolve(decoder) in ("simplejpeg", "turbojpeg", "cv2", "pil"):
+    if h is not None:
+        _check_box(top, left, height, width, h, w, _label(name, buf))
+    if layout is not None:
         try:
             part, (y0, x0), size = layout.cut(buf, top, left, height, width)
         except _NotCroppable:
@@ -351,9 +349,7 @@ def decode_crop(
             return view if reuse else np.ascontiguousarray(view)
     img = decode(buf, decoder=decoder, name=name, reuse=reuse, fast_dct=fast_dct)
     if h is None:  # not a JPEG: the size is known only now
-        if top < 0 or left < 0 or height < 1 or width < 1 or top + height > img.shape[0] or left + width > img.shape[1]:
-            raise UserError(f"crop {height}x{width} at ({top}, {left}) does not fit in {_label(name, buf)} "
-                            f"of {img.shape[0]}x{img.shape[1]}: crop inside the image")
+        _check_box(top, left, height, width, img.shape[0], img.shape[1], _label(name, buf))
     view = img[top : top + height, left : left + width]
     return view if reuse else np.ascontiguousarray(view)
 
@@ -369,8 +365,19 @@ def _decode_part(part: np.ndarray, size: tuple[int, int], decoder: str | None, n
         out = _scratch(info[0] * info[1] * 3) if reuse else None
         return _decode_simplejpeg(part, info, 1, out, fast_dct=fast_dct)
     except Exception as exc:
-        reason = _reason(exc)
-        raise DecodeError(f"cannot decode {_label(name, part)}: {reason}; skip or replace this file", reason) from None
+        raise _decode_error(exc, name, part) from None
+
+
+def _check_box(top: int, left: int, height: int, width: int, h: int, w: int, what: str) -> None:
+    if top < 0 or left < 0 or height < 1 or width < 1 or top + height > h or left + width > w:
+        raise UserError(f"crop {height}x{width} at ({top}, {left}) does not fit in {what} of {h}x{w}: "
+                        "crop inside the image (center_crop pads smaller images)")
+
+
+def _decode_error(exc: BaseException, name: str | None, buf: Any) -> DecodeError:
+    """One :class:`DecodeError` for every decoder's own error types."""
+    reason = _reason(exc)
+    return DecodeError(f"cannot decode {_label(name, buf)}: {reason}; skip or replace this file", reason)
 
 
 def crop_ready(data: Any) -> bool:
