@@ -228,6 +228,8 @@ def test_center_crop_items_equal_cropping_the_decoded_image(packs, fmt, kind, mo
             assert y == y_ref and img.shape == (*hw, 3)
             assert np.array_equal(img, D.center_crop(ref, hw)), (size, i)
     assert bool(calls) == (kind in ("jpeg", "encoded"))  # 40 is larger than the images: padded, not cut
+    items = PackedDataset(path, center_crop=16).__getitems__([0, 1, 2])  # what DataLoader calls for a batch
+    assert all(np.array_equal(x, D.center_crop(whole[i][0], 16)) for i, (x, _) in enumerate(items))
     loader = ThreadLoader(PackedDataset(path, center_crop=16), 5, seed=1)
     x, y = next(iter(loader))
     idx = loader.batches(0)[0]

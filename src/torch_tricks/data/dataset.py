@@ -137,7 +137,7 @@ class PackedDataset(Dataset):
         indices = [self._check(int(i)) for i in indices]
         if self.labels_only:
             return [self._label(i) for i in indices]
-        if self.storage == "raw" and self.shape is not None and self.transform is None:
+        if self.storage == "raw" and self.shape is not None and self.transform is None and self.center_crop is None:
             images, labels = self._batch(np.asarray(indices, dtype=np.int64))
             return _StackedSamples(images, labels)
         stored = self._stored_many(indices)
