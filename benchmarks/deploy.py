@@ -13,7 +13,7 @@ Claims checked (PASS/FAIL lines at the end):
 
 How it is measured: every candidate is built with :func:`torch_tricks.deploy.pipeline.optimize`
 (the same chains the CLI runs), then all candidates of one model are timed together by
-:func:`torch_tricks.deploy.report.compare_latency`: medians of ``--repeats`` calls,
+:func:`torch_tricks.deploy.step_report.compare_latency`: medians of ``--repeats`` calls,
 interleaved round-robin so machine drift hits all alike, under ``torch.inference_mode``.
 Ratios are eager / candidate (above 1 = faster).
 
@@ -60,7 +60,7 @@ from torch_tricks.deploy.export import OrtModule
 from torch_tricks.deploy.fuse import count_batchnorm
 from torch_tricks.deploy.pipeline import OptimizeResult, optimize
 from torch_tricks.deploy.quantize import PT2EInt8Model
-from torch_tricks.deploy.report import agreement, compare_latency, model_size_bytes, param_count
+from torch_tricks.deploy.step_report import agreement, compare_latency, model_size_bytes, param_count
 from torch_tricks.inspect.inputs import make_inputs
 from torch_tricks.models import get_model, list_models, model_spec
 

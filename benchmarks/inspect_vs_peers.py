@@ -60,7 +60,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from torch_tricks.inspect.inputs import make_inputs
-from torch_tricks.inspect.summary import Summary, summary
+from torch_tricks.inspect.summarize import Summary, summary
 from torch_tricks.models import get_model, list_models, model_spec
 
 PEERS = ("torchinfo", "fvcore", "thop", "ptflops")

@@ -2,7 +2,7 @@ import torch
 import torch.nn as nn
 
 from torch_tricks.inspect.advisor import advise
-from torch_tricks.inspect.summary import summary
+from torch_tricks.inspect.summarize import summary
 from torch_tricks.models import get_model
 from torch_tricks.models.repvgg import RepVGGBlock
 from torch_tricks.models.resnet import BasicBlock

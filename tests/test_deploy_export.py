@@ -11,7 +11,7 @@ from torch_tricks.deploy.export import (
     ort_quantize_dynamic,
     ort_quantize_static,
 )
-from torch_tricks.deploy.report import report
+from torch_tricks.deploy.step_report import report
 from torch_tricks.errors import UserError
 from torch_tricks.models import get_model
 from torch_tricks.registry import get_trick

@@ -13,7 +13,7 @@ from torch_tricks.deploy.prune import (
     prune_unstructured_with_report,
 )
 from torch_tricks.errors import UserError
-from torch_tricks.inspect.summary import summary
+from torch_tricks.inspect.summarize import summary
 from torch_tricks.models import get_model
 from torch_tricks.registry import get_trick
 

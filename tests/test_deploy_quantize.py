@@ -20,7 +20,7 @@ from torch_tricks.deploy.quantize import (
     quantize_qat,
     quantize_static_int8,
 )
-from torch_tricks.deploy.report import agreement, model_size_bytes
+from torch_tricks.deploy.step_report import agreement, model_size_bytes
 from torch_tricks.errors import UserError
 from torch_tricks.models import get_model
 from torch_tricks.registry import get_trick

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_tricks.errors import UserError
-from torch_tricks.inspect.summary import ForwardError, summary
+from torch_tricks.inspect.summarize import ForwardError, summary
 from torch_tricks.models import get_model
 
 

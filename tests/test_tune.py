@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-import torch_tricks.tune.tuner as tuner_mod
+import torch_tricks.tuning.tuner as tuner_mod
 from torch_tricks.registry import list_tricks
 from torch_tricks.train import TrainConfig, fit, load_config
-from torch_tricks.tune import TuneReport, example_batch, parse_size, tune
-from torch_tricks.tune.measure import measure_memory, paired_ratio
-from torch_tricks.tune.tuner import TUNED_KEYS
+from torch_tricks.tuning import TuneReport, example_batch, parse_size, tune
+from torch_tricks.tuning.measure import measure_memory, paired_ratio
+from torch_tricks.tuning.tuner import TUNED_KEYS
 from torch_tricks.errors import UserError
 
 

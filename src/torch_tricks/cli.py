@@ -317,7 +317,7 @@ def cmd_tricks(args: argparse.Namespace) -> int:
 def cmd_summary(args: argparse.Namespace) -> int:
     from torch_tricks._format import human_bytes, shape_str, si, table
     from torch_tricks.inspect.advisor import advise
-    from torch_tricks.inspect.summary import summary
+    from torch_tricks.inspect.summarize import summary
 
     if args.depth < 0:
         raise UserError("--depth must be >= 0")
@@ -484,7 +484,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from torch_tricks.tune import example_batch, parse_size, tune
+    from torch_tricks.tuning import example_batch, parse_size, tune
 
     limit = parse_size(args.memory_limit) if args.memory_limit else None
     model, inputs = _load(args)

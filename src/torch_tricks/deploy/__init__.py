@@ -10,6 +10,6 @@ from torch_tricks.deploy import distill, export, fuse, lowbit, prune, quantize, 
 from torch_tricks.deploy.fuse import fuse as fuse_conv_bn
 from torch_tricks.deploy.pipeline import list_steps, load_optimized, optimize
 from torch_tricks.deploy.reparam import reparameterize_model
-from torch_tricks.deploy.report import report
+from torch_tricks.deploy.step_report import report
 
 __all__ = ["fuse_conv_bn", "list_steps", "load_optimized", "optimize", "reparameterize_model", "report"]

@@ -6,7 +6,7 @@ and compares the outputs with eager PyTorch, at the example batch and (with a dy
 batch) at batch 1. The export itself is :func:`torch_tricks.inspect.graph.export_onnx`
 (``torch.onnx.export``, dynamo exporter). :class:`OrtModule` wraps an ONNX Runtime session
 as a callable that takes and returns torch tensors, so
-:func:`torch_tricks.deploy.report.report` times and compares it like any model;
+:func:`torch_tricks.deploy.step_report.report` times and compares it like any model;
 :func:`ort_quantize_dynamic` and :func:`ort_quantize_static` make ONNX Runtime's own int8
 versions (to compare with PyTorch's int8).
 

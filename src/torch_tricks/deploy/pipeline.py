@@ -5,7 +5,7 @@ pass is never changed, even when a step fails) and, after each step, measures wh
 did against the *original* eager model: output agreement (max abs / rel diff, top-1
 agreement), parameters, size, and latency at each batch size in ``batches`` (medians,
 all models of the chain timed interleaved by
-:func:`torch_tricks.deploy.report.compare_latency`, so machine drift hits them alike).
+:func:`torch_tricks.deploy.step_report.compare_latency`, so machine drift hits them alike).
 Each step also states a tolerance on its *own* change (its output against the model
 before it) and says whether it held. The whole chain is checked before any work starts
 (step names, arguments, order, device), so a mistake costs no time; a step that cannot
@@ -63,7 +63,7 @@ import torch
 import torch.nn as nn
 
 from torch_tricks._io import atomic_path
-from torch_tricks.deploy.report import Agreement, agreement, compare_latency, model_size_bytes, param_count
+from torch_tricks.deploy.step_report import Agreement, agreement, compare_latency, model_size_bytes, param_count
 from torch_tricks.errors import UserError
 from torch_tricks.inspect.inputs import as_input_tuple
 
@@ -1093,7 +1093,7 @@ def _onnx_params(path: Path) -> int:
 
 
 def _first(out: Any) -> torch.Tensor:
-    from torch_tricks.deploy.report import _first_tensor
+    from torch_tricks.deploy.step_report import _first_tensor
 
     return _first_tensor(out)
 

@@ -143,7 +143,7 @@ class ChannelPruneReport:
     pruned (its conv layers, channels before -> after, ``residual`` when the convs meet in
     an add and so share their kept channels); ``skipped`` the convs whose
     outputs were left alone and why. ``macs_before`` is measured on the example inputs
-    (:func:`torch_tricks.inspect.summary.summary`); ``macs_after`` is that minus the change in
+    (:func:`torch_tricks.inspect.summarize.summary`); ``macs_after`` is that minus the change in
     the conv/linear MACs, counted from the traced shapes with the same convention.
     """
 
@@ -210,7 +210,7 @@ def prune_channels_with_report(
     round_to: int = 8,
 ) -> tuple[nn.Module, ChannelPruneReport]:
     """:func:`prune_channels`, returning ``(model, ChannelPruneReport)``."""
-    from torch_tricks.inspect.summary import summary
+    from torch_tricks.inspect.summarize import summary
 
     _check_model(model, "prune_channels")
     if amount is not None and target_macs is not None:

@@ -23,7 +23,7 @@ others did not, because with torch >= 2.10 the answer depends on the stack insta
 * **Half precision** (:func:`cast_half`): bf16 / fp16 weights and inputs.
 
 Agreement, size and latency of any result are measured with
-:func:`torch_tricks.deploy.report.report`, the same way as for every other deploy step.
+:func:`torch_tricks.deploy.step_report.report`, the same way as for every other deploy step.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch_tricks.deploy.report import Agreement, agreement, model_size_bytes
+from torch_tricks.deploy.step_report import Agreement, agreement, model_size_bytes
 from torch_tricks.errors import UserError
 from torch_tricks.inspect.inputs import as_input_tuple
 from torch_tricks.registry import register_trick
@@ -67,7 +67,7 @@ class QuantReport:
 
     ``size_bytes`` / ``new_size_bytes`` are bytes of ``torch.save(state_dict)`` (see
     ``size_method``); agreement is measured on ``example_inputs`` when the step had any.
-    Latency is not measured here: use :func:`torch_tricks.deploy.report.report`.
+    Latency is not measured here: use :func:`torch_tricks.deploy.step_report.report`.
     """
 
     step: str  # int8_dynamic | int8_static | qat_prepare | qat_convert | half

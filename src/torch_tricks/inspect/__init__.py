@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "summary": "summary", "Summary": "summary", "Row": "summary", "ForwardError": "summary",
+    "summary": "summarize", "Summary": "summarize", "Row": "summarize", "ForwardError": "summarize",
     "OpCounter": "flops", "rnn_macs": "flops",
     "memory_report": "memory", "MemoryReport": "memory", "leak_check": "memory", "LeakReport": "memory",
     "saved_activation_bytes": "memory", "LiveTensors": "memory",

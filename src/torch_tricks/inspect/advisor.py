@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from torch_tricks.inspect.summary import Summary
+from torch_tricks.inspect.summarize import Summary
 
 __all__ = ["Advice", "advise"]
 

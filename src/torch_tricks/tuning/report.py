@@ -118,7 +118,7 @@ class TuneReport:
         the estimated largest batch).
         """
         from torch_tricks.train.config import TrainConfig
-        from torch_tricks.tune.tuner import TUNED_KEYS
+        from torch_tricks.tuning.tuner import TUNED_KEYS
 
         best = self.best_throughput if which == "throughput" else self.best_batch
         changes = dict(best.changes) if best else {}
@@ -137,7 +137,7 @@ class TuneReport:
         """The switches the recommendation turns on (``key=value`` for non-boolean ones)."""
         cfg = self.recommended_config(which)
         from torch_tricks.train.config import TrainConfig
-        from torch_tricks.tune.tuner import TUNED_KEYS
+        from torch_tricks.tuning.tuner import TUNED_KEYS
 
         plain = {**{k: getattr(TrainConfig(), k) for k in TUNED_KEYS}, "fused_optimizer": False}
         out = []

@@ -5,7 +5,7 @@ The plan, inside ``budget_s`` (each phase gets a share of what is left when it s
 1. the plain fp32 baseline (a model that cannot run the input stops here, with one
    line), and a second, identical baseline: the A/A pair whose disagreement is the
    stated noise;
-2. for each candidate trick (see :mod:`torch_tricks.tune.candidates`): drift against
+2. for each candidate trick (see :mod:`torch_tricks.tuning.candidates`): drift against
    fp32 from the same seed, and memory (peak, activations, bytes per sample);
 3. all candidates' steps timed round-robin with both baselines, rotating the order
    every round (so drift of the machine hits all alike);
@@ -37,8 +37,8 @@ import torch.nn as nn
 
 from torch_tricks.data.prefetch import to_device
 from torch_tricks.errors import UserError
-from torch_tricks.tune.candidates import Candidate, training_candidates
-from torch_tricks.tune.measure import (
+from torch_tricks.tuning.candidates import Candidate, training_candidates
+from torch_tricks.tuning.measure import (
     Runner,
     TooSlow,
     build_runner,
@@ -49,7 +49,7 @@ from torch_tricks.tune.measure import (
     relative_diff,
     time_interleaved,
 )
-from torch_tricks.tune.report import Result, TuneReport
+from torch_tricks.tuning.report import Result, TuneReport
 
 __all__ = ["tune", "example_batch", "parse_size", "TUNED_KEYS", "DRIFT_TOLERANCE", "MIN_EFFECT"]
 
@@ -697,7 +697,7 @@ def example_batch(model: nn.Module, inputs: Any, *, seed: int = 0) -> tuple[tupl
         with torch.no_grad():
             out = probe(*one)
     except Exception:
-        from torch_tricks.inspect.summary import summary
+        from torch_tricks.inspect.summarize import summary
 
         summary(probe, one, depth=0)  # raises a ForwardError naming the module and the shapes it got
         raise  # pragma: no cover  (summary ran it without error: re-raise the original)
