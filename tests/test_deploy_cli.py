@@ -20,6 +20,7 @@ import torch.nn as nn
 from _deploy_utils import randomize_bn, same_state, state_copy
 
 from torch_tricks.cli import main
+from torch_tricks.deploy.export import ort_int8_setting
 from torch_tricks.deploy.pipeline import list_steps, load_optimized
 from torch_tricks.deploy.quantize import _cpu_flag
 from torch_tricks.models import get_model, list_models
@@ -227,6 +228,32 @@ def test_onnx_runtime_int8_prints_nothing_but_the_report(capfd, caplog):
     step = d["steps"][0]
     assert step["backend"] == "onnxruntime dynamic int8" and step["within_tolerance"]
     assert step["size_bytes"] < 0.5 * d["original"]["size_bytes"]
+    # the setting chosen for this CPU (u8 weights without VNNI, where s8 agreed for 87.5%) is reported
+    auto = ort_int8_setting("dynamic")
+    assert step["int8_setting"] == d["int8_setting"] == auto.to_dict()
+    assert any(n.startswith("int8 setting: ") and auto.reason in n for n in step["notes"])
+
+
+def test_onnx_runtime_int8_setting_can_be_forced(capsys):
+    """Both settings can be forced, with --int8-for or on the step; the no-VNNI one is what
+    a CPU without VNNI gets by default, so its agreement here is that CPU's (u8 weights run
+    in kernels that cannot saturate: see test_deploy_export)."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    for target, steps in (("no-vnni", ["--steps", "onnx-int8:dynamic", "--int8-for", "no-vnni"]),
+                          ("vnni", ["--steps", "onnx-int8:dynamic:vnni"])):
+        code, out, err = run(capsys, "optimize", "--model", "mlp", *steps, "--no-latency", "--no-save", "--json")
+        assert code == 0, err
+        step = json.loads(out)["steps"][0]
+        s = step["int8_setting"]
+        assert s["for_vnni"] is (target == "vnni") and s["forced"] and s["reason"].startswith("forced")
+        assert s["weight_type"] == ("int8" if target == "vnni" else "uint8")
+        if target == "no-vnni":  # exact on every CPU; s8 weights may saturate on one without VNNI
+            assert step["within_tolerance"], step["agreement"]
+        assert any(n.startswith("int8 setting: ") and "forced by the caller" in n for n in step["notes"])
+    code, out, _ = run(capsys, "optimize", "--model", "mlp", "--steps", "onnx-int8:dynamic:no-vnni", "--no-latency",
+                       "--no-save")
+    assert code == 0 and "int8 setting: full 8-bit range, uint8 activations x uint8 weights" in out  # text too
 
 
 def test_every_builtin_vision_model_has_an_onnx_runtime_test():
@@ -292,6 +319,11 @@ def test_a_step_outside_its_tolerance_exits_1_and_writes_only_with_force(capsys,
         (["--model", "small_cnn", "--steps", "fuse", "--threads", "0"], "--threads must be >= 1"),
         (["--model", "small_cnn", "--steps", "fuse", "--latency-batch", "0"], "batches must be positive"),
         (["--model", "mlp", "--steps", "fuse", "--data", "digits"], "does not run on the example inputs"),
+        (["--model", "mlp", "--steps", "onnx-int8", "--int8-for", "avx2"], "must be auto, vnni or no-vnni"),
+        (["--model", "mlp", "--steps", "fuse", "--int8-for", "vnni"], "has no int8 or onnx-int8 step"),
+        (["--model", "mlp", "--steps", "onnx-int8:vnni", "--int8-for", "no-vnni"], "int8 target given twice"),
+        (["--model", "mlp", "--steps", "onnx-int8:dynamic:7bit"], ":vnni or :no-vnni"),
+        (["--model", "mlp", "--steps", "int8-dynamic", "--int8-for", "vnni"], "int8-dynamic has one setting"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, needle):

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from torch_tricks.deploy import quantize as q
+from torch_tricks.deploy.cpu_int8 import int8_setting
 from torch_tricks.deploy.quantize import (
     PT2EInt8Model,
     cast_half,
@@ -49,6 +50,13 @@ def resnet_int8():
     return model, before, qmodel, rep, gen
 
 
+def _activation_qmax(qmodel: PT2EInt8Model) -> set[int]:
+    """The quant_max of every activation quantize op in the converted PT2E graph: what the
+    int8 kernels really get (127 with reduce_range, 255 without)."""
+    return {int(n.args[4]) for n in qmodel.quantized.graph.nodes
+            if n.op == "call_function" and str(n.target).startswith("quantized_decomposed.quantize_per_tensor")}
+
+
 def test_static_int8_resnet18_agrees_and_is_smaller(resnet_int8):
     model, before, qmodel, rep, gen = resnet_int8
     assert _unchanged(model, before) and not model.training
@@ -56,6 +64,11 @@ def test_static_int8_resnet18_agrees_and_is_smaller(resnet_int8):
     assert rep.backend == expected, rep.notes
     if expected == "pt2e":
         assert isinstance(qmodel, PT2EInt8Model)
+        # the range chosen for this CPU (and its env caps) is the one in the graph, and is reported
+        auto = int8_setting("torch")
+        assert rep.int8_setting == auto.to_dict() and not auto.forced
+        assert _activation_qmax(qmodel) == {127 if auto.reduce_range else 255}
+        assert any(n.startswith("int8 setting: ") and auto.reason in n for n in rep.notes)
     # same (random normal) distribution as the calibration, fresh samples, same shape
     for _ in range(2):
         a = agreement(model, qmodel, torch.randn(*SHAPE, generator=gen))
@@ -90,6 +103,93 @@ def test_pt2e_model_recompiles_after_dynamo_reset():
     assert qmodel(torch.randn(3, 1, 8, 8)).shape == (3, 10)  # another batch size: compiles once more
 
 
+# (flags in /proc/cpuinfo, ATen capability, env): the CPUs the int8 range decision must tell apart
+_SPR = {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8"}  # Sapphire Rapids (AMX)
+_CASCADE = {"avx2", "avx512f", "avx512_vnni"}  # AVX-512 VNNI, no AVX-VNNI
+_CPUS = {
+    "amx": (_SPR, "AVX512", {}),
+    "avx512-vnni": (_CASCADE, "AVX512", {}),
+    "alder-lake avx-vnni": ({"avx2", "avx_vnni"}, "AVX2", {}),
+    "avx2-only": ({"avx2", "fma"}, "AVX2", {}),
+    "avx512 no vnni": ({"avx2", "avx512f", "avx512bw"}, "AVX512", {}),
+    "sse4.1 only": ({"sse4_1"}, "DEFAULT", {}),
+    "amx, ONEDNN_MAX_CPU_ISA=AVX2": (_SPR, "AVX512", {"ONEDNN_MAX_CPU_ISA": "AVX2"}),
+    "amx, DNNL_MAX_CPU_ISA=avx512_core": (_SPR, "AVX512", {"DNNL_MAX_CPU_ISA": "avx512_core"}),
+    "amx, ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI": (_SPR, "AVX512", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}),
+    "avx512-vnni, ATen capability AVX2": (_CASCADE, "AVX2", {}),
+    "emulated avx2 (both caps)": (_SPR, "AVX2", {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}),
+}
+
+
+@pytest.mark.parametrize(
+    "cpu, ort_vnni, torch_vnni, why",
+    [
+        ("amx", True, True, "amx_int8"),
+        ("avx512-vnni", True, True, "avx512_vnni"),
+        ("alder-lake avx-vnni", True, True, "avx_vnni"),
+        ("avx2-only", False, False, "no VNNI in the CPU flags (avx2)"),
+        ("avx512 no vnni", False, False, "no VNNI in the CPU flags (avx2, avx512f)"),
+        ("sse4.1 only", False, False, "no VNNI"),
+        # ONNX Runtime's MLAS reads cpuid and ignores the caps; oneDNN / inductor honour them
+        ("amx, ONEDNN_MAX_CPU_ISA=AVX2", True, False, "ONEDNN_MAX_CPU_ISA=AVX2"),
+        ("amx, DNNL_MAX_CPU_ISA=avx512_core", True, False, "DNNL_MAX_CPU_ISA=avx512_core"),
+        ("amx, ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI", True, True, "avx512_vnni"),
+        ("avx512-vnni, ATen capability AVX2", True, False, "ATen's capability AVX2"),
+        ("emulated avx2 (both caps)", True, False, "ONEDNN_MAX_CPU_ISA=AVX2"),
+    ],
+)
+def test_int8_setting_is_the_saturation_free_one_exactly_where_the_kernels_have_no_vnni(cpu, ort_vnni, torch_vnni, why):
+    flags, capability, env = _CPUS[cpu]
+    ort = int8_setting("onnxruntime", flags=flags, capability=capability, env=env, machine="x86_64")
+    pt = int8_setting("torch", flags=flags, capability=capability, env=env, machine="x86_64")
+    assert (ort.for_vnni, pt.for_vnni) == (ort.vnni, pt.vnni) == (ort_vnni, torch_vnni)
+    # torch: 7-bit activations without VNNI; ONNX Runtime: u8 weights (U8U8 kernels) without VNNI
+    assert pt.reduce_range is not torch_vnni and pt.weight_type == "int8" and pt.activation_type == "uint8"
+    assert not ort.reduce_range and ort.weight_type == ("int8" if ort_vnni else "uint8")
+    for s in (ort, pt):
+        assert not s.forced and s.reason and "\n" not in s.reason
+        assert ("saturate" in s.reason) is not s.for_vnni  # the reason says what is at stake
+    assert why in pt.reason, pt.reason
+    # ONNX Runtime static int8 takes u8 weights everywhere (more exact, never saturates), and says why
+    static = int8_setting("onnxruntime-static", flags=flags, capability=capability, env=env, machine="x86_64")
+    assert static.weight_type == "uint8" and not static.for_vnni and "every CPU" in static.reason
+    # off x86 nothing saturates (ARM's kernels widen before they add)
+    arm = int8_setting("torch", flags=set(), capability="DEFAULT", env={}, machine="aarch64")
+    assert arm.for_vnni and not arm.reduce_range and arm.vnni is None and "not x86" in arm.reason
+
+
+def test_int8_setting_can_be_forced_and_says_what_auto_would_pick():
+    for runtime in ("onnxruntime", "torch"):
+        vnni = int8_setting(runtime, True, flags={"avx2"}, capability="AVX2", env={}, machine="x86_64")
+        assert vnni.for_vnni and vnni.forced and vnni.vnni is False and vnni.weight_type == "int8"
+        assert not vnni.reduce_range
+        assert vnni.reason.startswith("forced by the caller (auto would pick the no-VNNI setting")
+        safe = int8_setting(runtime, False, flags=_SPR, capability="AVX512", env={}, machine="x86_64")
+        assert not safe.for_vnni and safe.forced and "auto would pick the VNNI setting" in safe.reason
+        assert safe.to_dict()["forced"] is True and safe.reason in safe.describe()
+    with pytest.raises(ValueError):
+        int8_setting("tensorrt")
+
+
+def test_pt2e_forced_reduced_range_reaches_the_graph_and_the_report():
+    """Forcing the no-VNNI setting on any CPU: the activations of the compiled graph are
+    quantized to 0..127 (the int8 kernels' input), and the report and notes say so."""
+    if q._import_torchao_pt2e() is None:
+        pytest.skip("torchao not installed")
+    model = get_model("small_cnn").eval()
+    gen = torch.Generator().manual_seed(2)
+    calib = [torch.randn(32, 1, 8, 8, generator=gen) for _ in range(2)]
+    qmodel, rep = quantize_static_int8(model, calib, calib[0], backend="pt2e", cpp_wrapper=False, reduce_range=True)
+    assert _activation_qmax(qmodel) == {127}
+    s = rep.int8_setting
+    assert s["reduce_range"] is True and s["forced"] and s["runtime"] == "torch"
+    assert any(n.startswith("int8 setting: reduce_range=True") and "forced" in n for n in rep.notes)
+    assert agreement(model, qmodel, torch.randn(64, 1, 8, 8, generator=gen)).max_rel_diff < 0.1
+    with pytest.raises(UserError) as exc:
+        quantize_static_int8(model, calib, calib[0], reduce_range="yes")
+    assert "\n" not in str(exc.value) and "reduce_range" in str(exc.value)
+
+
 def test_static_fx_backend_and_fallback_when_torchao_missing(monkeypatch):
     model = get_model("small_cnn").eval()
     before = _snapshot(model)
@@ -98,6 +198,11 @@ def test_static_fx_backend_and_fallback_when_torchao_missing(monkeypatch):
     assert rep.backend == "fx" and rep.quantized.get("ConvReLU2d", 0) >= 3
     assert qfx(torch.randn(5, 1, 8, 8)).shape == (5, 10)  # any batch size
     assert rep.agreement.max_rel_diff < 0.1
+    # FX's x86 qconfig reduces the activation range on every CPU: read from the qconfig, reported
+    assert rep.int8_setting["reduce_range"] is True and not rep.int8_setting["forced"]
+    assert any("reduce_range=True" in n and "every CPU" in n for n in rep.notes)
+    with pytest.raises(UserError, match="full range is PT2E's"):
+        quantize_static_int8(model, calib, calib[0], backend="fx", reduce_range=False)
     # auto falls back to FX, and says why, when torchao cannot be imported
     monkeypatch.setattr(q, "_import_torchao_pt2e", lambda: None)
     _, rep2 = quantize_static_int8(model, [(x, torch.zeros(32)) for x in calib], calib[0])  # (x, y) pairs
@@ -141,6 +246,8 @@ def test_dynamic_int8_builtin_transformer_runs_without_fastpath_crash():
     assert not any(isinstance(m, nn.TransformerEncoderLayer) for m in qmodel.modules())
     assert rep.quantized["Linear"] == 4 * 4 + 1  # in_proj, out_proj, linear1, linear2 per layer + head
     assert rep.size_ratio > 2 and rep.backend == "torch.ao dynamic"
+    # torch.ao's dynamic kernels always quantize activations to 7 bits: saturation-free anywhere
+    assert rep.int8_setting["reduce_range"] is True and "always" in rep.int8_setting["reason"]
     assert _unchanged(model, before)
     assert any(isinstance(m, nn.TransformerEncoderLayer) for m in model.modules())
 

@@ -8,7 +8,9 @@ asserted, only what the tune did and how the report says it.
 
 import json
 import math
+import random
 import statistics
+import time
 import tomllib
 
 import pytest
@@ -19,7 +21,10 @@ import torch_tricks.tuning.tuner as tuner_mod
 from torch_tricks.registry import list_tricks
 from torch_tricks.train import TrainConfig, fit, load_config
 from torch_tricks.tuning import TuneReport, example_batch, parse_size, tune
+from torch_tricks.tuning.candidates import Candidate
 from torch_tricks.tuning.measure import measure_memory, paired_ratio
+from torch_tricks.tuning.race import Lane, Race
+from torch_tricks.tuning.race import race as run_race
 from torch_tricks.tuning.tuner import TUNED_KEYS
 from torch_tricks.errors import UserError
 
@@ -49,21 +54,24 @@ class TinyNet(nn.Module):
 
 
 class Flaky(nn.Module):
-    """Fails under two tricks, as real models do: ``.view`` of a channels_last tensor raises at once,
-    and (standing in for a kernel that breaks after a while) the 8th forward under autocast raises."""
+    """Fails under two configurations, as real models do: ``.view`` of a channels_last tensor raises at
+    once, and (standing in for a kernel that breaks after a while) the 8th forward under the switch of the
+    candidate the test plants (deterministic algorithms: as fast as plain on any CPU, so it is always
+    timed) raises: 5 forwards are its set-up (probe, gradients, 3 drift steps), the 6th its warm-up, the
+    8th its second timed round."""
 
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
         self.head = nn.Linear(8 * 8 * 8, 10)
-        self.autocast_calls = 0
+        self.planted_calls = 0
 
     def forward(self, x):
         y = self.features(x)
-        if torch.is_autocast_enabled("cpu"):
-            self.autocast_calls += 1
-            if self.autocast_calls > 7:
-                raise RuntimeError("flaky low-precision kernel gave up")
+        if torch.are_deterministic_algorithms_enabled():
+            self.planted_calls += 1
+            if self.planted_calls > 7:
+                raise RuntimeError("flaky kernel gave up")
         return self.head(y.view(y.size(0), -1))
 
 
@@ -75,13 +83,13 @@ def _batch(n=16, size=16, classes=10):
 @pytest.fixture(scope="module")
 def tuned():
     """One real tune of TinyNet, with every timing and memory measurement recorded on the side."""
-    timed, measured = [], []
-    real_time, real_mem = tuner_mod.time_interleaved, tuner_mod.measure_memory
+    races, measured = [], []
+    real_mem = tuner_mod.measure_memory
 
-    def spy_time(runners, rounds, **kw):
-        times = real_time(runners, rounds, **kw)
-        timed.append({r.name: t for r, t in zip(runners, times)})
-        return times
+    class SpyRace(Race):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            races.append(self)
 
     def spy_mem(model, config, batch, **kw):
         m = real_mem(model, config, batch, **kw)
@@ -89,14 +97,14 @@ def tuned():
         return m
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(tuner_mod, "time_interleaved", spy_time)
+    mp.setattr(tuner_mod, "Race", SpyRace)
     mp.setattr(tuner_mod, "measure_memory", spy_mem)
     try:
         torch.manual_seed(0)
         report = tune(TinyNet, _batch(), budget_s=40, progress=False, skip=["compile"], name="tinynet")
     finally:
         mp.undo()
-    return report, timed, measured
+    return report, races, measured
 
 
 def _finite(x):
@@ -104,10 +112,10 @@ def _finite(x):
 
 
 def test_every_figure_comes_from_a_measurement(tuned):
-    report, timed, measured = tuned
-    main = timed[0]  # the round-robin of all single tricks with both baselines
+    report, races, measured = tuned
+    main = {lane.name: lane.times for lane in races[0].lanes}  # the race of all single tricks with both baselines
     assert {"plain", "plain (A/A)"} <= set(main)
-    assert report.rounds == len(main["plain"]) >= 5
+    assert report.rounds == races[0].rounds == len(main["plain"]) == len(main["plain (A/A)"]) >= 5
     # the A/A noise is the disagreement of the two identical baselines, as timed
     aa, aa_half = paired_ratio(main["plain (A/A)"], main["plain"])
     assert report.aa_ratio == aa and report.aa_half_ci == aa_half
@@ -119,6 +127,7 @@ def test_every_figure_comes_from_a_measurement(tuned):
         assert r.name in main, r.name
         assert r.step_s == statistics.median(main[r.name])
         assert (r.ratio, r.ratio_half_ci) == paired_ratio(main[r.name], main["plain"])
+        assert r.rounds == len(main[r.name]) >= 5 and r.race_rounds == report.rounds
         assert r.speedup == pytest.approx(1 / r.ratio)
         for figure in (r.peak_bytes, r.state_bytes, r.activation_bytes, r.grad_drift, r.loss_drift, r.first_call_s):
             assert _finite(figure), (r.name, r)
@@ -133,6 +142,31 @@ def test_every_figure_comes_from_a_measurement(tuned):
     data = json.loads(json.dumps(report.to_dict()), parse_constant=lambda c: pytest.fail(f"{c} in report.json"))
     assert data["baseline"]["step_s"] == report.baseline.step_s
     assert data["noise"] == report.noise and data["rounds"] == report.rounds
+    assert data["stop_reason"] == report.stop_reason and data["phase_s"] == report.phase_s
+
+
+def test_the_race_drops_what_cannot_win_and_says_why(tuned):
+    report, races, _ = tuned
+    race = races[0]
+    assert report.stop_reason.startswith(("settled: after ", "budget: ", "cap: ")), report.stop_reason
+    by = {lane.name: lane for lane in race.lanes}
+    for r in report.results:
+        if r.status != "measured":
+            continue
+        lane = by[r.name]
+        assert (r.left_round, r.left_reason) == (lane.left_round, lane.left_reason)
+        if r.goal != "speed":  # memory and cost tricks are timed for their cost, the least rounds
+            assert r.left_round == r.rounds == 5 and "timed for its cost only" in r.left_reason, r
+        if r.left_round is None:  # in the race to its end: every round
+            assert r.rounds == report.rounds
+        else:
+            assert r.rounds == r.left_round <= report.rounds and r.left_reason
+    text = report.to_text()
+    assert f"stopped: {report.stop_reason}" in text
+    for r in report.results:  # (on a busy machine the budget may leave some tricks unmeasured: not asserted)
+        if r.left_round is not None:
+            assert f"left the race after {r.left_round} rounds: {r.left_reason}" in text
+    assert set(report.phase_s) >= {"set-up", "race", "combinations"} and all(v >= 0 for v in report.phase_s.values())
 
 
 def test_skipped_tricks_carry_reasons_and_every_trick_is_accounted_for(tuned):
@@ -150,20 +184,29 @@ def test_skipped_tricks_carry_reasons_and_every_trick_is_accounted_for(tuned):
     assert "noise ±" in text and "plain again (A/A)" in text
 
 
-def test_a_failing_trick_is_reported_and_the_tune_goes_on():
+def test_a_failing_trick_is_reported_and_the_tune_goes_on(monkeypatch):
+    # the failure mid-timing is planted in a candidate of the test's own, as fast as plain on any CPU (a
+    # dtype such as bf16 is emulated on some CPUs and rightly stopped after a probe, before any timing)
+    real = tuner_mod.training_candidates
+
+    def with_planted(*a, **kw):
+        cands, skipped = real(*a, **kw)
+        return cands + [Candidate("planted_flaky", {"deterministic": True}, "speed")], skipped
+
+    monkeypatch.setattr(tuner_mod, "training_candidates", with_planted)
     x, y = _batch(16, 8)
     report = tune(Flaky, (x, y), budget_s=30, progress=False,
-                  skip=["compile", "ema", "deterministic", "mixed_precision:fp16", "memory_efficient_bn"])
+                  skip=["compile", "ema", "deterministic", "mixed_precision", "memory_efficient_bn"])
     by = {r.name: r for r in report.results}
     cl = by["channels_last"]  # fails at once: .view of a channels_last tensor
     assert cl.status == "failed" and cl.verdict == "failed"
     assert "view" in cl.reason and cl.step_s is None
-    bf16 = by["mixed_precision:bf16"]  # fails in the middle of the timed rounds
-    assert bf16.status == "failed" and "raised while timed" in bf16.reason and "flaky" in bf16.reason
-    assert bf16.step_s is None and bf16.ratio is None
+    planted = by["planted_flaky"]  # fails in the middle of the timed rounds (its 2nd)
+    assert planted.status == "failed" and "raised while timed" in planted.reason and "flaky" in planted.reason
+    assert planted.step_s is None and planted.ratio is None
     # ... and everything else was measured anyway
     assert report.baseline.step_s and report.rounds >= 5
-    others = [r for r in report.results if r.name not in ("channels_last", "mixed_precision:bf16")]
+    others = [r for r in report.results if r.name not in ("channels_last", "planted_flaky")]
     assert others and all(r.status == "measured" and r.ratio for r in others), others
     assert "failed: RuntimeError" in report.to_text()
 
@@ -264,3 +307,169 @@ def test_report_of_a_tune_reads_back(tuned, tmp_path):
     assert data["recommended_tricks"] == report.recommended_tricks()
     names = {r["name"] for r in data["results"]}
     assert "checkpointing" in names and "fused_optimizer" in names
+
+
+# -- the race, with fake runners: planted speeds, planted noise --------------------------------------
+
+class Sleeper:
+    """A fake training step: sleeps ``base / speed`` seconds times ``1 + noise * U(-1, 1)``.
+
+    The planted noise is real noise in the measured times (the sleep is what is timed), on top of the
+    machine's own jitter. ``fail_after``: the call after that many raises.
+    """
+
+    def __init__(self, speed: float, *, base: float = 0.008, noise: float = 0.1, seed: int = 0,
+                 fail_after: int | None = None) -> None:
+        self.speed, self.base, self.noise = speed, base, noise
+        self.rng = random.Random(seed)
+        self.calls = 0
+        self.fail_after = fail_after
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise RuntimeError("planted failure")
+        time.sleep(self.base / self.speed * (1 + self.noise * self.rng.uniform(-1, 1)))
+
+
+def _lanes(**speeds):
+    lanes = [Lane("plain", Sleeper(1.0, seed=1), role="baseline"), Lane("plain (A/A)", Sleeper(1.0, seed=2), role="twin")]
+    for k, (name, speed) in enumerate(speeds.items()):
+        runner = speed if callable(speed) else Sleeper(speed, seed=10 + k)
+        lanes.append(Lane(name, runner))
+    return lanes
+
+
+def test_the_race_keeps_a_planted_faster_runner_and_drops_a_slower_one_early():
+    race = run_race(_lanes(fast=1.3, slow=0.7), until=time.perf_counter() + 10, min_rounds=5, settle_rounds=12,
+                    max_rounds=60)
+    state = race.state
+    by = {lane.name: lane for lane in race.lanes}
+    # the planted noise is in the measured times
+    plain = by["plain"].times
+    assert (max(plain) - min(plain)) / statistics.median(plain) > 0.05
+    # 0.7x: out at an early check (5, 6 or 8 rounds), as it cannot be faster; the others went on
+    slow = by["slow"]
+    assert slow.left_round is not None and slow.left_round <= 8 and len(slow.times) == slow.left_round
+    assert "cannot be 2% faster than plain" in slow.left_reason
+    assert 1 / paired_ratio(slow.times, plain)[0] == pytest.approx(0.7, rel=0.15)
+    # 1.3x: kept, faster beyond the margin, and the race stops as soon as that is settled
+    fast = by["fast"]
+    assert fast.live and len(fast.times) == race.rounds == len(plain)
+    assert state == "settled" and race.settled and 12 <= race.rounds < 60
+    r, h = race.ratio(2)
+    assert race.faster(2) and 1 / r == pytest.approx(1.3, rel=0.15) and h < 0.3
+    assert race.open_lanes() == []  # settled: nothing is open
+
+
+class Clock:
+    """A fake clock, for races whose outcome must not depend on the machine: the fake steps advance it."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Ticker(Sleeper):
+    """A fake step that advances a fake clock by what Sleeper would sleep: the same planted speed and noise."""
+
+    def __init__(self, clock: Clock, speed: float, **kw) -> None:
+        super().__init__(speed, **kw)
+        self.clock = clock
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self.clock.t += self.base / self.speed * (1 + self.noise * self.rng.uniform(-1, 1))
+
+
+def _ticking(clock, noise=0.1, **speeds):
+    lanes = [Lane("plain", Ticker(clock, 1.0, noise=noise, seed=1), role="baseline"),
+             Lane("plain (A/A)", Ticker(clock, 1.0, noise=noise, seed=2), role="twin")]
+    for k, (name, (speed, n)) in enumerate(speeds.items()):
+        lanes.append(Lane(name, Ticker(clock, speed, noise=n, seed=10 + k)))
+    return lanes
+
+
+def test_more_rounds_among_fewer_runners_decide_a_small_gain():
+    """A 1.12x runner inside the noise of the first rounds: once the losers are out, the rounds go on
+    among it and the baselines until its gain is beyond the narrowing margin, and the race stops there."""
+    clock = Clock()
+    race = Race(_ticking(clock, small_gain=(1.12, 0.3), bad=(0.6, 0.1), worse=(0.5, 0.1)),
+                min_rounds=5, settle_rounds=12, max_rounds=500, clock=clock)
+    state = race.run(until=1e9)
+    gain, bad, worse = race.lanes[2:]
+    assert bad.left_round == worse.left_round == 5 and "cannot be 2% faster" in bad.left_reason
+    first = paired_ratio(gain.times[:5], race.lanes[0].times[:5])
+    assert not first[0] < 1 - max(first[1], 0.02)  # not decidable on the first rounds ...
+    assert gain.live and state == "settled" and race.faster(2) and race.rounds > 12  # ... decided on more
+    r, h = race.ratio(2)
+    assert h < first[1] / 2 and race.noise() < 1 - r and 1 / r == pytest.approx(1.12, rel=0.05)
+
+
+def test_an_open_race_runs_to_its_deadline_and_can_go_on():
+    # a 1.03x gain under ±20% noise cannot be told from the noise in 50 rounds
+    clock = Clock()
+    race = Race(_ticking(clock, noise=0.2, maybe=(1.03, 0.2)), min_rounds=5, max_rounds=500, clock=clock)
+    assert race.run(until=1.2) == "budget" and race.lanes[2].live  # 1.2 fake s: ~50 rounds of 3 steps of 8 ms
+    assert 40 < race.rounds <= 50 and clock.t <= 1.2
+    assert race.open_lanes()[0].startswith("maybe 1.0")
+    n = race.rounds
+    assert race.run(until=clock.t + 0.3) == "budget"  # resumed: more rounds, appended
+    assert race.rounds > n and len(race.lanes[0].times) == race.rounds == len(race.lanes[2].times)
+    assert race.run(until=clock.t + 100) in ("settled", "cap")  # given the time, it is answered (or capped)
+
+
+def test_a_gain_resolved_to_within_the_noise_leaves_and_the_race_settles():
+    """A planted systematic A/A disagreement of 3% (the twin is 3% slower, as two identical copies can be
+    for their memory placement): a 1.025x gain can never be called faster beyond that noise, nor ruled
+    out; once its interval and the noise's are narrower than ±1%, more rounds cannot change that."""
+    clock = Clock()
+    lanes = [Lane("plain", Ticker(clock, 1.0, noise=0.01, seed=1), role="baseline"),
+             Lane("plain (A/A)", Ticker(clock, 0.97, noise=0.01, seed=2), role="twin"),
+             Lane("small", Ticker(clock, 1.025, noise=0.01, seed=3))]
+    race = Race(lanes, min_rounds=5, settle_rounds=12, max_rounds=500, clock=clock)
+    assert race.run(until=1e9) == "settled" and race.rounds == 12
+    small = race.lanes[2]
+    assert small.left_round == 12 and small.left_reason.startswith("resolved to ±")
+    assert f"not faster beyond the noise (±{race.noise():.1%}) and 2%" in small.left_reason
+    assert 0.025 < race.noise() < 0.035  # the planted 3%
+    r, h = race.ratio(2)
+    assert not race.faster(2) and r - h < 0.98 and h <= 0.01
+
+
+def test_with_a_noise_resolution_the_race_goes_on_until_the_noise_is_known_that_well():
+    clock = Clock()
+    quick = Race(_ticking(clock, noise=0.1, fast=(1.5, 0.1)), min_rounds=5, settle_rounds=12, clock=clock,
+                 max_rounds=2000)
+    assert quick.run(until=1e9) == "settled" and quick.rounds == 12 and quick.noise_half() > 0.02
+    clock = Clock()
+    race = Race(_ticking(clock, noise=0.1, fast=(1.5, 0.1)), min_rounds=5, settle_rounds=12, clock=clock,
+                max_rounds=2000, noise_resolution=0.005)
+    assert race.run(until=1.0) == "budget" and race.open_lanes()[-1].startswith("the noise, known to ±")
+    assert race.run(until=1e9) == "settled" and race.rounds > 100 and race.noise_half() <= 0.005
+    assert race.lanes[2].live and race.faster(2)
+
+
+def test_a_faster_runner_slower_than_the_best_leaves_settled():
+    race = Race(_lanes(best=2.0, good=1.3), min_rounds=5, settle_rounds=12, max_rounds=60)
+    assert race.run(time.perf_counter() + 10) == "settled"
+    best, good = race.lanes[2:]
+    assert best.live and good.left_round is not None
+    assert good.left_reason.startswith("faster than plain, and slower than best beyond the interval")
+
+
+def test_the_race_drops_a_runner_that_raises_and_a_non_contender_after_the_least_rounds():
+    lanes = _lanes(breaks=Sleeper(1.0, fail_after=3), fast=2.0, cost=0.9)
+    lanes[-1].contender, lanes[-1].why_not = False, "a memory trick: timed for its cost only"
+    race = Race(lanes, min_rounds=5, settle_rounds=6, max_rounds=40)
+    race.run(time.perf_counter() + 10)
+    breaks, fast, cost = race.lanes[2:]
+    assert breaks.error == "RuntimeError: planted failure" and breaks.left_round == 2  # warm-up + 2 rounds
+    assert breaks.left_reason == "raised: RuntimeError: planted failure" and len(breaks.times) == 2
+    assert cost.left_round == 5 and cost.left_reason == "a memory trick: timed for its cost only"
+    assert fast.live and race.state == "settled"
+    # a baseline that raises ends the race
+    dead = Race([Lane("plain", Sleeper(1.0, fail_after=2), role="baseline"), Lane("x", Sleeper(1.0))], min_rounds=5)
+    assert dead.run(time.perf_counter() + 5) == "failed" and dead.rounds == 2

@@ -228,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--repeats", type=int, default=10)
     sp.add_argument("--threads", type=int, metavar="N",
                     help="intra-op threads for every model, ONNX Runtime too (default: torch's)")
+    sp.add_argument("--int8-for", default="auto", metavar="auto|vnni|no-vnni",
+                    help="int8 setting of the int8 / onnx-int8 step: auto (default) picks the saturation-free one "
+                         "(7-bit activations for PT2E, u8 weights for ONNX Runtime) where this CPU's int8 kernels "
+                         "have no VNNI; vnni / no-vnni force the setting for CPUs with / without VNNI (e.g. to "
+                         "build for another machine)")
     sp.set_defaults(func=cmd_optimize)
     return p
 
@@ -765,7 +770,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     res = optimize(model, steps, inputs, calib=calib, check_inputs=check, device=args.device,
                    batches=args.latency_batch or (1, 16), measure=args.latency,
                    progress=progress if sys.stderr.isatty() else None,
-                   warmup=args.warmup, repeats=args.repeats)
+                   warmup=args.warmup, repeats=args.repeats, int8_for=args.int8_for)
     try:
         exceeded = [s for s in res.steps if s.within_tolerance is False]
         if args.save and (not exceeded or args.force):

@@ -19,12 +19,14 @@ Steps (:func:`list_steps` gives the same list as data):
 ``prune[:A]``      remove conv channels (:func:`~torch_tricks.deploy.prune.prune_channels`):
                    ``prune`` = ``prune:macs=0.5`` keeps about half the MACs; ``prune:0.3``
                    removes 30% of the channels of every prunable layer
-``int8[:B]``       static int8, calibrated (:func:`~torch_tricks.deploy.quantize.quantize_static_int8`);
-                   ``B`` = ``auto`` (PT2E, falling back to FX), ``pt2e`` or ``fx``
+``int8[:B][:T]``   static int8, calibrated (:func:`~torch_tricks.deploy.quantize.quantize_static_int8`);
+                   ``B`` = ``auto`` (PT2E, falling back to FX), ``pt2e`` or ``fx``; ``T`` = ``vnni``
+                   or ``no-vnni`` forces the int8 setting (default: chosen for this CPU)
 ``int8-dynamic``   int8 Linear/LSTM/GRU weights, activations quantized per call
 ``fp16``/``bf16``  half-precision weights (fp16 is refused on CPU: slower than fp32 there)
 ``onnx``           export to ONNX and run the file in ONNX Runtime (CPU)
-``onnx-int8[:M]``  ONNX, then ONNX Runtime's int8: ``static`` (calibrated, default) or ``dynamic``
+``onnx-int8[:M]``  ONNX, then ONNX Runtime's int8: ``static`` (calibrated, default) or ``dynamic``;
+                   a further ``:vnni`` / ``:no-vnni`` forces the int8 setting, as for ``int8``
 =================  ==========================================================================
 
 Order: ``reparam`` goes before ``fuse`` and ``prune`` (its folds need the BatchNorms and
@@ -40,12 +42,21 @@ says which. Int8 activation ranges come from these batches, so pass real data.
 
 :meth:`OptimizeResult.save` writes the final model atomically in the one format that
 holds it (see its docstring); :func:`load_optimized` reads any of them back.
+
+Int8 setting (``int8``, ``onnx-int8``): on x86 CPUs without VNNI the u8*s8 int8 kernels
+add pairs of products in a saturating int16, so there PT2E quantizes activations to 7 bits
+and ONNX Runtime uses u8 weights (its U8U8 kernels cannot saturate);
+:func:`torch_tricks.deploy.cpu_int8.int8_setting` chooses per runtime, ``:vnni`` /
+``:no-vnni`` on the step or ``optimize(int8_for=...)`` force the setting made for
+kernels with / without VNNI (e.g. to build for another machine), and the step's
+:attr:`StepResult.int8_setting` and notes say which ran and why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -134,6 +145,7 @@ class _StepDef:
     final: bool = False
     cpu_only: bool = False
     tolerance: Tolerance | None = None
+    targets: bool = False  # takes :vnni / :no-vnni (the int8 setting) after its argument
 
 
 _STEPS: dict[str, _StepDef] = {
@@ -145,8 +157,9 @@ _STEPS: dict[str, _StepDef] = {
                       "prune:0.3 removes 30% of each layer's channels (accuracy drops until fine-tuned)",
                       args=("F", "macs=F")),
     "int8": _StepDef("static int8 weights and activations, calibrated; int8:pt2e / int8:fx picks the "
-                     "backend (default auto: PT2E, else FX)", args=("auto", "pt2e", "fx"),
-                     final=True, cpu_only=True, tolerance=_INT8),
+                     "backend (default auto: PT2E, else FX); :vnni / :no-vnni forces the int8 setting "
+                     "(default: chosen for this CPU)", args=("auto", "pt2e", "fx"),
+                     final=True, cpu_only=True, tolerance=_INT8, targets=True),
     "int8-dynamic": _StepDef("int8 Linear/LSTM/GRU weights, activations quantized per call "
                              "(transformers, RNNs)", final=True, cpu_only=True,
                              tolerance=Tolerance(max_rel_diff=0.1, min_top1=0.9)),
@@ -157,8 +170,9 @@ _STEPS: dict[str, _StepDef] = {
     "onnx": _StepDef("export to ONNX and run the file in ONNX Runtime (CPU)", final=True, cpu_only=True,
                      tolerance=Tolerance(max_abs_diff=1e-4, max_rel_diff=1e-5)),
     "onnx-int8": _StepDef("export to ONNX, then ONNX Runtime int8: onnx-int8:static (calibrated, "
-                          "default) or onnx-int8:dynamic", args=("static", "dynamic"),
-                          final=True, cpu_only=True, tolerance=_INT8),
+                          "default) or onnx-int8:dynamic; :vnni / :no-vnni forces the int8 setting "
+                          "(default: chosen for this CPU)", args=("static", "dynamic"),
+                          final=True, cpu_only=True, tolerance=_INT8, targets=True),
 }
 
 # reparam must come before these (its folds need the BNs / channel counts they change)
@@ -171,11 +185,16 @@ def list_steps() -> dict[str, str]:
     return {name: d.summary for name, d in _STEPS.items()}
 
 
+_TARGETS = ("vnni", "no-vnni")
+
+
 @dataclass(frozen=True)
 class _Planned:
     text: str  # as given, e.g. "prune:0.3"
     name: str
     arg: str
+    mode: str = ""  # int8 / onnx-int8: the backend or mode part of arg, lower case
+    int8_for: str = "auto"  # int8 / onnx-int8: auto | vnni | no-vnni
 
 
 def _plan(steps: Sequence[str] | str) -> list[_Planned]:
@@ -196,8 +215,8 @@ def _plan(steps: Sequence[str] | str) -> list[_Planned]:
         name, arg = name.strip().lower(), arg.strip()
         if name not in _STEPS:
             raise UserError(f"unknown step {name!r}: choose from {choices}")
-        _check_arg(name, arg)
-        plan.append(_Planned(text, name, arg))
+        mode, int8_for = _check_arg(name, arg)
+        plan.append(_Planned(text, name, arg, mode, int8_for))
     seen: dict[str, int] = {}
     for i, p in enumerate(plan):
         if p.name in seen:
@@ -222,10 +241,13 @@ def _plan(steps: Sequence[str] | str) -> list[_Planned]:
     return plan
 
 
-def _check_arg(name: str, arg: str) -> None:
+def _check_arg(name: str, arg: str) -> tuple[str, str]:
+    """Check a step's argument; return (mode, int8 target) for the int8 steps."""
     d = _STEPS[name]
+    if d.targets:
+        return _int8_arg(name, arg)
     if not arg:
-        return
+        return "", "auto"
     if not d.args:
         raise UserError(f"step {name!r} takes no argument, got {name}:{arg}")
     if name == "prune":
@@ -240,9 +262,23 @@ def _check_arg(name: str, arg: str) -> None:
                 f"bad prune argument {arg!r}: prune:F removes the share F in (0, 1) of each layer's channels "
                 "(e.g. prune:0.3), prune:macs=F keeps the share F in (0, 1] of the MACs (e.g. prune:macs=0.5)"
             )
-        return
+        return "", "auto"
     if arg.lower() not in d.args:
         raise UserError(f"bad argument for {name}: {arg!r}; choose {name}:" + f" or {name}:".join(d.args))
+    return arg.lower(), "auto"
+
+
+def _int8_arg(name: str, arg: str) -> tuple[str, str]:
+    """``int8:pt2e:no-vnni``, ``onnx-int8:vnni`` ...: at most one mode and one target, any order."""
+    d = _STEPS[name]
+    tokens = [t.strip().lower() for t in arg.split(":")] if arg else []
+    modes = [t for t in tokens if t in d.args]
+    targets = [t for t in tokens if t in _TARGETS]
+    if len(modes) > 1 or len(targets) > 1 or len(modes) + len(targets) != len(tokens):
+        raise UserError(f"bad argument for {name}: {arg!r}; choose {name}:" + f" or {name}:".join(d.args)
+                        + ", optionally followed by :vnni or :no-vnni (the int8 setting for kernels with or "
+                        "without VNNI; default: chosen for this CPU)")
+    return (modes[0] if modes else d.args[0]), (targets[0] if targets else "auto")
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -260,6 +296,8 @@ class StepResult:
     dict. ``size_bytes`` is ``torch.save(state_dict)`` bytes for modules and the file size
     for ONNX; ``latency_s``/``speedup`` map a batch size to the median seconds and to
     original / this (``None`` where the model cannot run that batch, or not measured).
+    ``int8_setting`` (int8 steps): the int8 range and types the kernels got and why
+    (:meth:`~torch_tricks.deploy.cpu_int8.Int8Setting.to_dict`).
     """
 
     step: str
@@ -279,6 +317,7 @@ class StepResult:
     speedup: dict[int, float | None] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    int8_setting: dict[str, Any] | None = None
     model: Any = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -363,6 +402,7 @@ class OptimizeResult:
             "measured": self.measured,
             "example_inputs": _describe_inputs(self.example_inputs),
             "calibration": self.calibration,
+            "int8_setting": next((s.int8_setting for s in self.steps if s.int8_setting), None),
             "ok": self.ok,
             "save_format": self.save_format,
             "original": self.original.to_dict(),
@@ -525,6 +565,7 @@ def optimize(
     check_inputs: Any | None = None,
     warmup: int = 3,
     repeats: int = 10,
+    int8_for: str = "auto",
 ) -> OptimizeResult:
     """Apply ``steps`` in order to a copy of ``model`` and measure each against the original.
 
@@ -536,11 +577,15 @@ def optimize(
     ``_TOP1_MIN_ROWS`` (10) rows for top-1 agreement to be held to a tolerance.
     ``measure=False`` skips the latency (agreement, params and size are always measured).
     ``progress`` is called with a short message before each phase (the library never prints).
+    ``int8_for`` (``auto``, ``vnni`` or ``no-vnni``) forces the int8 setting of the chain's
+    ``int8`` / ``onnx-int8`` step, like ``:vnni`` / ``:no-vnni`` on the step; ``auto``
+    chooses it for this CPU (the saturation-free one where the int8 kernels have no VNNI).
 
     Returns an :class:`OptimizeResult`; the input model is never changed (its weights,
     buffers and train/eval mode), also when a step raises.
     """
     plan = _plan(steps)
+    plan = _with_int8_for(plan, int8_for)
     dev = _device(device)
     batches = _batches(batches, measure)
     if not isinstance(model, nn.Module):
@@ -568,7 +613,7 @@ def optimize(
     except Exception as exc:
         raise UserError(f"the model does not run on the example inputs ({_one_line(exc)}): check their shape") from None
 
-    needs_calib = any(p.name == "int8" or (p.name == "onnx-int8" and p.arg != "dynamic") for p in plan)
+    needs_calib = any(p.name == "int8" or (p.name == "onnx-int8" and p.mode != "dynamic") for p in plan)
     calib_batches, calib_text = (_calibration(calib, example, dev) if needs_calib else (None, None))
 
     workdir = tempfile.TemporaryDirectory(prefix="torch_tricks_optimize_") if any(
@@ -579,7 +624,8 @@ def optimize(
     current: Any = reference
     for i, p in enumerate(plan, 1):
         report(f"[{i}/{len(plan)}] {p.text}")
-        ctx = _Ctx(example=example, calib=calib_batches, device=dev, workdir=workdir, index=i)
+        ctx = _Ctx(example=example, calib=calib_batches, device=dev, workdir=workdir, index=i,
+                   for_vnni={"auto": None, "vnni": True, "no-vnni": False}[p.int8_for])
         t0 = time.perf_counter()
         try:
             new, res = _apply(p, current, ctx)
@@ -617,6 +663,28 @@ class _Ctx:
     device: torch.device
     workdir: Any
     index: int
+    for_vnni: bool | None = None  # the int8 setting for kernels with / without VNNI; None = this CPU's
+
+
+def _with_int8_for(plan: list[_Planned], int8_for: Any) -> list[_Planned]:
+    """Apply ``optimize(int8_for=...)`` to the chain's int8 step (checked before any work)."""
+    if not isinstance(int8_for, str) or int8_for.strip().lower() not in ("auto", *_TARGETS):
+        raise UserError(f"the int8 target (int8_for, --int8-for) must be auto, vnni or no-vnni, not {int8_for!r}")
+    want = int8_for.strip().lower()
+    if want == "auto":
+        return plan
+    int8 = [p for p in plan if p.name in ("int8", "onnx-int8", "int8-dynamic")]
+    if not int8:
+        raise UserError(f"int8 target {want!r} given, but the chain has no int8 or onnx-int8 step")
+    p = int8[0]
+    if p.name == "int8-dynamic":
+        if want == "vnni":
+            raise UserError("int8-dynamic has one setting: torch.ao's dynamic kernels always quantize activations "
+                            "to 7 bits (exact with or without VNNI); use onnx-int8:dynamic:vnni")
+        return plan
+    if p.int8_for not in ("auto", want):
+        raise UserError(f"int8 target given twice: step {p.text!r} says {p.int8_for}, int8_for says {want}")
+    return [dataclasses.replace(q, int8_for=want) if q is p else q for q in plan]
 
 
 def _apply(p: _Planned, model: Any, ctx: _Ctx) -> tuple[Any, StepResult]:
@@ -663,11 +731,13 @@ def _apply(p: _Planned, model: Any, ctx: _Ctx) -> tuple[Any, StepResult]:
     elif p.name == "int8":
         from torch_tricks.deploy.quantize import quantize_static_int8
 
-        new, rep = quantize_static_int8(model, ctx.calib, ctx.example, backend=p.arg.lower() or "auto")
+        new, rep = quantize_static_int8(model, ctx.calib, ctx.example, backend=p.mode or "auto",
+                                        reduce_range=None if ctx.for_vnni is None else not ctx.for_vnni)
         res.backend = rep.backend
         res.size_method = rep.size_method
         res.details = _quant_details(rep)
         res.notes = list(rep.notes)
+        res.int8_setting = rep.int8_setting
     elif p.name == "int8-dynamic":
         from torch_tricks.deploy.quantize import quantize_dynamic_int8
 
@@ -675,6 +745,7 @@ def _apply(p: _Planned, model: Any, ctx: _Ctx) -> tuple[Any, StepResult]:
         res.backend = rep.backend
         res.details = _quant_details(rep)
         res.notes = list(rep.notes)
+        res.int8_setting = rep.int8_setting
     elif p.name in ("fp16", "bf16"):
         from torch_tricks.deploy.quantize import cast_half
 
@@ -690,8 +761,8 @@ def _apply(p: _Planned, model: Any, ctx: _Ctx) -> tuple[Any, StepResult]:
 
 
 def _onnx_step(p: _Planned, model: nn.Module, ctx: _Ctx, res: StepResult) -> Any:
-    from torch_tricks.deploy.export import OrtModule, export_onnx_checked, onnx_size_bytes, ort_quantize_dynamic, \
-        ort_quantize_static
+    from torch_tricks.deploy.export import OrtModule, export_onnx_checked, onnx_size_bytes, ort_int8_setting, \
+        ort_quantize_dynamic, ort_quantize_static
 
     path = Path(ctx.workdir.name) / f"step{ctx.index}.onnx"
     try:
@@ -709,12 +780,13 @@ def _onnx_step(p: _Planned, model: nn.Module, ctx: _Ctx, res: StepResult) -> Any
         res.backend = "onnxruntime " + ",".join(ort.providers)
     else:
         qpath = path.with_name(f"step{ctx.index}.int8.onnx")
-        mode = p.arg.lower() or "static"
+        mode = p.mode or "static"
+        setting = ort_int8_setting(mode, None if ctx.for_vnni is None else "int8" if ctx.for_vnni else "uint8")
         try:
             if mode == "static":
-                ort_quantize_static(path, qpath, ctx.calib)
+                ort_quantize_static(path, qpath, ctx.calib, weight_type=setting.weight_type)
             else:
-                ort_quantize_dynamic(path, qpath)
+                ort_quantize_dynamic(path, qpath, weight_type=setting.weight_type)
         except UserError:
             raise
         except Exception as exc:
@@ -722,6 +794,8 @@ def _onnx_step(p: _Planned, model: nn.Module, ctx: _Ctx, res: StepResult) -> Any
         ort = OrtModule(qpath)
         res.backend = f"onnxruntime {mode} int8" + (" (QDQ, per-channel)" if mode == "static" else "")
         res.details["fp32_size_bytes"] = onnx_size_bytes(path)
+        res.int8_setting = setting.to_dict()
+        res.notes.append(f"int8 setting: {setting.describe()}")
     res.size_method = "ONNX file bytes (with external data)"
     res.details["threads"] = torch.get_num_threads()
     res.notes.append(f"ONNX Runtime runs with {torch.get_num_threads()} intra-op threads (torch.get_num_threads())")
@@ -732,6 +806,7 @@ def _quant_details(rep: Any) -> dict[str, Any]:
     d = rep.to_dict()
     d.pop("agreement", None)  # measured by optimize itself, against the original
     d.pop("notes", None)
+    d.pop("int8_setting", None)  # a field of the step itself
     return d
 
 
@@ -902,7 +977,7 @@ def _check_dependencies(p: _Planned) -> None:
                 __import__(mod)
             except ImportError:
                 raise UserError(f"step {p.name!r} needs the {pkg} package: pip install 'torch-tricks[onnx]'") from None
-    if p.name == "int8" and p.arg.lower() == "pt2e":
+    if p.name == "int8" and p.mode == "pt2e":
         from torch_tricks.deploy.quantize import TORCHAO_REQUIREMENT, _import_torchao_pt2e
 
         if _import_torchao_pt2e() is None:

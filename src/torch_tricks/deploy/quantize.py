@@ -18,6 +18,11 @@ others did not, because with torch >= 2.10 the answer depends on the stack insta
   torchao PT2E (``torch.export`` -> ``X86InductorQuantizer`` -> ``torch.compile`` with
   weight freezing); it falls back to FX graph mode (``prepare_fx``/``convert_fx``, x86
   qconfig) when torchao is missing or the export / compile fails.
+* **Int8 range**: on x86 CPUs without VNNI, oneDNN's and fbgemm's u8*s8 kernels add pairs
+  of products in a saturating int16 (see :mod:`torch_tricks.deploy.cpu_int8`). PT2E then
+  quantizes activations to 7 bits (``reduce_range``), chosen per CPU or forced; FX's x86
+  qconfig and torch.ao's dynamic kernels always do. Each report's ``int8_setting`` says
+  which range ran and why.
 * **QAT** (:func:`quantize_qat`, :func:`convert_qat`): fake-quant modules inserted for
   fine-tuning with :func:`torch_tricks.train.fit`, then converted to a real int8 model.
 * **Half precision** (:func:`cast_half`): bf16 / fp16 weights and inputs.
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import io
 import logging
@@ -42,6 +48,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch_tricks.deploy.cpu_int8 import Int8Setting, int8_setting
+from torch_tricks.deploy.cpu_int8 import torch_cpu_flag as _cpu_flag
 from torch_tricks.deploy.step_report import Agreement, agreement, model_size_bytes
 from torch_tricks.errors import UserError
 from torch_tricks.inspect.inputs import as_input_tuple
@@ -80,6 +88,8 @@ class QuantReport:
     agreement: Agreement | None = None
     seconds: float = 0.0  # time the step took (prepare, calibrate, convert, first compile)
     notes: list[str] = field(default_factory=list)
+    # int8 steps: the range / types the kernels got and why (Int8Setting.to_dict())
+    int8_setting: dict[str, Any] | None = None
 
     @property
     def size_ratio(self) -> float:
@@ -138,6 +148,8 @@ def quantize_dynamic_int8(model: nn.Module) -> tuple[nn.Module, QuantReport]:
         "torch.ao quantize_dynamic used: torchao's Int8DynamicActivationInt8Weight measured slower "
         "than fp32 eager on CPU without torch.compile"
     )
+    setting = _dynamic_setting()
+    notes.append(f"int8 setting: {setting.describe()}")
     return qmodel, QuantReport(
         step="int8_dynamic",
         backend="torch.ao dynamic",
@@ -147,6 +159,20 @@ def quantize_dynamic_int8(model: nn.Module) -> tuple[nn.Module, QuantReport]:
         new_size_bytes=model_size_bytes(qmodel),
         seconds=time.perf_counter() - t0,
         notes=notes,
+        int8_setting=setting.to_dict(),
+    )
+
+
+def _dynamic_setting() -> Int8Setting:
+    """torch.ao's dynamic kernels fix the range themselves: ``DynamicQuantizedLinear.forward``
+    calls ``quantized::linear_dynamic(..., reduce_range=True)`` and the dynamic LSTM/GRU
+    build their cells with ``make_quantized_cell_params_dynamic(..., True)``: activations
+    0..127 on every CPU, so |u7 * s8 + u7 * s8| <= 32512 never saturates."""
+    auto = int8_setting("torch")
+    return Int8Setting(
+        runtime="torch", for_vnni=False, reduce_range=True, weight_type="int8", activation_type="uint8",
+        vnni=auto.vnni, forced=False, reason="torch.ao's dynamic Linear/LSTM/GRU kernels always quantize activations with "
+        "reduce_range=True (0..127): saturation-free on any x86 CPU, with or without VNNI",
     )
 
 
@@ -311,6 +337,7 @@ def quantize_static_int8(
     *,
     backend: str = "auto",
     cpp_wrapper: bool = True,
+    reduce_range: bool | None = None,
 ) -> tuple[nn.Module, QuantReport]:
     """Post-training static int8: calibrate activation ranges, then convert.
 
@@ -329,11 +356,22 @@ def quantize_static_int8(
     inductor generate the graph's launcher in C++ instead of Python: measured here on
     ResNet-18 at batch 1 with 2 threads it was ~9% faster (no change with 1 thread), for
     about twice the compile time (~20 s instead of ~10 s at 224x224).
+
+    ``reduce_range`` (PT2E): None picks it for this CPU with
+    :func:`~torch_tricks.deploy.cpu_int8.int8_setting` — 7-bit activations where oneDNN
+    has no VNNI (its u8*s8 pair sums would saturate), full 8 bits where it has —; True /
+    False force it. FX always uses torch.ao's x86 qconfig, whose activation observer
+    reduces the range on every CPU (``reduce_range=False`` with ``backend="fx"`` is
+    refused). The report's ``int8_setting`` and ``notes`` say what ran and why.
     """
     _check_module(model, "quantize_static_int8")
     _check_cpu(model, "int8 static quantization")
     if backend not in ("auto", "pt2e", "fx"):
         raise UserError(f"int8 static: backend must be auto, pt2e or fx, not {backend!r}")
+    _check_reduce_range(reduce_range)
+    if backend == "fx" and reduce_range is False:
+        raise UserError("int8 static (fx): torch.ao's x86 qconfig always quantizes activations to 7 bits; "
+                        "the full range is PT2E's (backend='pt2e')")
     example = as_input_tuple(example_inputs)
     batches = [_calibration_args(b, len(example)) for b in calibration_batches]
     if not batches:
@@ -342,16 +380,18 @@ def quantize_static_int8(
     t0 = time.perf_counter()
     if backend in ("auto", "pt2e"):
         try:
-            qmodel, quantized, pt2e_notes = _static_pt2e(model, batches, example, cpp_wrapper)
+            setting = int8_setting("torch", None if reduce_range is None else not reduce_range)
+            qmodel, quantized, pt2e_notes = _static_pt2e(model, batches, example, cpp_wrapper, setting.reduce_range)
         except _PT2EFailed as exc:
             if backend == "pt2e":
                 raise UserError(f"int8 static (pt2e): {exc}; try backend='fx'") from None
             notes.append(f"pt2e not used: {exc}")
         else:
             notes.extend(pt2e_notes)
-            return qmodel, _static_report(model, qmodel, "pt2e", quantized, example, t0, notes)
+            notes.append(f"int8 setting: {setting.describe()}")
+            return qmodel, _static_report(model, qmodel, "pt2e", quantized, example, t0, notes, setting)
     try:
-        qmodel, quantized = _static_fx(model, batches, example)
+        qmodel, quantized, setting = _static_fx(model, batches, example)
     except _FXFailed as exc:
         why_pt2e = f" ({notes[0]})" if notes else ""
         raise UserError(f"int8 static cannot apply: {exc}{why_pt2e}") from None
@@ -359,7 +399,17 @@ def quantize_static_int8(
         "fx ran: torch.ao FX graph mode (deprecated in favour of torchao PT2E but still supported), "
         "x86 qconfig, eager int8 kernels, any input shape"
     )
-    return qmodel, _static_report(model, qmodel, "fx", quantized, example, t0, notes)
+    if reduce_range is False:
+        notes.append("the full range asked for applies to PT2E only: FX ran with torch.ao's 7-bit activations")
+    elif reduce_range is True:
+        setting = dataclasses.replace(setting, forced=True)
+    notes.append(f"int8 setting: {setting.describe()}")
+    return qmodel, _static_report(model, qmodel, "fx", quantized, example, t0, notes, setting)
+
+
+def _check_reduce_range(reduce_range: Any) -> None:
+    if reduce_range is not None and not isinstance(reduce_range, bool):
+        raise UserError(f"reduce_range must be True, False or None (chosen for this CPU), not {reduce_range!r}")
 
 
 class PT2EInt8Model(nn.Module):
@@ -456,7 +506,8 @@ class _FXFailed(Exception):
 
 
 def _static_pt2e(
-    model: nn.Module, batches: list[tuple[Any, ...]], example: tuple[Any, ...], cpp_wrapper: bool = True
+    model: nn.Module, batches: list[tuple[Any, ...]], example: tuple[Any, ...], cpp_wrapper: bool = True,
+    reduce_range: bool = False,
 ) -> tuple[nn.Module, dict[str, int], list[str]]:
     ao = _import_torchao_pt2e()
     if ao is None:
@@ -489,7 +540,7 @@ def _static_pt2e(
         notes.append(f"exported at a fixed batch size {_batch_of(example)} (a dynamic batch dimension failed: {why})")
     try:
         quantizer = xiq.X86InductorQuantizer()
-        quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
+        quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(reduce_range=reduce_range))
         with _quiet():
             prepared = prepare_pt2e(exported, quantizer)
             used = [a for a in batches if dynamic_batch or _batch_of(a) == _batch_of(example)]
@@ -521,15 +572,17 @@ def _static_pt2e(
 
 def _static_fx(
     model: nn.Module, batches: list[tuple[Any, ...]], example: tuple[Any, ...]
-) -> tuple[nn.Module, dict[str, int]]:
+) -> tuple[nn.Module, dict[str, int], Int8Setting]:
     from torch.ao.quantization import get_default_qconfig_mapping
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
     work = copy.deepcopy(model).eval()
     engine = torch.backends.quantized.engine
+    mapping = get_default_qconfig_mapping(engine)
+    setting = _fx_setting(mapping, engine)
     try:
         with _quiet():
-            prepared = prepare_fx(work, get_default_qconfig_mapping(engine), example)
+            prepared = prepare_fx(work, mapping, example)
     except Exception as exc:
         raise _FXFailed(f"torch.fx cannot trace {type(model).__name__}: {_one_line(exc)}") from None
     try:
@@ -540,7 +593,23 @@ def _static_fx(
             qmodel(*example)
     except Exception as exc:
         raise _FXFailed(f"FX int8 conversion failed: {_one_line(exc)}") from None
-    return qmodel, _count_quantized(qmodel)
+    return qmodel, _count_quantized(qmodel), setting
+
+
+def _fx_setting(mapping: Any, engine: str) -> Int8Setting:
+    """The range FX uses, read from the qconfig it runs with (not assumed): torch.ao's
+    ``x86`` / ``fbgemm`` qconfigs observe activations with ``reduce_range=True``."""
+    with _quiet():
+        observer = mapping.global_qconfig.activation()
+    reduced = bool(getattr(observer, "reduce_range", False))
+    auto = int8_setting("torch")
+    if reduced:
+        why = (f"torch.ao's {engine} qconfig observes activations with reduce_range=True (0..127) on every CPU: "
+               "saturation-free with or without VNNI")
+    else:
+        why = f"torch.ao's {engine} qconfig keeps the full activation range; " + auto.reason
+    return Int8Setting(runtime="torch", for_vnni=not reduced, reduce_range=reduced, weight_type="int8",
+                       activation_type="uint8", vnni=auto.vnni, forced=False, reason=why)
 
 
 def _static_report(
@@ -551,6 +620,7 @@ def _static_report(
     example: tuple[Any, ...],
     t0: float,
     notes: list[str],
+    setting: Int8Setting | None = None,
 ) -> QuantReport:
     seconds = time.perf_counter() - t0
     reference = _eval_copy(model) if model.training else model
@@ -573,6 +643,7 @@ def _static_report(
         agreement=agree,
         seconds=seconds,
         notes=notes,
+        int8_setting=setting.to_dict() if setting is not None else None,
     )
 
 
@@ -800,14 +871,6 @@ def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
     if isinstance(x, dict):
         return {k: _cast_floating(v, dtype) for k, v in x.items()}
     return x
-
-
-def _cpu_flag(name: str) -> bool:
-    fn = getattr(torch.cpu, name, None)
-    try:
-        return bool(fn()) if fn is not None else False
-    except Exception:
-        return False
 
 
 # -- helpers --------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ on its own copy of the same initial weights:
   activation memory is what one forward keeps alive for its backward (live bytes
   after forward + loss); the same at half the batch gives bytes per sample, and so the
   largest batch under a memory limit (a straight-line estimate, stated as such);
-* **time**: steps timed round-robin against the baseline (see :func:`time_interleaved`),
-  so drift of the machine hits all alike; compile time is the first call, apart.
+* **time**: steps timed round-robin against the baseline, a new random order every round
+  (see :mod:`torch_tricks.tuning.race`), so drift of the machine hits all alike; compile
+  time is the first call, apart.
 
 Switches that are process-wide rather than per model (``deterministic``,
 ``cudnn_benchmark``) are set around every call of a candidate and put back after it,
@@ -27,7 +28,6 @@ import contextlib
 import copy
 import gc
 import math
-import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -41,7 +41,7 @@ from torch_tricks.inspect.memory import LiveTensors
 from torch_tricks.inspect.timing import synchronize
 from torch_tricks.train.loop import TrainStep, micro_batches
 
-__all__ = ["Runner", "Memory", "TooSlow", "build_runner", "probe_seconds", "measure_memory", "time_interleaved", "paired_ratio",
+__all__ = ["Runner", "Memory", "TooSlow", "build_runner", "probe_seconds", "measure_memory", "paired_ratio",
            "relative_diff", "error_line"]
 
 
@@ -199,7 +199,8 @@ def probe_seconds(step: TrainStep, batch: Any, repeats: int = 1, fraction: int =
     Buffers (BatchNorm statistics ...) and the random state are put back afterwards, so
     the probe leaves no trace in what is measured next.
     """
-    small = _slice(batch, max(_batch_len(batch) // fraction, 1))
+    n = _batch_len(batch)
+    small = _slice(batch, max(n // fraction, min(n, 2)))  # 2 at least: BatchNorm cannot train on 1 sample at 1x1
     buffers = [(b, b.detach().clone()) for b in step.model.buffers()]
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
@@ -351,53 +352,6 @@ class _Peak:
 
 
 # -- time --------------------------------------------------------------------------------------
-
-def time_interleaved(runners: list[Runner], rounds: int, *, warmup: int = 1, deadline: float = math.inf,
-                     min_rounds: int = 3, seed: int = 0) -> list[list[float]]:
-    """Time one step of every runner per round, in a new random order each round.
-
-    A random order rather than a rotation: with a rotation each runner always follows
-    the same neighbour, and a neighbour that leaves the CPU slower (a heavy emulated
-    fp16 step lowers the clock for a while) biases the one after it every round.
-    Returns each runner's step times of this call (one per round, in round order).
-    Stops early (after at least ``min_rounds`` rounds) at ``deadline`` (a
-    ``time.perf_counter()`` value). A runner whose step raises gets ``error`` set and
-    leaves the rotation; the others go on.
-    """
-    times: list[list[float]] = [[] for _ in runners]
-    live = [i for i, r in enumerate(runners) if r.error is None]
-    rng = random.Random(seed)
-    for _ in range(warmup):
-        for i in list(live):
-            if not _call(runners[i]):
-                live.remove(i)
-    for k in range(rounds):
-        if not live or (k >= min_rounds and time.perf_counter() > deadline):
-            break
-        order = list(live)
-        rng.shuffle(order)
-        for i in order:
-            r = runners[i]
-            dev = r.step.device
-            synchronize(dev)
-            t0 = time.perf_counter()
-            ok = _call(r)
-            synchronize(dev)
-            if ok:
-                times[i].append(time.perf_counter() - t0)
-            else:
-                live.remove(i)
-    return times
-
-
-def _call(r: Runner) -> bool:
-    try:
-        r()
-        return True
-    except Exception as exc:  # a trick that breaks mid-tune is reported, not fatal
-        r.error = error_line(exc)
-        return False
-
 
 def paired_ratio(times: list[float], base: list[float]) -> tuple[float, float]:
     """Median of per-round time ratios to the baseline, and the half-width of its ~95% interval.

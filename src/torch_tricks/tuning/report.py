@@ -37,7 +37,10 @@ class Result:
     step_s: float | None = None  # median step time
     ratio: float | None = None  # median of per-round step-time ratios to plain (< 1: faster)
     ratio_half_ci: float | None = None  # half-width of the ~95% interval of that median
-    rounds: int | None = None  # timed rounds behind ratio
+    rounds: int | None = None  # timed rounds behind ratio (the rounds it got in its race)
+    race_rounds: int | None = None  # the rounds its race ran in all (the baselines got every one)
+    left_round: int | None = None  # it left its race after this many rounds (None: in it to the end)
+    left_reason: str = ""  # why it left (its question was answered, it raised, or it is timed for its cost only)
     vs_current: float | None = None  # combinations: the same ratio against the configuration it extends
     vs_current_half_ci: float | None = None
     vs_current_name: str | None = None
@@ -101,7 +104,9 @@ class TuneReport:
     aa_grad_drift: float | None = None  # plain vs plain again: the drift floor (run-to-run differences)
     aa_loss_drift: float | None = None
     min_effect: float = 0.02
-    rounds: int = 0
+    rounds: int = 0  # rounds of the race of the single tricks (the baseline and its A/A twin got every one)
+    stop_reason: str = ""  # "settled: ..." (every question answered), "budget: ..." (what was still open), "cap: ..."
+    phase_s: dict[str, float] = field(default_factory=dict)  # wall seconds per phase (set-up, race, ...)
     drift_tolerance: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     data: dict[str, Any] | None = None
@@ -170,7 +175,7 @@ class TuneReport:
         return "\n".join(lines) + "\n"
 
     # -- views --------------------------------------------------------------------------------
-    HEADERS = ["trick", "ids", "goal", "speed-up", "step", "peak memory", "activations", "max batch",
+    HEADERS = ["trick", "ids", "goal", "speed-up", "rounds", "step", "peak memory", "activations", "max batch",
                "drift grad / loss", "verdict"]
 
     def rows(self, compact: bool = False) -> list[list[str]]:
@@ -185,7 +190,7 @@ class TuneReport:
                 aa = Result("plain again (A/A)", "noise", {}, (), grad_drift=self.aa_grad_drift,
                             loss_drift=self.aa_loss_drift)
                 out.append(["plain again (A/A)", "", "noise", f"{1 / self.aa_ratio:.2f}x ±{self.aa_half_ci:.2f}",
-                            "", "", "", "", _drift(aa), "the noise: identical steps"])
+                            str(self.rounds), "", "", "", "", _drift(aa), "the noise: identical steps"])
         for r in self.results + self.combos:
             out.append(self._row(r))
         groups: dict[tuple[str, str], list[Any]] = {}
@@ -193,10 +198,10 @@ class TuneReport:
             if compact and s.kind in ("data", "deploy") and getattr(s, "status", "skipped") == "skipped":
                 groups.setdefault((s.kind, s.reason), []).append(s)
                 continue
-            out.append([s.name, ",".join(s.ids), s.kind, "", "", "", "", "", "",
+            out.append([s.name, ",".join(s.ids), s.kind, "", "", "", "", "", "", "",
                         f"{getattr(s, 'status', 'skipped')}: {s.reason}"])
         for (kind, reason), items in groups.items():
-            out.append([f"{len(items)} {kind} tricks", "", kind, "", "", "", "", "", "",
+            out.append([f"{len(items)} {kind} tricks", "", kind, "", "", "", "", "", "", "",
                         f"skipped: {reason}: {', '.join(s.name for s in items)}"])
         return out
 
@@ -207,9 +212,11 @@ class TuneReport:
             verdict = r.verdict or r.status
             if r.reason:
                 verdict += f" ({r.reason})"
+            if r.left_round is not None and r.left_reason:
+                verdict += f"; left the race after {r.left_round} rounds: {r.left_reason}"
         if r.chosen:
             verdict = "* recommended: " + verdict
-        return [r.name, ",".join(r.ids), r.goal, _speedup(r), _fmt_s(r.step_s), _bytes(r.peak_bytes),
+        return [r.name, ",".join(r.ids), r.goal, _speedup(r), _rounds(r), _fmt_s(r.step_s), _bytes(r.peak_bytes),
                 _bytes(r.activation_bytes), _maxb(r), _drift(r), verdict]
 
     def summary_lines(self) -> list[str]:
@@ -219,6 +226,15 @@ class TuneReport:
                  f"memory limit {human_bytes(self.memory_limit)} ({self.memory_limit_source})",
                  f"{self.rounds} interleaved rounds; noise {noise} (plain vs plain, A/A); a trick is called faster or "
                  f"slower only beyond the larger of the noise, its own 95% interval and {self.min_effect:.0%}"]
+        left = [r for r in self.results if r.left_round is not None and r.rounds is not None and r.status == "measured"]
+        if self.rounds:
+            timed = sum(1 for r in self.results if r.rounds)
+            lines.append(f"race: {len(left)} of {timed} tricks left it early, once their question was answered "
+                         f"(after {_span_rounds(left)} rounds; each row says why); the others and both baselines "
+                         f"got all {self.rounds} rounds" if left else
+                         f"race: all {timed} tricks and both baselines got all {self.rounds} rounds")
+        if self.stop_reason:
+            lines.append(f"stopped: {self.stop_reason}")
         if b and b.step_s:
             lines.append(f"plain fp32 step: {_fmt_s(b.step_s)}, peak {_bytes(b.peak_bytes)} "
                          f"(state {_bytes(b.state_bytes)}, activations {_bytes(b.activation_bytes)})")
@@ -248,18 +264,20 @@ class TuneReport:
                 lines.append("deploy " + "+".join(s["steps"]) + ": " + _deploy_line(s))
         on = self.recommended_tricks("throughput") if self.baseline else []
         lines.append(f"tricks.toml switches on: {', '.join(on) if on else 'nothing (the plain step)'}")
-        lines.append(f"tune took {self.elapsed_s:.0f} s (budget {self.budget_s:.0f} s)")
+        spent = ", ".join(f"{k} {v:.0f} s" for k, v in self.phase_s.items())
+        lines.append(f"tune took {self.elapsed_s:.0f} s (budget {self.budget_s:.0f} s" + (f": {spent})" if spent else ")"))
         return lines
 
     def to_text(self) -> str:
-        return "\n".join([table(self.HEADERS, self.rows(compact=True), "llllrrrrll"), ""] + self.summary_lines())
+        return "\n".join([table(self.HEADERS, self.rows(compact=True), "llllrrrrrll"), ""] + self.summary_lines())
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model, "batch": self.batch, "inputs": self.inputs, "device": self.device,
             "optimizer": self.optimizer, "memory_limit": self.memory_limit,
             "memory_limit_source": self.memory_limit_source, "budget_s": self.budget_s,
-            "elapsed_s": self.elapsed_s, "rounds": self.rounds,
+            "elapsed_s": self.elapsed_s, "rounds": self.rounds, "stop_reason": self.stop_reason,
+            "phase_s": self.phase_s,
             "noise": _num(self.noise), "aa_ratio": _num(self.aa_ratio), "aa_half_ci": _num(self.aa_half_ci),
             "aa_grad_drift": self.aa_grad_drift, "aa_loss_drift": self.aa_loss_drift,
             "min_effect": self.min_effect, "drift_tolerance": self.drift_tolerance,
@@ -285,7 +303,10 @@ class TuneReport:
                 + "\n\n![speed-up and memory per trick](report.png)\n\n## Every trick\n\n" + head + body
                 + "\n**Speed-up**: plain step time / the trick's, the median of per-round ratios, all steps timed "
                   "round-robin in one run (± half the ~95% interval of that median). The *plain again* row is a "
-                  "second, identical plain step: its disagreement with the first is the noise. **Peak memory**: "
+                  "second, identical plain step: its disagreement with the first is the noise. **Rounds**: the "
+                  "rounds a trick was timed in; the race drops a trick once its question is answered (it cannot be "
+                  f"{self.min_effect:.0%} faster, or it is faster and not the best) and gives the rounds to the "
+                  "others; the verdict says when it left and why. **Peak memory**: "
                   "tensor bytes from building the model copy through two steps (weights, gradients, optimizer "
                   "state, activations, the batch). **Activations**: what one forward keeps alive for backward. "
                   "**Max batch**: under the memory limit, a straight line through the batch and half of it. "
@@ -414,6 +435,19 @@ def _speedup(r: Result) -> str:
     h = r.speedup_half_ci
     spread = f" ±{h:.2f}" if h is not None and math.isfinite(h) else ""
     return f"{r.speedup:.2f}x{spread}"
+
+
+def _rounds(r: Result) -> str:
+    if not r.rounds:
+        return ""
+    return f"{r.rounds}" + (" (left)" if r.left_round is not None else "")
+
+
+def _span_rounds(rs: list[Result]) -> str:
+    ns = sorted(r.rounds for r in rs if r.rounds)
+    if not ns:
+        return "0"
+    return f"{ns[0]}" if ns[0] == ns[-1] else f"{ns[0]}-{ns[-1]}"
 
 
 def _fmt_s(s: float | None) -> str:

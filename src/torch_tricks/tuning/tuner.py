@@ -1,22 +1,32 @@
 """``tune``: measure every applicable trick on the user's model and hardware, then recommend.
 
-The plan, inside ``budget_s`` (each phase gets a share of what is left when it starts):
+The plan, inside ``budget_s``:
 
 1. the plain fp32 baseline (a model that cannot run the input stops here, with one
    line), and a second, identical baseline: the A/A pair whose disagreement is the
    stated noise;
 2. for each candidate trick (see :mod:`torch_tricks.tuning.candidates`): drift against
    fp32 from the same seed, and memory (peak, activations, bytes per sample);
-3. all candidates' steps timed round-robin with both baselines, rotating the order
-   every round (so drift of the machine hits all alike);
+3. the race (:mod:`torch_tricks.tuning.race`): all candidates' steps and both baselines
+   timed round-robin, a new random order every round. A candidate leaves once its
+   question is answered (it cannot be ``MIN_EFFECT`` faster than plain; it is faster
+   and slower than the best beyond their interval; a memory or cost trick, timed for
+   its cost only, after the least rounds); the contenders and both baselines get the
+   rounds, so the intervals and the noise narrow. The race stops when settled, or at
+   its share of the budget (what the combinations and compile need is kept back);
 4. greedy combinations for throughput: the fastest trick that fits the memory limit,
    plus the next one while the pair beats the current best beyond the noise, each
-   timed against it side by side. If the plain step does not fit the memory limit:
-   first the single tricks that fit, else the memory tricks together, then with
-   micro-batches (accumulation), until one fits;
+   raced against it side by side until that is settled or its share is spent. If the
+   plain step does not fit the memory limit: first the single tricks that fit, else the
+   memory tricks together, then with micro-batches (accumulation), until one fits;
 5. the largest batch: all memory tricks that cut bytes per sample, together;
-6. ``compile`` on top of the best configuration (one compilation), if the budget allows;
-7. with ``data``, the loader; with ``deploy``, the inference chain.
+6. ``compile`` on top of the best configuration (one compilation), raced against it,
+   if the budget has room for it (also when it was not planned at the start, if the
+   races settled early and saved the time);
+7. what is left of the training budget goes to the races still open (more rounds), and
+   every decision is taken again with the final rounds; ``report.stop_reason`` says
+   whether the tune stopped settled or for the budget, and what was still open;
+8. with ``data``, the loader; with ``deploy``, the inference chain (fixed shares).
 
 A trick that fails (while checking, building, or in the middle of timing) is recorded
 as failed with its reason, and the tune goes on. Nothing is printed; the progress bar
@@ -47,8 +57,9 @@ from torch_tricks.tuning.measure import (
     paired_ratio,
     probe_seconds,
     relative_diff,
-    time_interleaved,
 )
+from torch_tricks.inspect.timing import synchronize
+from torch_tricks.tuning.race import Lane, Race
 from torch_tricks.tuning.report import Result, TuneReport
 
 __all__ = ["tune", "example_batch", "parse_size", "TUNED_KEYS", "DRIFT_TOLERANCE", "MIN_EFFECT"]
@@ -70,7 +81,16 @@ MIN_EFFECT = 0.02
 # A candidate whose probe step (an eighth of the batch) takes this many times the plain one is
 # reported slower from the probe and not measured further (emulated fp16 on a CPU: ~100x).
 SLOW_FACTOR = 10.0
+# The race (see torch_tricks.tuning.race): every runner gets at least _MIN_ROUNDS rounds; the race of the
+# single tricks is called settled after _SETTLE_ROUNDS at the earliest, and once the stated noise (which
+# comes from its rounds) is itself known to ±MIN_EFFECT/4, so that it is never the loose term of a call;
+# a side-by-side race after _SIDE_SETTLE_ROUNDS; no race runs more than its cap, a safety net for models
+# whose steps take milliseconds.
 _MIN_ROUNDS = 5
+_SETTLE_ROUNDS = 30
+_SIDE_SETTLE_ROUNDS = 12
+_MAX_ROUNDS = 150
+_MAX_SIDE_ROUNDS = 100
 
 
 def tune(
@@ -179,6 +199,18 @@ class _Tune:
         # data and deploy get fixed shares of the budget; training gets the rest
         self.train_end = self.deadline - (0.15 * budget if data else 0.0) - (0.25 * budget if deploy else 0.0)
         self.deploy_start_share = 0.25 * budget if deploy else 0.0
+        self.t0 = t0
+        self.phase_s: dict[str, float] = {}  # wall seconds per phase (report.phase_s)
+        self.singles: Race | None = None  # the race of the single tricks with both baselines
+        self.singles_res: list[Result] = []  # its candidates, in lane order (lanes[2:])
+        self.side: dict[int, tuple[Race, Result | None]] = {}  # id(result) -> its side-by-side race, what it extends
+        self.choice_notes: list[str] = []  # notes of the decisions (taken again after more rounds)
+        self._combos: dict[Any, Result] = {}  # timed combinations, by (changes, what they extend)
+        self._fit_tries: dict[Any, Result] = {}  # configurations measured while looking for one that fits
+        self.compile_target: Result | None = None  # what compile was measured as (on top of compile_base)
+        self.compile_base: Result | None = None
+        self.compile_row: Result | None = None
+        self.compile_skip_reason = ""
 
     def _setup_candidate(self, res: Result, c: Candidate, setup_end: float, retry: bool = True) -> None:
         """Drift and memory of one candidate, unless its probe step says it is far too slow (or too slow for the budget)."""
@@ -195,7 +227,7 @@ class _Tune:
             # compare with the plain step taken now, under the same load of the machine
             if exc.what == "probe":
                 base_now = min(base_probe, probe_seconds(self.base.step, self.batches[0], repeats=2))
-                what = f"a probe step on {max(self.report.batch // 8, 1)} samples"
+                what = f"a probe step on {max(self.report.batch // 8, min(self.report.batch, 2))} samples"
             else:
                 base_now = min(base_first, probe_seconds(self.base.step, self.batches[0], fraction=1))
                 what = f"its first step on the batch of {self.report.batch}"
@@ -254,21 +286,25 @@ class _Tune:
         order = {"speed": 0, "memory": 1, "cost": 2}  # what a short budget leaves out last
         others = sorted((c for c in cands if c is not compile_cand), key=lambda c: order.get(c.goal, 3))
         self.compile_reserve = 0.0
+        self.compile_planned = False
         compile_res = None
         if compile_cand is not None:
             compile_res = Result(compile_cand.name, compile_cand.goal, compile_cand.changes, compile_cand.ids,
                                  note=compile_cand.note)
-            est = _compile_estimate(self.model, self.step_s)
-            need_rest = len(others) * self.setup_s * 1.3 + 8 * (len(others) + 2) * self.step_s
-            if self.left() < est + need_rest:
-                compile_res.status = "skipped"
-                compile_res.reason = (f"compiling takes about {est:.0f} s here (a first estimate from the model's size), "
-                                      f"more than --budget-seconds leaves after the other tricks: raise it to about "
-                                      f"{math.ceil(report.budget_s + est + need_rest - self.left()):.0f} to measure it")
-                compile_res.verdict = "skipped"
+            est = self.compile_est = _compile_estimate(self.model, self.step_s)
+            self.compile_need = est + self._race_need(3, _MIN_ROUNDS + 3)  # its compilation, then a short race
+            # the others first: their set-up, the least race worth having, one combination
+            need_rest = (len(others) * self.setup_s * 1.3 + self._race_need(len(others) + 2, _MIN_ROUNDS)
+                         + self._race_need(4, _SETTLE_ROUNDS // 2) + self._combo_need())
+            if self.left() < self.compile_need + need_rest:
+                # not planned: tried at the end only if the races settle early and leave the time for it
+                self.compile_skip_reason = (
+                    f"compiling takes about {est:.0f} s here (a first estimate from the model's size), more than "
+                    f"--budget-seconds leaves after the other tricks: raise it to about "
+                    f"{math.ceil(report.budget_s + self.compile_need + need_rest - self.left()):.0f} to measure it")
             else:
-                self.compile_reserve = est + 10 * self.step_s
-            self.compile_est = est
+                self.compile_planned = True
+                self.compile_reserve = self.compile_need
 
         # 2. each candidate alone: drift and memory now, time together below
         results: list[Result] = []
@@ -302,82 +338,114 @@ class _Tune:
             results.append(compile_res)
         report.results = results
 
-        # 3. all of them timed round-robin with the two baselines
-        self.phase("timing")
-        live = [r for r in results if r.runner is not None]
-        runners = [base, twin] + [r.runner for r in live]
-        timing_end = time.perf_counter() + 0.55 * self.left(self.train_end - self.compile_reserve)
-        rounds = _rounds(runners, self.step_s, timing_end)
-        times = time_interleaved(runners, rounds, deadline=timing_end, min_rounds=_MIN_ROUNDS)
-        if base.error:
-            raise UserError(f"{report.model}: the plain fp32 step raised while timed: {base.error}")
-        report.rounds = len(times[0])
-        aa, aa_half = paired_ratio(times[1], times[0])
-        report.noise = max(abs(aa - 1.0), aa_half) if not math.isnan(aa) else math.nan
-        report.aa_ratio, report.aa_half_ci = aa, aa_half
-        base_res.step_s, base_res.ratio = _median(times[0]), 1.0
-        for res, t in zip(live, times[2:]):
-            if res.runner.error:
-                res.status, res.verdict, res.reason = "failed", "failed", f"raised while timed: {res.runner.error}"
-                res.runner = None
-                continue
-            res.step_s = _median(t)
-            res.ratio, res.ratio_half_ci = paired_ratio(t, times[0])
-            res.rounds = len(t)
-            res.verdict = self._verdict(res)
+        # 3. the race: all of them with the two baselines, round-robin; losers leave, contenders get the rounds
+        t_race = time.perf_counter()
+        self.phase_s["set-up"] = t_race - self.t0
+        self.phase("race")
+        self.singles_res = [r for r in results if r.runner is not None]
+        plain_fits = self._fits(base_res)
+        lanes = [Lane("plain", base, role="baseline"), Lane("plain (A/A)", twin, role="twin")]
+        for res in self.singles_res:
+            why = self._not_a_contender(res, plain_fits)
+            lanes.append(Lane(res.name, res.runner, contender=not why, why_not=why))
+        self.singles = Race(lanes, min_effect=MIN_EFFECT, min_rounds=_MIN_ROUNDS, settle_rounds=_SETTLE_ROUNDS,
+                            max_rounds=_MAX_ROUNDS, noise_resolution=MIN_EFFECT / 4, seed=int(self.base_cfg.get("seed", 0)), sync=self._sync)
+        left = self.left()
+        contenders = sum(1 for lane in lanes[2:] if lane.contender)
+        reserve = self.compile_reserve + (self._combo_need() if contenders >= 2 else 0.0)
+        self.singles.run(time.perf_counter() + max(left - reserve, 0.4 * left))
+        if self.singles.lanes[0].error:
+            raise UserError(f"{report.model}: the plain fp32 step raised while timed: {self.singles.lanes[0].error}")
+        self._read_singles()
+        self.phase_s["race"] = time.perf_counter() - t_race
         self.bar.update(1)
 
         # 4. combinations for throughput (under the memory limit); 5. the largest batch
+        t_combo = time.perf_counter()
         self.phase("combinations")
         self._best_throughput()
         self.bar.update(1)
         self.phase("largest batch")
         self._largest_batch()
+        self.phase_s["combinations"] = time.perf_counter() - t_combo
         self.bar.update(1)
 
         # 6. compile, on top of the best configuration so far
         if compile_res is not None:
-            if compile_res.status == "skipped":
-                pass
-            elif self.left() < 0.8 * self.compile_est:
-                compile_res.status, compile_res.verdict = "skipped", "skipped"
-                compile_res.reason = (f"over --budget-seconds: compiling takes about {self.compile_est:.0f} s here "
-                                      f"and only {max(self.left(), 0):.0f} s are left; raise it")
-            else:
+            t_compile = time.perf_counter()
+            budget_left = self.left()
+            if self.compile_planned:
+                room = budget_left >= self.compile_est + self._race_need(3, _MIN_ROUNDS)
+            else:  # not planned: it may fit now, with the time the races saved by settling early
+                room = budget_left >= self.compile_need
+            if room:
                 self.phase("compile")
                 self._try_compile(compile_res)
+            elif self.compile_planned:
+                compile_res.status, compile_res.verdict = "skipped", "skipped"
+                compile_res.reason = (f"over --budget-seconds: compiling takes about {self.compile_est:.0f} s here "
+                                      f"and only {max(budget_left, 0):.0f} s are left; raise it")
+            else:
+                compile_res.status, compile_res.verdict = "skipped", "skipped"
+                compile_res.reason = self.compile_skip_reason
+            self.phase_s["compile"] = time.perf_counter() - t_compile
+            self.compile_reserve = 0.0
             self.bar.update(1)
+
+        # what is left of the budget goes to the races still open; then every decision is taken again
+        t_more = time.perf_counter()
+        self.phase("more rounds")
+        if self._more_rounds():
+            self._read_singles()
+            for res in report.results + report.combos:
+                if id(res) in self.side:
+                    self._read_side(res)
+            self._decide()
+            self.phase_s["more rounds"] = time.perf_counter() - t_more
+        report.notes += self.choice_notes
+        report.stop_reason = self._stop_reason()
         for res in results + report.combos:
             res.runner = None  # free the model copies
         self.base = self.twin = None
+        self.side.clear()
 
         # 7. data and deploy
         if data:
+            t = time.perf_counter()
             self.phase("data")
             report.data = self._measure_data(data)
+            self.phase_s["data"] = time.perf_counter() - t
             self.bar.update(1)
         if self.deploy_start_share:
+            t = time.perf_counter()
             self.phase("deploy")
             report.deploy = self._measure_deploy()
+            self.phase_s["deploy"] = time.perf_counter() - t
             self.bar.update(1)
+        report.phase_s = {k: round(v, 2) for k, v in self.phase_s.items()}
 
     # -- combinations ------------------------------------------------------------------------
     def _fits(self, r: Result) -> bool:
         return r.peak_bytes is not None and r.peak_bytes <= self.limit
 
     def _best_throughput(self) -> None:
-        """Greedy: the fastest fitting trick, plus the next fastest while the pair beats it beyond the noise."""
+        """Greedy: the fastest fitting trick, plus the next fastest while the pair beats it beyond the noise.
+
+        Taken again after more rounds (see :meth:`_decide`): a combination or a configuration
+        measured already is reused, not measured twice.
+        """
         report = self.report
         base = report.baseline
         report.best_throughput = base
         plain_fits = self._fits(base)
         # faster speed tricks; when plain does not fit, also those that do not fit alone (on top of a
         # configuration that fits they may, and every combination's memory is measured)
-        good = [r for r in report.results if r.goal == "speed" and self._faster(r) and (self._fits(r) or not plain_fits)]
+        good = [r for r in report.results if r.goal == "speed" and self._faster(r) and (self._fits(r) or not plain_fits)
+                and not r.changes.get("compile")]  # compile comes last, on top (and its memory is not measured)
         good.sort(key=lambda r: r.ratio)
         end = self.train_end - self.compile_reserve
         if not plain_fits:
-            report.notes.append(
+            self.choice_notes.append(
                 f"the plain step needs {_gib(base.peak_bytes)} at batch {report.batch}, over the memory limit "
                 f"{_gib(self.limit)}: looking for a configuration that fits")
             current = self._make_it_fit(end)
@@ -388,16 +456,22 @@ class _Tune:
         else:
             current = good.pop(0) if good else base
         report.best_throughput = current
-        for nxt in good:
+        for k, nxt in enumerate(good):
             if set(nxt.changes) & set(current.changes):
                 continue
-            if self.left(end) < 2 * self.setup_s + 8 * 3 * self.step_s:
-                report.notes.append(f"combination of {current.name} with {nxt.name} not tried: over --budget-seconds")
-                continue
-            combo = self._measure_combo(current, nxt, end)
-            report.combos.append(combo)
+            key = (_key({**current.changes, **nxt.changes}), current.name)
+            combo = self._combos.get(key)
+            if combo is None:
+                if self.left(end) < self._combo_need():
+                    self.choice_notes.append(f"combination of {current.name} with {nxt.name} not tried: "
+                                             "over --budget-seconds")
+                    continue
+                rest = sum(1 for r in good[k:] if not set(r.changes) & set(current.changes))
+                combo = self._measure_combo(current, nxt, end, share=1.0 / max(rest, 1))
+                self._combos[key] = combo
+                report.combos.append(combo)
             if (combo.status == "measured" and self._fits(combo) and combo.vs_current is not None
-                    and combo.vs_current < 1 - self._margin(combo.vs_current_half_ci)):
+                    and combo.vs_current < 1 - self._margin(combo.vs_current_half_ci) and _drift_ok(combo)):
                 current = combo
                 report.best_throughput = current
         if report.best_throughput is not base:
@@ -411,7 +485,7 @@ class _Tune:
         fit = [r for r in singles if self._fits(r) and _drift_ok(r)] or [r for r in singles if self._fits(r)]
         if fit:
             best = min(fit, key=lambda r: r.ratio if r.ratio is not None and not math.isnan(r.ratio) else math.inf)
-            report.notes.append(f"fits with {best.name}: peak {_gib(best.peak_bytes)} (limit {_gib(self.limit)})")
+            self.choice_notes.append(f"fits with {best.name}: peak {_gib(best.peak_bytes)} (limit {_gib(self.limit)})")
             return best
         # every trick that cuts the peak (memory tricks, and speed tricks such as bf16 that also do),
         # fastest first, added one by one until the measured peak fits; then micro-batches on top
@@ -433,41 +507,53 @@ class _Tune:
             k *= 2
         closest: Result | None = None
         for tnames, tchanges in tries:
-            if time.perf_counter() > end:
-                report.notes.append("stopped looking for a configuration that fits: over --budget-seconds")
-                break
-            res = Result("+".join(sorted(n for n in tnames if not n.startswith("accumulate="))
-                                  + [n for n in tnames if n.startswith("accumulate=")]),
-                         "memory", tchanges, _ids_of(report, tchanges))
-            cfg = {**self.base_cfg, **tchanges}
-            try:
-                self._memory_into(res, cfg)
-            except Exception as exc:
-                res.status, res.verdict, res.reason = "failed", "failed", error_line(exc)
+            res = self._fit_tries.get(_key(tchanges))
+            if res is None:
+                if time.perf_counter() > end:
+                    self.choice_notes.append("stopped looking for a configuration that fits: over --budget-seconds")
+                    break
+                res = self._try_fit(tnames, tchanges, end)
+                self._fit_tries[_key(tchanges)] = res
                 report.combos.append(res)
-                continue
-            if not self._fits(res):
-                res.status, res.verdict = "measured (memory)", "over the memory limit"
-                report.combos.append(res)
+            if res.status == "measured (memory)":
                 closest = res if closest is None or res.peak_bytes < closest.peak_bytes else closest
                 continue
-            try:
-                r = build_runner(res.name, self.model, cfg, self.batches, **self.kw)
-                _drift_into(res, r, self.base)
-                res.runner = r
-                self._time_side_by_side(res, None, end)
-            except Exception as exc:
-                res.status, res.verdict, res.reason = "failed", "failed", error_line(exc)
-                report.combos.append(res)
+            if res.status != "measured":
                 continue
-            report.combos.append(res)
-            report.notes.append(f"fits with {res.name}: peak {_gib(res.peak_bytes)} (limit {_gib(self.limit)})")
+            self.choice_notes.append(f"fits with {res.name}: peak {_gib(res.peak_bytes)} (limit {_gib(self.limit)})")
             return res
-        report.notes.append("no configuration tried fits under the memory limit: lower --batch or raise the limit"
-                            + (f" (closest: {closest.name}, peak {_gib(closest.peak_bytes)})" if closest else ""))
+        self.choice_notes.append("no configuration tried fits under the memory limit: lower --batch or raise the "
+                                 "limit" + (f" (closest: {closest.name}, peak {_gib(closest.peak_bytes)})"
+                                            if closest else ""))
         return None
 
-    def _measure_combo(self, a: Result, b: Result, end: float) -> Result:
+    def _try_fit(self, tnames: list[str], tchanges: dict[str, Any], end: float) -> Result:
+        """Memory of one configuration; if it fits, its drift, and its time against the plain step."""
+        report = self.report
+        res = Result("+".join(sorted(n for n in tnames if not n.startswith("accumulate="))
+                              + [n for n in tnames if n.startswith("accumulate=")]),
+                     "memory", tchanges, _ids_of(report, tchanges))
+        cfg = {**self.base_cfg, **tchanges}
+        try:
+            self._memory_into(res, cfg)
+        except Exception as exc:
+            res.status, res.verdict, res.reason = "failed", "failed", error_line(exc)
+            return res
+        if not self._fits(res):
+            res.status, res.verdict = "measured (memory)", "over the memory limit"
+            return res
+        try:
+            r = build_runner(res.name, self.model, cfg, self.batches, **self.kw)
+            _drift_into(res, r, self.base)
+            res.runner = r
+            # nothing to decide against plain (it does not fit): timed for its cost, the least rounds
+            self._race_side_by_side(res, None, end, contender=False,
+                                    why_not="the configuration that fits (plain does not): timed for its cost")
+        except Exception as exc:
+            res.status, res.verdict, res.reason = "failed", "failed", error_line(exc)
+        return res
+
+    def _measure_combo(self, a: Result, b: Result, end: float, share: float = 0.5) -> Result:
         changes = {**a.changes, **b.changes}
         name = "+".join(sorted(set(a.name.split("+")) | set(b.name.split("+"))))
         res = Result(name, "speed", changes, tuple(sorted(set(a.ids) | set(b.ids))))
@@ -477,30 +563,56 @@ class _Tune:
             _drift_into(res, r, self.base)
             self._memory_into(res, cfg)
             res.runner = r
-            self._time_side_by_side(res, a if a is not self.report.baseline else None, end)
+            self._race_side_by_side(res, a if a is not self.report.baseline else None, end, share=share)
         except Exception as exc:
             res.status, res.verdict, res.reason = "failed", "failed", error_line(exc)
             res.runner = None
         return res
 
-    def _time_side_by_side(self, res: Result, current: Result | None, end: float) -> None:
-        """Time ``res`` round-robin with the plain step (and ``current``, to compare the two directly)."""
-        runners = [self.base, res.runner] + ([current.runner] if current is not None and current.runner else [])
-        until = min(end, time.perf_counter() + max(0.5 * self.left(end), 12 * len(runners) * self.step_s))
-        times = time_interleaved(runners, _rounds(runners, self.step_s, until, cap=30), deadline=until,
-                                 min_rounds=_MIN_ROUNDS)
-        if res.runner.error:
-            res.status, res.verdict, res.reason = "failed", "failed", f"raised while timed: {res.runner.error}"
-            res.runner = None
+    def _race_side_by_side(self, res: Result, current: Result | None, end: float, *, share: float = 0.5,
+                           contender: bool = True, why_not: str = "") -> None:
+        """Race ``res`` with the plain step (and ``current``, the configuration it extends, to compare directly).
+
+        The question: is ``res`` faster than ``current`` (else plain) beyond the margin? The
+        race ends when that is settled, at ``share`` of the time left until ``end``, or at the
+        cap on rounds; it can get more rounds at the end (:meth:`_more_rounds`).
+        """
+        lanes = [Lane("plain", self.base, role="baseline")]
+        if current is not None and current.runner is not None:
+            lanes.append(Lane(current.name, current.runner, role="ref"))
+        else:
+            current = None
+        lanes.append(Lane(res.name, res.runner, ref=len(lanes) - 1, contender=contender and _drift_ok(res),
+                          why_not=why_not or "its loss drifts from fp32 beyond the tolerance: timed for its cost only"))
+        race = Race(lanes, noise=self._noise, min_effect=MIN_EFFECT, min_rounds=_MIN_ROUNDS,
+                    settle_rounds=_SIDE_SETTLE_ROUNDS, max_rounds=_MAX_SIDE_ROUNDS, seed=int(self.base_cfg.get("seed", 0)),
+                    sync=self._sync)
+        self.side[id(res)] = (race, current)
+        floor = self._race_need(len(lanes), _MIN_ROUNDS)
+        race.run(min(end, time.perf_counter() + max(share * self.left(end), floor)))
+        self._read_side(res)
+
+    def _read_side(self, res: Result) -> None:
+        """``res``'s figures from its side-by-side race, as it stands."""
+        race, current = self.side[id(res)]
+        lane = race.lanes[-1]
+        if res.status == "failed":
             return
-        res.step_s = _median(times[1])
-        res.ratio, res.ratio_half_ci = paired_ratio(times[1], times[0])
-        res.rounds = len(times[1])
+        if lane.error:
+            res.status, res.verdict, res.reason = "failed", "failed", f"raised while timed: {lane.error}"
+            res.runner = None
+            res.step_s = res.ratio = res.ratio_half_ci = res.rounds = None
+            return
+        plain = race.lanes[0].times
+        res.step_s = _median(lane.times)
+        res.ratio, res.ratio_half_ci = paired_ratio(lane.times, plain)
+        res.rounds, res.left_round, res.left_reason = len(lane.times), lane.left_round, lane.left_reason
+        res.race_rounds = race.rounds
         res.status = "measured"
-        if len(runners) == 3 and times[2]:
-            res.vs_current, res.vs_current_half_ci = paired_ratio(times[1], times[2])
+        if current is not None:
+            res.vs_current, res.vs_current_half_ci = race.ratio(len(race.lanes) - 1, 1)
             res.vs_current_name = current.name
-        elif current is None:
+        else:
             res.vs_current, res.vs_current_half_ci = res.ratio, res.ratio_half_ci
         res.verdict = self._verdict(res)
 
@@ -540,8 +652,9 @@ class _Tune:
                 report.notes.append("memory tricks not combined for the largest batch: over --budget-seconds")
         report.best_batch = best
 
+
     def _try_compile(self, res: Result) -> None:
-        """``compile`` on top of the best configuration so far (one compilation), timed against it and plain."""
+        """``compile`` on top of the best configuration so far (one compilation), raced against it and plain."""
         report = self.report
         best = report.best_throughput or report.baseline
         on_best = best is not report.baseline
@@ -550,33 +663,145 @@ class _Tune:
             target = Result(f"{best.name}+{res.name}", "speed", {**best.changes, **res.changes},
                             tuple(sorted(set(best.ids) | set(res.ids))))
         cfg = {**self.base_cfg, **target.changes}
+        self.compile_target, self.compile_base, self.compile_row = target, best, res
         try:  # no probe: a second batch shape would make dynamo recompile with dynamic shapes
             r = build_runner(target.name, self.model, cfg, self.batches, probe=False, **self.kw)
             _drift_into(target, r, self.base)
             target.runner = r
-            self._time_side_by_side(target, best if on_best else None, self.train_end)
+            # half of what is left; more rounds at the end are shared with the other open races
+            self._race_side_by_side(target, best if on_best else None, self.train_end, share=0.5)
             target.note = (f"first call {target.first_call_s:.1f} s (compilation), not in the step time; "
                            "memory not measured under compile")
         except Exception as exc:
             target.status, target.verdict, target.reason = "failed", "failed", error_line(exc)
-        target.runner = None
         if on_best:
             report.combos.append(target)
             res.status, res.verdict = target.status, target.verdict
             res.reason = f"measured on top of {best.name}: see {target.name}"
-        if target.status != "measured":
+        self._compile_decide()
+
+    def _compile_decide(self) -> None:
+        """Recommend the compiled configuration if it beats the one it was compiled on top of beyond the margin."""
+        report = self.report
+        target, base = self.compile_target, self.compile_base
+        if target is None or target.status != "measured":
+            return
+        best = report.best_throughput or report.baseline
+        row = self.compile_row
+        if row is not target:  # the compile row points at the +compile one
+            row.status, row.verdict = target.status, target.verdict
+        if best is not base:
+            self.choice_notes.append(f"compile was measured on top of {base.name}; after more rounds the "
+                                     f"recommendation is {best.name}, on top of which it was not measured: not "
+                                     "recommended")
             return
         margin = self._margin(target.vs_current_half_ci)
         faster = target.vs_current is not None and target.vs_current < 1 - margin and self._faster(target)
         if faster and not self._fits(report.baseline):  # its memory is not measured: no bet under a tight limit
-            report.notes.append(f"{target.name} is faster, but its memory is not measured under compile and the "
-                                "limit is tight: not recommended")
+            self.choice_notes.append(f"{target.name} is faster, but its memory is not measured under compile and "
+                                     "the limit is tight: not recommended")
             faster = False
         if faster:
-            if on_best:
-                best.chosen = False
+            best.chosen = False
             target.chosen = True
             report.best_throughput = target
+
+    # -- the race ----------------------------------------------------------------------------
+    def _sync(self) -> None:
+        synchronize(self.base.step.device if self.base is not None else torch.device("cpu"))
+
+    def _noise(self) -> float:
+        return self.report.noise
+
+    def _race_need(self, lanes: int, rounds: int) -> float:
+        """Seconds for ``rounds`` rounds (and a warm-up) of ``lanes`` plain-sized steps."""
+        return (rounds + 1) * lanes * self.step_s
+
+    def _combo_need(self) -> float:
+        """Seconds one combination takes at least: its set-up, then a short race with plain and what it extends."""
+        return 1.2 * self.setup_s + self._race_need(3, _SIDE_SETTLE_ROUNDS)
+
+    def _not_a_contender(self, res: Result, plain_fits: bool) -> str:
+        """Why ``res`` cannot be the recommendation for throughput ('' if it can): it is timed for its cost only."""
+        if not _drift_ok(res):
+            return "its loss drifts from fp32 beyond the tolerance: not recommended, timed for its cost only"
+        if plain_fits and res.goal != "speed":
+            return f"a {res.goal} trick, not a throughput contender while the plain step fits: timed for its cost only"
+        if plain_fits and not self._fits(res):
+            return "over the memory limit, where the plain step fits: not recommended, timed for its cost only"
+        return ""
+
+    def _read_singles(self) -> None:
+        """The noise, and every single trick's figures and verdict, from the race as it stands."""
+        report, race = self.report, self.singles
+        base_t, twin_t = race.lanes[0].times, race.lanes[1].times
+        report.rounds = race.rounds
+        aa, aa_half = paired_ratio(twin_t, base_t)
+        report.noise = max(abs(aa - 1.0), aa_half) if not math.isnan(aa) else math.nan
+        report.aa_ratio, report.aa_half_ci = aa, aa_half
+        base_res = report.baseline
+        base_res.step_s, base_res.ratio, base_res.rounds = _median(base_t), 1.0, race.rounds
+        for res, lane in zip(self.singles_res, race.lanes[2:]):
+            if res.status == "failed":
+                continue
+            if lane.error:
+                res.status, res.verdict, res.reason = "failed", "failed", f"raised while timed: {lane.error}"
+                res.runner = None
+                continue
+            res.step_s = _median(lane.times)
+            res.ratio, res.ratio_half_ci = paired_ratio(lane.times, base_t)
+            res.rounds, res.left_round, res.left_reason = len(lane.times), lane.left_round, lane.left_reason
+            res.race_rounds = race.rounds
+            res.verdict = self._verdict(res)
+
+    def _more_rounds(self) -> bool:
+        """What is left of the training budget goes to the races still open: the singles first, then the
+        combinations and compile, each until settled or its share of what is left. True if any ran."""
+        races = ([self.singles] if self.singles is not None else []) + [race for race, _ in self.side.values()]
+        ran = False
+        tried: set[int] = set()
+        while True:
+            open_ = [r for r in races if r.state == "budget" and not r.settled and id(r) not in tried]
+            left = self.left()
+            if not open_ or left < max(2 * open_[0].last_round_s, 1.0):
+                return ran
+            r = open_[0]
+            before = r.rounds
+            r.run(time.perf_counter() + left / len(open_))
+            if r.rounds == before:
+                tried.add(id(r))
+            ran = True
+
+    def _decide(self) -> None:
+        """Every decision again, from the races as they stand now (measured combinations are reused)."""
+        report = self.report
+        for r in report.results + report.combos:
+            r.chosen = False
+        self.choice_notes = []
+        self._best_throughput()
+        self._compile_decide()
+
+    def _stop_reason(self) -> str:
+        """Why the tune stopped: ``settled: ...`` (every race answered its question), ``budget: ...`` (the
+        time ran out with questions open: which), or ``cap: ...`` (the most rounds a race gets)."""
+        report = self.report
+        races = [("the single tricks", self.singles)] if self.singles is not None else []
+        races += [(res.name, self.side[id(res)][0]) for res in report.results + report.combos if id(res) in self.side]
+        open_ = [(name, r) for name, r in races if r.state == "budget" and not r.settled]
+        capped = [(name, r) for name, r in races if r.state == "cap" and not r.settled]
+        noise = "n/a" if math.isnan(report.noise) else f"±{report.noise:.1%}"
+        after = f"after {report.rounds} rounds (noise {noise})"
+        not_run = [r.name for r in report.results if r.status == "skipped" and "budget" in r.reason]
+        tail = f"; not measured for the budget: {', '.join(not_run)}" if not_run else ""
+        if open_:
+            what = "; ".join(", ".join(r.open_lanes()) for _, r in open_)
+            return f"budget: the time ran out {after} with these still open: {what}{tail}"
+        if capped:
+            what = "; ".join(f"{', '.join(r.open_lanes())} ({r.rounds} rounds)" for _, r in capped)
+            return f"cap: the most rounds a race gets, with these still open: {what}{tail}"
+        best = report.best_throughput
+        rec = "keep the plain step" if best is None or best is report.baseline else f"recommended: {best.name}"
+        return f"settled: {after} every trick had left the race with its question answered, or won it; {rec}{tail}"
 
     # -- measurements ------------------------------------------------------------------------
     def _memory_into(self, res: Result, cfg: dict[str, Any]) -> None:
@@ -789,10 +1014,8 @@ def _memory_limit(limit: int | None, dev: torch.device) -> tuple[int, str]:
     return 8 << 30, "a default of 8 GiB (available RAM unknown)"
 
 
-def _rounds(runners: list[Runner], step_s: float, until: float, cap: int = 60) -> int:
-    left = max(until - time.perf_counter(), 0.0)
-    per_round = sum(_median(r.step_times) if r.step_times else step_s for r in runners) or step_s * len(runners)
-    return int(min(max(left / max(per_round, 1e-6), _MIN_ROUNDS), cap))
+def _key(changes: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, repr(v)) for k, v in changes.items()))
 
 
 def _median(xs: list[float]) -> float:
