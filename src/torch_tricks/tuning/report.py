@@ -65,11 +65,9 @@ class Result:
     @property
     def speedup_half_ci(self) -> float | None:
         r, h = self.ratio, self.ratio_half_ci
-        if r is None or h is None or math.isnan(r) or math.isnan(h):
-            return None
-        lo = 1.0 / (r + h)
-        hi = 1.0 / (r - h) if r > h else math.inf
-        return (hi - lo) / 2
+        if r is None or h is None or math.isnan(r) or math.isnan(h) or r <= h:
+            return None  # an interval that reaches a zero step time bounds no speed-up (few, wild rounds)
+        return (1.0 / (r - h) - 1.0 / (r + h)) / 2
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "runner"}
