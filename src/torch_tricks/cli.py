@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--input", action="append", metavar="SPEC",
                         help="input shape without the batch, e.g. 3x224x224; integer tokens as long:128:VOCAB; "
                              "repeat or comma-separate for several inputs (default: the model's own)")
+        sp.add_argument("--hf-config", metavar="KEY=VALUE,...",
+                        help="config overrides of a transformers model (--model hf:gpt2, hf:bert:classification, "
+                             "path/to/config.json), e.g. n_layer=2,n_embd=64,n_head=2")
         sp.add_argument("--batch", type=int, default=batch, help=f"batch size (default {batch})")
         sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default cpu)")
         sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -274,7 +277,7 @@ def _load(args: argparse.Namespace):
         raise UserError(f"unknown --device {args.device!r}: use cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but this torch sees no CUDA device: use --device cpu")
-    model, default_input = load_model(args.model)
+    model, default_input = load_model(args.model, hf_config=getattr(args, "hf_config", None))
     spec = args.input or default_input
     if not spec:
         raise UserError(f"--input is required for {args.model}: give its input shape, e.g. --input 3x224x224")
@@ -294,10 +297,13 @@ def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
 def cmd_models(args: argparse.Namespace) -> int:
     from torch_tricks._format import table
     from torch_tricks.models import list_models, model_spec
+    from torch_tricks.models.hf import list_families
 
     specs = [model_spec(n) for n in list_models()]
-    data = {"models": [{"name": s.name, "input": s.default_input, "description": s.description} for s in specs]}
-    _emit(args, data, table(["model", "input", "description"], [[s.name, s.default_input, s.description] for s in specs], "lll"))
+    models = [{"name": s.name, "input": s.default_input, "description": s.description} for s in specs] + list_families()
+    data = {"models": models}
+    _emit(args, data, table(["model", "input", "description"],
+                            [[m["name"], m["input"] or "-", m["description"]] for m in models], "lll"))
     return 0
 
 
@@ -462,7 +468,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from torch_tricks.train.seed import seed_everything
 
     seed_everything(config.seed)  # the initial weights too come from the seed
-    model, _ = load_model(args.model)
+    model, _ = load_model(args.model, hf_config=getattr(args, "hf_config", None))
     history = fit(model, train_set, val_set, config=config)
     from torch_tricks.train.distributed import cleanup, is_main_process
 

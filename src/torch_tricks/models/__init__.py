@@ -3,7 +3,9 @@
 Each model is a small factory registered with :func:`register_model`, together with
 the input it expects (``default_input``, in the CLI's input syntax, batch excluded),
 so the inspector, the tuner and the tests can run any of them without being told
-its shape. A user's own model is named ``package.module:factory`` instead.
+its shape. A user's own model is named ``package.module:factory`` instead, and a
+transformers model ``hf:TYPE[:HEAD]`` or ``path/to/config.json[:HEAD]`` (see
+:mod:`torch_tricks.models.hf`; needs the ``hf`` extra).
 """
 
 from __future__ import annotations
@@ -77,12 +79,22 @@ def get_model(name: str, **kwargs: Any) -> nn.Module:
     return model_spec(name).factory(**kwargs)
 
 
-def load_model(ref: str, **kwargs: Any) -> tuple[nn.Module, str | None]:
-    """Build a model from a built-in name or a ``package.module:factory`` reference.
+def load_model(ref: str, *, hf_config: Any = None, **kwargs: Any) -> tuple[nn.Module, str | None]:
+    """Build a model from a built-in name, a ``package.module:factory`` reference, or a
+    transformers model (``hf:gpt2``, ``hf:bert:classification``, ``path/to/config.json``).
 
     Returns the model and its default input spec (``None`` for a user factory, unless
-    the factory carries a ``default_input`` attribute).
+    the factory carries a ``default_input`` attribute). ``hf_config`` (a dict, or
+    ``"n_layer=2,n_embd=64"``) overrides fields of a transformers model's config.
     """
+    from torch_tricks.models import hf
+
+    if ref not in _REGISTRY and hf.is_hf_ref(ref):
+        if kwargs:
+            raise UserError(f"--model {ref}: a transformers model takes hf_config, not {', '.join(kwargs)}")
+        return hf.build(ref, hf_config)
+    if hf_config:
+        raise UserError(f"--hf-config applies only to transformers models (hf:TYPE or config.json), not {ref!r}")
     if ":" not in ref:
         spec = model_spec(ref)
         return spec.factory(**kwargs), spec.default_input

@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from torch_tricks.errors import UserError
+from torch_tricks.outputs import get_loss, primary_output
 from torch_tricks.registry import register_trick
 from torch_tricks.train.config import TrainConfig
 
@@ -83,13 +84,16 @@ def fit(
 
     ``train_data``/``val_data`` are map-style datasets (the loop builds the loaders) or
     iterables of ``(inputs, target)`` batches, e.g. DataLoaders. ``loss_fn(output,
-    target)`` must return the *mean* loss of its batch (default: cross-entropy).
+    target)`` must return the *mean* loss of its batch (default: ``--loss auto`` of
+    :mod:`torch_tricks.outputs`: the output's own ``.loss``, else cross-entropy of the
+    logits against class or token targets, mean squared error against float ones; the
+    forward may return a tensor, tuple, dict, dataclass or transformers ``ModelOutput``).
     ``optimizer`` is an optimizer over ``model``'s parameters, a callable ``params ->
     optimizer``, or ``None`` to build ``config.optimizer`` with no-decay groups.
     """
     config = _as_config(config)
     config = (config or TrainConfig()).replace(**overrides).validate()
-    return _Trainer(model, train_data, val_data, loss_fn or nn.CrossEntropyLoss(), optimizer, config).run()
+    return _Trainer(model, train_data, val_data, loss_fn or get_loss("auto"), optimizer, config).run()
 
 
 class TrainStep:
@@ -108,7 +112,7 @@ class TrainStep:
         config = _as_config(config)
         cfg = (config or TrainConfig()).replace(progress=False, distributed="off", checkpoint_dir="",
                                                 log_dir="", resume=False).validate()
-        self._trainer = _Trainer(model, [], None, loss_fn or nn.CrossEntropyLoss(), optimizer, cfg)
+        self._trainer = _Trainer(model, [], None, loss_fn or get_loss("auto"), optimizer, cfg)
         self.config = cfg
 
     @property
@@ -689,9 +693,10 @@ def _evaluate(model: nn.Module, loader: Iterable[Any], loss_fn: Callable, traine
             with autocast(trainer.cfg.precision, trainer.device):
                 out = model(*x) if isinstance(x, tuple) else model(x)
             count = _count((x, y))
-            loss_sum += loss_fn(out.float(), y).double() * count
-            if classify and isinstance(out, torch.Tensor) and out.dim() == 2 and y.dim() == 1 and not y.is_floating_point():
-                correct += (out.argmax(1) == y).sum()
+            loss_sum += loss_fn(out.float() if isinstance(out, torch.Tensor) else out, y).double() * count
+            pred = primary_output(out) if classify else None
+            if classify and pred.dim() == 2 and isinstance(y, torch.Tensor) and y.dim() == 1 and not y.is_floating_point():
+                correct += (pred.argmax(1) == y).sum()
             else:
                 classify = False
             n += count

@@ -905,12 +905,18 @@ class _Tune:
 def example_batch(model: nn.Module, inputs: Any, *, seed: int = 0) -> tuple[tuple[Any, torch.Tensor], Callable[..., torch.Tensor]]:
     """``((inputs, target), loss_fn)`` for a model given only its inputs (what the CLI has).
 
-    One forward on the first sample (eval mode, no grad, on a copy) gives the output:
-    ``(batch, classes)`` gets random class labels and cross-entropy; any other tensor
-    output a random target of its shape and mean squared error. A forward that raises
-    is a :class:`UserError` naming the module and the shapes it got.
+    One forward on the first sample (eval mode, no grad, on a copy) gives the output, of
+    any structure (tensor, tuple, dict, dataclass, transformers ``ModelOutput``: its
+    prediction is :func:`torch_tricks.outputs.primary_output`, the logits first).
+    Token logits ``(batch, T, vocab)`` for integer ids ``(batch, T)`` get next-token
+    targets from the ids (the last position ignored); ``(batch, classes)`` random class
+    labels; any other output a random target of its shape. The loss is ``--loss auto``
+    (cross-entropy for class/token targets, mean squared error otherwise). A forward that
+    raises is a :class:`UserError` naming the module and the shapes it got; one with no
+    floating-point output a UserError saying so.
     """
     from torch_tricks.inspect.inputs import as_input_tuple
+    from torch_tricks.outputs import get_loss, primary_output
 
     xs = as_input_tuple(inputs)
     if not xs or not isinstance(xs[0], torch.Tensor) or xs[0].dim() == 0:
@@ -926,16 +932,22 @@ def example_batch(model: nn.Module, inputs: Any, *, seed: int = 0) -> tuple[tupl
 
         summary(probe, one, depth=0)  # raises a ForwardError naming the module and the shapes it got
         raise  # pragma: no cover  (summary ran it without error: re-raise the original)
-    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.dim() < 1:
-        raise UserError(f"the tune needs a model whose forward returns one floating-point tensor, got "
-                        f"{type(out).__name__}: give tune() your own loss_fn from Python")
+    pred = primary_output(out)
+    if pred.dim() < 1:
+        raise UserError("the forward's output is a scalar: the tune needs one prediction per "
+                        "sample, or give tune() your own loss_fn from Python")
     gen = torch.Generator().manual_seed(seed)
-    dev = out.device
-    if out.dim() == 2:
-        target = torch.randint(0, int(out.shape[1]), (n,), generator=gen).to(dev)
-        return (inputs, target), nn.functional.cross_entropy
-    target = torch.randn((n, *out.shape[1:]), generator=gen).to(dev)
-    return (inputs, target), nn.functional.mse_loss
+    dev = pred.device
+    ids = xs[0]
+    if (pred.dim() == 3 and not ids.is_floating_point() and ids.dim() == 2 and ids.shape[1] == pred.shape[1]):
+        target = torch.full_like(ids, -100)
+        target[:, :-1] = ids[:, 1:]  # next-token targets from the ids
+        return (inputs, target.to(dev)), get_loss("auto")
+    if pred.dim() == 2:
+        target = torch.randint(0, int(pred.shape[1]), (n,), generator=gen).to(dev)
+        return (inputs, target), get_loss("auto")
+    target = torch.randn((n, *pred.shape[1:]), generator=gen).to(dev)
+    return (inputs, target), get_loss("auto")
 
 
 # KB/MB/GB are decimal; KiB/MiB/GiB and the bare K/M/G (as docker and free read them) binary.
