@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence
 
 from torch_tricks.tuning.measure import error_line, paired_ratio
 
-__all__ = ["Lane", "Race", "race"]
+__all__ = ["Lane", "Race", "margin", "race"]
 
 
 @dataclass
@@ -120,7 +120,7 @@ class Race:
     def noise(self) -> float:
         """The A/A disagreement ``max(|ratio - 1|, half-interval)`` of the twin, else the noise given (NaN: none)."""
         if self.twin is not None:
-            aa, half = paired_ratio(self.lanes[self.twin].times, self.lanes[self.base].times)
+            aa, half = self._aa()
             return math.nan if math.isnan(aa) else max(abs(aa - 1.0), half)
         if callable(self._noise):
             return float(self._noise())
@@ -139,7 +139,7 @@ class Race:
         r, h = self.ratio(i)
         if math.isnan(r):
             return False
-        return r < 1 - max(0.0 if math.isnan(noise) else noise, h, self.min_effect)
+        return r < 1 - margin(noise, h, self.min_effect)
 
     @property
     def settled(self) -> bool:
@@ -152,9 +152,10 @@ class Race:
 
     def noise_half(self) -> float:
         """The half-interval of the A/A ratio (NaN without a twin): how well the noise itself is known."""
-        if self.twin is None:
-            return math.nan
-        return paired_ratio(self.lanes[self.twin].times, self.lanes[self.base].times)[1]
+        return math.nan if self.twin is None else self._aa()[1]
+
+    def _aa(self) -> tuple[float, float]:
+        return paired_ratio(self.lanes[self.twin].times, self.lanes[self.base].times)
 
     def noise_resolved(self) -> bool:
         """The A/A half-interval is within ``noise_resolution`` (always, without a twin or a resolution asked)."""
@@ -279,7 +280,7 @@ class Race:
         # resolution: once the intervals (and the A/A noise's) are narrower than half the least effect that
         # counts, more rounds cannot move a decision by anything that matters
         fine = self.min_effect / 2
-        noise_fine = self.twin is None or paired_ratio(self.lanes[self.twin].times, self.lanes[self.base].times)[1] <= fine
+        noise_fine = self.twin is None or self.noise_half() <= fine
         live = [i for i in self.candidates() if self.lanes[i].contender]
         best = min(live, key=lambda i: self.ratio(i)[0]) if live else None
         for i in live:
@@ -305,6 +306,13 @@ class Race:
         live = self.candidates()
         self._settled = (not live or (len(live) == 1 and self.rounds >= self.settle_rounds
                                       and self.faster(live[0], noise))) and self.noise_resolved()
+
+
+def margin(noise: float | None, half: float | None, min_effect: float) -> float:
+    """How far from 1 a time ratio must be to count as faster or slower: the larger of the
+    A/A noise, the ratio's own half-interval and ``min_effect`` (a NaN or missing term: 0)."""
+    terms = [x for x in (noise, half) if x is not None and not math.isnan(x)]
+    return max([*terms, min_effect])
 
 
 def race(lanes: Sequence[Lane], until: float, **kw: Any) -> Race:

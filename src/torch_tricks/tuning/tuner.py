@@ -59,7 +59,7 @@ from torch_tricks.tuning.measure import (
     relative_diff,
 )
 from torch_tricks.inspect.timing import synchronize
-from torch_tricks.tuning.race import Lane, Race
+from torch_tricks.tuning.race import Lane, Race, margin
 from torch_tricks.tuning.report import Result, TuneReport
 
 __all__ = ["tune", "example_batch", "parse_size", "TUNED_KEYS", "DRIFT_TOLERANCE", "MIN_EFFECT"]
@@ -695,8 +695,8 @@ class _Tune:
                                      f"recommendation is {best.name}, on top of which it was not measured: not "
                                      "recommended")
             return
-        margin = self._margin(target.vs_current_half_ci)
-        faster = target.vs_current is not None and target.vs_current < 1 - margin and self._faster(target)
+        beyond = self._margin(target.vs_current_half_ci)
+        faster = target.vs_current is not None and target.vs_current < 1 - beyond and self._faster(target)
         if faster and not self._fits(report.baseline):  # its memory is not measured: no bet under a tight limit
             self.choice_notes.append(f"{target.name} is faster, but its memory is not measured under compile and "
                                      "the limit is tight: not recommended")
@@ -815,8 +815,7 @@ class _Tune:
             res.status = "measured"
 
     def _margin(self, half_ci: float | None) -> float:
-        noise = self.report.noise if not math.isnan(self.report.noise) else 0.0
-        return max(noise, half_ci or 0.0, MIN_EFFECT)
+        return margin(self.report.noise, half_ci, MIN_EFFECT)
 
     def _faster(self, res: Result) -> bool:
         return (res.status == "measured" and res.ratio is not None and not math.isnan(res.ratio) and _drift_ok(res)
