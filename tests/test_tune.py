@@ -259,6 +259,21 @@ def test_tricks_toml_round_trips_into_trainconfig_and_fit(tuned, tmp_path):
     for k, v in toml.items():
         assert history.config[k] == v
     assert history.steps >= 1
+    # ... and so does Tricks, in the user's own loop, as the file's header and report.md show
+    text, md = paths["tricks.toml"].read_text(), paths["report.md"].read_text()
+    for how in ('torch-tricks train --config tricks.toml', 'tricks = torch_tricks.Tricks("tricks.toml")',
+                "tricks.backward(loss)", "tricks.step()"):
+        assert how in text and how in md, how
+    from torch_tricks import Tricks
+
+    tricks = Tricks(paths["tricks.toml"])
+    assert {k: getattr(tricks.config, k) for k in toml} == toml
+    model, optimizer = tricks.prepare(TinyNet())
+    x, y = data[0]
+    with tricks.autocast():
+        loss = torch.nn.functional.cross_entropy(model(tricks.to_device(x)).float(), y)
+    tricks.backward(loss)
+    assert tricks.step() == (tricks.config.accumulate == 1)
 
 
 def test_recommended_switches_reach_fit_exactly(tmp_path):

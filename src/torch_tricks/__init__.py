@@ -32,6 +32,7 @@ _EXPORTS = {
     "profile_step": "torch_tricks.inspect.profile",
     # train: one loop, every trick a switch
     "fit": "torch_tricks.train.loop",
+    "Tricks": "torch_tricks.train.tricks",
     "TrainConfig": "torch_tricks.train.config",
     "load_config": "torch_tricks.train.config",
     "seed_everything": "torch_tricks.train.seed",

@@ -20,5 +20,6 @@ from torch_tricks.train import (  # noqa: F401  (imported to register their tric
 )
 from torch_tricks.train.config import TrainConfig, load_config
 from torch_tricks.train.loop import History, TrainingDiverged, fit
+from torch_tricks.train.tricks import Tricks
 
-__all__ = ["fit", "History", "TrainConfig", "TrainingDiverged", "load_config"]
+__all__ = ["fit", "History", "TrainConfig", "TrainingDiverged", "Tricks", "load_config"]

@@ -33,18 +33,16 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
+from torch.utils.data import Dataset, DistributedSampler, RandomSampler
 
+from torch_tricks import batches as B
 from torch_tricks.errors import UserError
 from torch_tricks.outputs import get_loss, primary_output
 from torch_tricks.registry import register_trick
 from torch_tricks.train.config import TrainConfig
+from torch_tricks.train.tricks import Tricks, TrainingDiverged, as_config
 
 __all__ = ["fit", "History", "TrainingDiverged", "TrainStep", "micro_batches"]
-
-
-class TrainingDiverged(UserError):
-    """A non-finite loss stopped the run; the message names the step and the last good checkpoint."""
 
 
 @dataclass
@@ -91,7 +89,7 @@ def fit(
     ``optimizer`` is an optimizer over ``model``'s parameters, a callable ``params ->
     optimizer``, or ``None`` to build ``config.optimizer`` with no-decay groups.
     """
-    config = _as_config(config)
+    config = as_config(config)
     config = (config or TrainConfig()).replace(**overrides).validate()
     return _Trainer(model, train_data, val_data, loss_fn or get_loss("auto"), optimizer, config).run()
 
@@ -109,7 +107,7 @@ class TrainStep:
 
     def __init__(self, model: nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None = None,
                  optimizer: Any = None, config: TrainConfig | dict[str, Any] | None = None) -> None:
-        config = _as_config(config)
+        config = as_config(config)
         cfg = (config or TrainConfig()).replace(progress=False, distributed="off", checkpoint_dir="",
                                                 log_dir="", resume=False).validate()
         self._trainer = _Trainer(model, [], None, loss_fn or get_loss("auto"), optimizer, cfg)
@@ -140,13 +138,13 @@ class TrainStep:
     def gradients(self, batch: Any) -> list[torch.Tensor]:
         """The gradients of one forward/backward on ``batch`` (no optimizer step), unscaled, as float32."""
         t = self._trainer
-        t.optimizer.zero_grad(set_to_none=True)
+        t.tricks.zero_grad()
         t._accumulate(micro_batches(batch, self.config.accumulate))
         scale = float(t.scaler.get_scale()) if t.scaler.is_enabled() else 1.0
         # the grads are handed over (set_to_none below drops the model's references): no copy when unscaled
         grads = [(p.grad.float() / scale if scale != 1.0 else p.grad.float()) if p.grad is not None
                  else torch.zeros_like(p, dtype=torch.float32) for p in t.raw_model.parameters()]
-        t.optimizer.zero_grad(set_to_none=True)
+        t.tricks.zero_grad()
         return grads
 
 
@@ -160,179 +158,55 @@ class TrainStep:
     config_key="accumulate",
 )
 def micro_batches(batch: Any, parts: int) -> list[Any]:
-    """Split an ``(inputs, target)`` batch into ``parts`` micro-batches along dim 0 (fewer if it is smaller)."""
-    return _split(batch, parts)
+    """Split a batch (any form of :mod:`torch_tricks.batches`) into ``parts`` micro-batches along dim 0."""
+    return B.split(batch, parts)
 
 
 class _Trainer:
+    """``fit``'s loop around one :class:`Tricks`: data, epochs, validation, logging, checkpoints, SWA.
+
+    The step itself (model preparation, autocast, backward, optimizer step) is the Tricks
+    object's: the step a user's own loop gets from ``Tricks`` is this one.
+    """
+
     def __init__(self, model, train_data, val_data, loss_fn, optimizer, cfg: TrainConfig):
         self.cfg = cfg
         self.loss_fn = loss_fn
         self.history = History(config=cfg.to_dict())
-        self._setup_runtime()
-        self.raw_model = self._prepare_model(model)
-        self.train_loader = self._loader(train_data, train=True)
-        self.val_loader = self._loader(val_data, train=False) if val_data is not None else None
-        self.model = self._wrap_model(self.raw_model)
-        self.optimizer = self._build_optimizer(optimizer)
+        self.tricks = Tricks(cfg.replace(detect_anomaly=False))  # fit scopes anomaly mode to its run
+        self.history.applied = self.tricks.applied
+        self.device, self.dist, self.is_main = self.tricks.device, self.tricks.dist, self.tricks.is_main
+        self.train_loader = self.tricks.prepare_data(train_data, train=True)
+        self.val_loader = self.tricks.prepare_data(val_data, train=False) if val_data is not None else None
         self.steps_per_epoch = math.ceil(_len(self.train_loader) / cfg.accumulate) if _len(self.train_loader) else 0
         self.total_steps = self._total_steps()
-        self.scheduler = self._build_scheduler()
-        from torch_tricks.train.precision import make_grad_scaler
-
-        self.scaler = make_grad_scaler(cfg.precision, self.device)
-        self.ema = self._build_ema()
+        if (cfg.schedule != "constant" or cfg.warmup_steps) and not self.total_steps:
+            raise UserError("a learning-rate schedule needs a known length: give max_steps or sized data")
+        self.model, self.optimizer = self.tricks.prepare(model, optimizer, total_steps=self.total_steps)
+        self.raw_model = self.tricks.unwrapped_model
+        self.scheduler, self.scaler, self.ema = self.tricks.scheduler, self.tricks.scaler, self.tricks.ema
         self.swa = None
-        self.step = 0
         self.start_epoch = 0
         self.skip_batches = 0
         self.micro = 1
-        self.last_good = ""
         self._csv: Any = None
         self._tb: Any = None
 
-    # -- set-up --------------------------------------------------------------------------
-    def _setup_runtime(self) -> None:
-        from torch_tricks.train.distributed import init_distributed
-        from torch_tricks.train.precision import check_precision
-        from torch_tricks.train.seed import seed_everything
+    @property
+    def step(self) -> int:
+        return self.tricks.step_count
 
-        cfg = self.cfg
-        use_dist = cfg.distributed == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1
-        self.dist = init_distributed() if use_dist else None
-        if self.dist is not None:
-            self.device = self.dist.device
-        elif cfg.device == "auto":
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        else:
-            try:
-                self.device = torch.device(cfg.device)
-            except RuntimeError:
-                raise UserError(f"unknown device {cfg.device!r}: use auto, cpu, cuda or cuda:N") from None
-            if self.device.type == "cuda" and not torch.cuda.is_available():
-                raise UserError("device cuda asked for, but this torch sees no CUDA device: use device=cpu")
-        self.is_main = self.dist is None or self.dist.is_main
-        check_precision(cfg.precision, self.device)
-        if cfg.precision != "fp32":
-            self.history.applied.append(f"precision={cfg.precision}")
-        rank = self.dist.rank if self.dist else 0
-        seed_everything(cfg.seed + rank, deterministic=cfg.deterministic)
-        if cfg.cudnn_benchmark:
-            from torch_tricks.train.speed import cudnn_benchmark
+    @step.setter
+    def step(self, value: int) -> None:
+        self.tricks.step_count = value
 
-            cudnn_benchmark(True, fixed_shapes=True)
-            self.history.applied.append("cudnn_benchmark")
+    @property
+    def last_good(self) -> str:
+        return self.tricks.last_good
 
-    def _prepare_model(self, model: nn.Module) -> nn.Module:
-        cfg, applied = self.cfg, self.history.applied
-        if cfg.inplace:
-            from torch_tricks.train.memory import inplace_activations
-
-            model = inplace_activations(model)
-            applied.append("inplace")
-        if cfg.memory_efficient_bn:
-            from torch_tricks.train.memory import memory_efficient_bn_act
-
-            model = memory_efficient_bn_act(model)
-            applied.append("memory_efficient_bn")
-        if cfg.checkpointing:
-            from torch_tricks.train.memory import checkpoint_blocks, checkpoint_sequential_sqrt
-
-            if cfg.checkpointing == "sqrt":
-                if not isinstance(model, nn.Sequential):
-                    raise UserError("checkpointing='sqrt' needs an nn.Sequential model: use 'blocks' or a name pattern")
-                model = checkpoint_sequential_sqrt(model)
-            elif cfg.checkpointing == "blocks":
-                model = checkpoint_blocks(model)
-            else:
-                model = checkpoint_blocks(model, names=[cfg.checkpointing])
-            applied.append(f"checkpointing={cfg.checkpointing}")
-        if cfg.bn_momentum_adjust and cfg.accumulate > 1:
-            _adjust_bn_momentum(model, cfg.accumulate)
-            applied.append("bn_momentum_adjust")
-        if cfg.sync_bn and self.dist is not None:
-            from torch_tricks.train.syncbn import convert_sync_batchnorm
-
-            model = convert_sync_batchnorm(model)
-            applied.append("sync_bn")
-        model = model.to(self.device)
-        if cfg.channels_last:
-            from torch_tricks.train.speed import channels_last
-
-            model = channels_last(model)
-            applied.append("channels_last")
-        return model
-
-    def _wrap_model(self, model: nn.Module) -> nn.Module:
-        if self.dist is not None:
-            from torch_tricks.train.distributed import wrap_ddp
-
-            model = wrap_ddp(model, self.dist)
-            self.history.applied.append("ddp")
-        if self.cfg.compile:
-            from torch_tricks.train.speed import compile_model
-
-            model = compile_model(model)
-            self.history.applied.append("compile")
-        return model
-
-    def _loader(self, data: Any, *, train: bool) -> Iterable[Any]:
-        from torch_tricks.train.seed import seeded_generator, worker_init_fn
-
-        cfg = self.cfg
-        if isinstance(data, DataLoader):
-            if self.dist is not None and not isinstance(data.sampler, DistributedSampler):
-                from torch_tricks.data.loader import rebuild_loader
-
-                data = rebuild_loader(data, sampler=self._sampler(data.dataset, train))
-            return data
-        if isinstance(data, Dataset) and hasattr(data, "__len__"):
-            sampler = self._sampler(data, train) if self.dist is not None else None
-            return DataLoader(
-                data,
-                batch_size=cfg.batch_size,
-                shuffle=train and sampler is None,
-                sampler=sampler,
-                generator=seeded_generator(cfg.seed) if train and sampler is None else None,
-                worker_init_fn=worker_init_fn,
-                pin_memory=self.device.type == "cuda",
-            )
-        return data  # any iterable of batches, taken as it is
-
-    def _sampler(self, dataset: Dataset, train: bool) -> DistributedSampler:
-        from torch_tricks.train.distributed import distributed_sampler
-
-        return distributed_sampler(dataset, self.dist, shuffle=train, seed=self.cfg.seed)
-
-    def _build_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
-        cfg = self.cfg
-        if isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
-        params = self.raw_model.parameters()
-        if callable(optimizer):
-            return optimizer([p for p in params if p.requires_grad])
-        from torch_tricks.train.optim import build_optimizer, param_groups
-
-        lr = cfg.lr
-        if cfg.scale_lr:
-            from torch_tricks.train.schedule import scale_lr
-
-            world = self.dist.world_size if self.dist else 1
-            lr = scale_lr(cfg.lr, cfg.batch_size * cfg.accumulate * world, base_batch=cfg.base_batch)
-            self.history.applied.append(f"scale_lr={lr:.3g}")
-        groups = (
-            param_groups(self.raw_model, cfg.weight_decay)
-            if cfg.no_decay_norm_bias
-            else [{"params": [p for p in params if p.requires_grad], "weight_decay": cfg.weight_decay}]
-        )
-        opt = build_optimizer(
-            groups, cfg.optimizer, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-            fused=None if cfg.fused_optimizer else False, foreach=None if cfg.fused_optimizer else False,
-        )
-        if cfg.fused_optimizer:  # say which multi-tensor form PyTorch could give this optimizer here
-            kind = "fused" if opt.defaults.get("fused") else "foreach" if opt.defaults.get("foreach") else ""
-            self.history.applied.append(f"{kind}_optimizer" if kind else "fused_optimizer=unavailable")
-        return opt
+    @last_good.setter
+    def last_good(self, value: str) -> None:
+        self.tricks.last_good = value
 
     def _total_steps(self) -> int:
         cfg = self.cfg
@@ -340,24 +214,6 @@ class _Trainer:
         if cfg.max_steps and by_epochs:
             return min(cfg.max_steps, by_epochs)
         return cfg.max_steps or by_epochs
-
-    def _build_scheduler(self) -> Any:
-        cfg = self.cfg
-        if cfg.schedule == "constant" and not cfg.warmup_steps:
-            return None
-        if not self.total_steps:
-            raise UserError("a learning-rate schedule needs a known length: give max_steps or sized data")
-        from torch_tricks.train.schedule import warmup_schedule
-
-        return warmup_schedule(self.optimizer, cfg.warmup_steps, self.total_steps, kind=cfg.schedule)
-
-    def _build_ema(self) -> Any:
-        if not self.cfg.ema:
-            return None
-        from torch_tricks.train.ema import EMA
-
-        self.history.applied.append("ema")
-        return EMA(self.raw_model, decay=self.cfg.ema_decay)
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> History:
@@ -439,14 +295,14 @@ class _Trainer:
             self._save(epoch + 1, 0)
 
     def _train_step(self, group: list[Any]) -> torch.Tensor:
-        """One optimizer step over a group of loader batches; returns the detached loss."""
+        """One optimizer step over a group of loader batches; returns the detached loss (0 if fp16 skipped it)."""
         while True:
             try:
-                loss = self._accumulate(group)
+                self._accumulate(group)
                 break
             except _OutOfMemory:
-                self.optimizer.zero_grad(set_to_none=True)
-                smallest = min(_batch_size(b) for b in group)
+                self.tricks.zero_grad()
+                smallest = min(B.batch_size(b) for b in group)
                 if not self.cfg.auto_micro_batch or self.micro * 2 > smallest:
                     raise UserError(
                         f"out of memory at step {self.step + 1} with micro-batches of "
@@ -454,52 +310,30 @@ class _Trainer:
                     ) from None
                 self.micro *= 2
                 self.history.micro_batches = self.micro
-        cfg = self.cfg
-        finite = self._all_finite(loss)
-        if not finite and not self.scaler.is_enabled():
-            raise TrainingDiverged(
-                f"loss is {float(loss)} at step {self.step + 1} (epoch {self.epoch}); "
-                f"last good checkpoint: {self.last_good or 'none saved (set checkpoint_dir)'}"
-            )
-        if cfg.grad_clip:
-            self.scaler.unscale_(self.optimizer)
-            nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_clip)
-        from torch_tricks.train.precision import scaler_step
+        try:
+            self.tricks.flush()  # the group is complete: one update
+        except TrainingDiverged as exc:
+            raise TrainingDiverged(f"{exc} (epoch {getattr(self, 'epoch', 0)})") from None
+        self.history.skipped_steps = self.tricks.skipped_steps
+        return self.tricks.group_loss
 
-        stepped = scaler_step(self.scaler, self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        if not stepped:
-            self.history.skipped_steps += 1
-            return torch.zeros((), device=self.device)
-        if self.scheduler is not None and not self._swa_active():
-            self.scheduler.step()
-        if self._swa_active() and self.swa.scheduler is not None:
-            self.swa.scheduler.step()
-        if self.ema is not None:
-            self.ema.update(self.raw_model)
-        return loss
-
-    def _accumulate(self, group: list[Any]) -> torch.Tensor:
+    def _accumulate(self, group: list[Any]) -> None:
         """Forward/backward of every micro-batch of ``group``, each loss weighted by its
         share of the group's samples; DDP all-reduces only on the last one."""
-        from torch_tricks.train.distributed import any_rank, no_sync_if
-        from torch_tricks.train.precision import autocast
+        from torch_tricks.train.distributed import any_rank
 
-        micro = [m for b in group for m in _split(b, self.micro)]
-        counts = [_count(m) for m in micro]
+        micro = [m for b in group for m in B.split(b, self.micro)]
+        counts = [B.count(m) for m in micro]
         total = sum(counts)
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (mb, n) in enumerate(zip(micro, counts)):
-            last = i == len(micro) - 1
+        tricks = self.tricks
+        tricks._group = len(micro)
+        for mb, n in zip(micro, counts):
             oom = False
             try:
-                x, y = self._to_device(mb)
-                with no_sync_if(self.model, not last), autocast(self.cfg.precision, self.device):
-                    out = self.model(*x) if isinstance(x, tuple) else self.model(x)
-                    loss = self.loss_fn(out, y) * (n / total)
-                self.scaler.scale(loss).backward()
-                loss_sum += loss.detach().float()
+                mb = tricks.to_device(mb)
+                with tricks.autocast():
+                    out, loss = B.forward(self.model, mb, self.loss_fn)
+                tricks.backward(loss, weight=n / total)
                 del out, loss
             except Exception as exc:
                 if not _is_oom(exc):
@@ -509,28 +343,6 @@ class _Trainer:
                 oom = any_rank(oom)  # every rank retries together, none waits in an all-reduce
             if oom:
                 raise _OutOfMemory()
-        return loss_sum
-
-    def _all_finite(self, loss: torch.Tensor) -> bool:
-        if not self.cfg.nan_guard:
-            return True
-        bad = not bool(torch.isfinite(loss))
-        if self.dist is not None:
-            from torch_tricks.train.distributed import any_rank
-
-            bad = any_rank(bad)
-        return not bad
-
-    def _to_device(self, batch: Any) -> tuple[Any, Any]:
-        x, y = _xy(batch)
-        nb = self.device.type == "cuda"
-        if self.cfg.channels_last:
-            from torch_tricks.train.speed import to_channels_last
-
-            x = to_channels_last(x)
-        move = (lambda t: t.to(self.device, non_blocking=nb) if isinstance(t, torch.Tensor) else t)
-        x = tuple(move(t) for t in x) if isinstance(x, (tuple, list)) else move(x)
-        return x, move(y)
 
     # -- validation ------------------------------------------------------------------------
     def _validate(self) -> dict[str, float]:
@@ -552,10 +364,8 @@ class _Trainer:
             from torch_tricks.train.ema import SWA
 
             self.swa = SWA(self.raw_model, self.optimizer, swa_lr=cfg.swa_lr or None)
+            self.tricks.scheduler = self.swa.scheduler  # SWA's lr schedule replaces the main one from here
             self.history.applied.append("swa")
-
-    def _swa_active(self) -> bool:
-        return self.swa is not None
 
     # -- checkpoints ----------------------------------------------------------------------
     def _ckpt_path(self) -> Path | None:
@@ -590,7 +400,7 @@ class _Trainer:
         self.skip_batches = report.batch_index
         extra = report.extra or {}
         self.micro = int(extra.get("micro_batches", 1))
-        self.history.skipped_steps = int(extra.get("skipped_steps", 0))
+        self.tricks.skipped_steps = self.history.skipped_steps = int(extra.get("skipped_steps", 0))
         self.history.resumed_from_step = report.step
         self.last_good = f"{path} (step {self.step})"
 
@@ -653,7 +463,7 @@ class _Trainer:
         if self.cfg.compile and h.first_step_s and h.step_s:
             h.compile_s = max(0.0, h.first_step_s - h.step_s)
         if self.swa is not None:
-            self.swa.finalize(self.train_loader, lambda b: self._to_device(b)[0])
+            self.swa.finalize(self.train_loader, lambda b: _model_inputs(self.tricks.to_device(b)))
             metrics = _evaluate(self.swa.module, self.val_loader, self.loss_fn, self) if self.val_loader else {}
             if metrics:
                 self._log_final({f"{k}_swa": v for k, v in metrics.items()})
@@ -689,10 +499,11 @@ def _evaluate(model: nn.Module, loader: Iterable[Any], loss_fn: Callable, traine
     classify = True
     with torch.inference_mode():
         for batch in loader:
-            x, y = trainer._to_device(batch)
+            batch = trainer.tricks.to_device(batch)
+            y = B.unpack(batch).target
             with autocast(trainer.cfg.precision, trainer.device):
-                out = model(*x) if isinstance(x, tuple) else model(x)
-            count = _count((x, y))
+                out = B.call(model, batch, loss_fn)  # the loss below, in fp32
+            count = B.count(batch)
             loss_sum += loss_fn(out.float() if isinstance(out, torch.Tensor) else out, y).double() * count
             pred = primary_output(out) if classify else None
             if classify and pred.dim() == 2 and isinstance(y, torch.Tensor) and y.dim() == 1 and not y.is_floating_point():
@@ -711,16 +522,6 @@ def _evaluate(model: nn.Module, loader: Iterable[Any], loss_fn: Callable, traine
     return out
 
 
-def _as_config(config: Any) -> TrainConfig | None:
-    if isinstance(config, (str, os.PathLike)):
-        from torch_tricks.train.config import load_config
-
-        return TrainConfig.from_dict(load_config(config))
-    if isinstance(config, dict):
-        return TrainConfig.from_dict(config)
-    return config
-
-
 def _groups(it: Iterator[Any], k: int) -> Iterator[list[Any]]:
     """Consecutive groups of ``k`` batches; the last, shorter group is yielded too (flushed)."""
     group: list[Any] = []
@@ -733,41 +534,12 @@ def _groups(it: Iterator[Any], k: int) -> Iterator[list[Any]]:
         yield group
 
 
-def _xy(batch: Any) -> tuple[Any, Any]:
-    if isinstance(batch, dict):
-        return batch["input"], batch["target"]
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise UserError("each batch must be (inputs, target) or a dict with 'input' and 'target'")
-
-
-def _count(batch: Any) -> int:
-    """Samples (class targets) or tokens (sequence targets) in a batch: the target's element count."""
-    _, y = _xy(batch)
-    return int(y.numel()) if isinstance(y, torch.Tensor) else len(y)
-
-
-def _batch_size(batch: Any) -> int:
-    _, y = _xy(batch)
-    return int(y.shape[0]) if isinstance(y, torch.Tensor) else len(y)
-
-
-def _split(batch: Any, parts: int) -> list[Any]:
-    """Split a batch into ``parts`` micro-batches along dim 0 (fewer if it is smaller)."""
-    if parts == 1:
-        return [batch]
-    x, y = _xy(batch)
-    n = _batch_size(batch)
-    size = math.ceil(n / parts)
-
-    def chunk(t: Any, i: int) -> Any:
-        if isinstance(t, torch.Tensor):
-            return t[i : i + size]
-        if isinstance(t, (tuple, list)):
-            return type(t)(chunk(u, i) for u in t)
-        return t
-
-    return [(chunk(x, i), chunk(y, i)) for i in range(0, n, size)]
+def _model_inputs(batch: Any) -> Any:
+    """What to call the model with for ``batch``: a dict of keyword inputs (labels left out), else the positional ones."""
+    b = B.unpack(batch)
+    if b.kwargs:
+        return {k: v for k, v in b.kwargs.items() if k != "labels"}
+    return b.args[0] if len(b.args) == 1 else b.args
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -786,13 +558,6 @@ def _set_epoch(loader: Any, epoch: int, seed: int) -> None:
         if sampler.generator is None:
             sampler.generator = torch.Generator()
         sampler.generator.manual_seed(seed * 100_003 + epoch)
-
-
-def _adjust_bn_momentum(model: nn.Module, k: int) -> None:
-    """k updates at m' move the running stats as far as one update at m: m' = 1 - (1 - m)^(1/k)."""
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is not None:
-            m.momentum = 1 - (1 - m.momentum) ** (1 / k)
 
 
 def _len(loader: Any) -> int:

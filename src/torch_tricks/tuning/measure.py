@@ -288,17 +288,17 @@ def _activation_bytes(step: TrainStep, batch: Any) -> int | None:
     """Live tensor bytes one forward + loss leaves for backward (the first micro-batch of ``batch``)."""
     if step.config.compile:
         return None  # a compiled graph plans its own buffers; measured eagerly elsewhere
-    from torch_tricks.train.precision import autocast
+
+    from torch_tricks.batches import forward
 
     t = step._trainer  # the very forward fit runs (autocast, channels_last input, checkpointed blocks)
     mb = micro_batches(batch, step.config.accumulate)[0]
     with _Peak(step.device) as p:
-        x, y = t._to_device(mb)
-        with autocast(step.config.precision, step.device):
-            out = t.model(*x) if isinstance(x, tuple) else t.model(x)
-            loss = t.loss_fn(out, y)
+        mb = t.tricks.to_device(mb)
+        with t.tricks.autocast():
+            out, loss = forward(t.model, mb, t.loss_fn)
         live = p.live()
-        del out, loss, x, y
+        del out, loss, mb
     return max(live, 0)
 
 
@@ -381,16 +381,15 @@ def relative_diff(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) ->
 # -- helpers -----------------------------------------------------------------------------------
 
 def _batch_len(batch: Any) -> int:
-    y = batch[1]
-    return int(y.shape[0]) if isinstance(y, torch.Tensor) else len(y)
+    from torch_tricks.batches import batch_size
+
+    return batch_size(batch)
 
 
 def _slice(batch: Any, n: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[:n]
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_slice(b, n) for b in batch)
-    return batch
+    from torch_tricks.batches import _map
+
+    return _map(batch, lambda t: t[:n] if t.dim() > 0 else t)
 
 
 def _device_of(config: dict[str, Any]) -> torch.device:

@@ -22,6 +22,19 @@ from torch_tricks._io import atomic_path
 
 __all__ = ["Result", "TuneReport"]
 
+# The two ways to use a tune's result, shown in tricks.toml's header and report.md.
+HOW_TO_APPLY = """\
+use it: torch-tricks train --config tricks.toml     or     fit(model, data, config="tricks.toml")
+or keep your own loop:
+    tricks = torch_tricks.Tricks("tricks.toml")
+    model, optimizer = tricks.prepare(model, optimizer)   # or tricks.prepare(model): the config's optimizer
+    for batch in loader:
+        with tricks.autocast():
+            loss = model(**batch).loss                     # or loss_fn(model(x), y)
+        tricks.backward(loss)
+        tricks.step()
+"""
+
 
 @dataclass
 class Result:
@@ -167,7 +180,7 @@ class TuneReport:
                 if best and best.max_batch else "")
         lines = [head, f"# chosen for {why}: {what}",
                  f"# switched on: {', '.join(on) if on else 'nothing'}; every tuned switch is stated",
-                 "# use: torch-tricks train --config tricks.toml   or   fit(model, data, config='tricks.toml')",
+                 *("# " + line if line else "#" for line in HOW_TO_APPLY.splitlines()),
                  "[train]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in cfg.items()]
         return "\n".join(lines) + "\n"
@@ -261,7 +274,9 @@ class TuneReport:
             for s in self.deploy.get("steps", []):
                 lines.append("deploy " + "+".join(s["steps"]) + ": " + _deploy_line(s))
         on = self.recommended_tricks("throughput") if self.baseline else []
-        lines.append(f"tricks.toml switches on: {', '.join(on) if on else 'nothing (the plain step)'}")
+        lines.append(f"tricks.toml switches on: {', '.join(on) if on else 'nothing (the plain step)'}; apply it with "
+                     "`torch-tricks train --config tricks.toml`, fit(..., config='tricks.toml'), or in your own "
+                     "loop with torch_tricks.Tricks('tricks.toml') (five lines: see report.md or tricks.toml)")
         spent = ", ".join(f"{k} {v:.0f} s" for k, v in self.phase_s.items())
         lines.append(f"tune took {self.elapsed_s:.0f} s (budget {self.budget_s:.0f} s" + (f": {spent})" if spent else ")"))
         return lines
@@ -312,7 +327,8 @@ class TuneReport:
                   f"first step (reported only: a fresh deep net's early gradients are chaotic), and the largest loss "
                   f"difference over {n_drift} steps relative to the first fp32 loss, which decides "
                   f"(tolerance {self.drift_tolerance}).\n\n"
-                  "## Recommended config (`tricks.toml`)\n\n```toml\n" + self.tricks_toml() + "```\n")
+                  "## Recommended config (`tricks.toml`)\n\n```toml\n" + self.tricks_toml() + "```\n\n"
+                  "## How to apply it\n\n```python\n" + HOW_TO_APPLY + "```\n")
 
     # -- files --------------------------------------------------------------------------------
     def write(self, out_dir: str | Path) -> dict[str, Path]:

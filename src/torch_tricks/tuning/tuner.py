@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from torch_tricks.data.prefetch import to_device
+from torch_tricks.batches import example_batch  # the CLI's way in, re-exported
 from torch_tricks.errors import UserError
 from torch_tricks.tuning.candidates import Candidate, training_candidates
 from torch_tricks.tuning.measure import (
@@ -111,9 +111,11 @@ def tune(
     name: str = "",
     skip: Sequence[str] = (),
 ) -> TuneReport:
-    """Measure the training tricks on ``model_fn()`` with ``example_batch`` = ``(inputs, target)``.
+    """Measure the training tricks on ``model_fn()`` with ``example_batch``, one batch of fit's.
 
-    ``inputs`` is a tensor or a tuple of positional inputs, with the batch first.
+    ``example_batch``: ``(inputs, target)`` with ``inputs`` a tensor, a tuple of positional
+    inputs or a dict of keyword inputs, batch first; or a transformers-style dict with
+    ``labels`` (see :mod:`torch_tricks.batches`; :func:`example_batch` makes one from inputs).
     ``loss_fn(output, target)`` must return the mean loss of the batch (default
     cross-entropy); ``optimizer_fn(params)`` builds the optimizer (default: the
     ``optimizer`` by name with ``fit``'s no-decay groups). ``memory_limit`` in bytes
@@ -131,8 +133,9 @@ def tune(
         raise UserError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device cuda asked for, but this torch sees no CUDA device: use --device cpu")
-    if not (isinstance(example_batch, (tuple, list)) and len(example_batch) == 2):
-        raise UserError("example_batch must be a pair (inputs, target)")
+    from torch_tricks import batches as B
+
+    parts = B.unpack(example_batch)  # a UserError for what is not a batch
     from torch_tricks.registry import get_trick
     from torch_tricks.train.seed import seed_everything
 
@@ -155,9 +158,8 @@ def tune(
             raise UserError(f"building the model raised {error_line(exc)}") from None
         if not isinstance(model, nn.Module):
             raise UserError(f"model_fn returned {type(model).__name__}, not an nn.Module")
-    inputs, target = example_batch
-    inputs_t = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    batch = int(target.shape[0]) if isinstance(target, torch.Tensor) and target.dim() > 0 else len(target)
+    inputs_t = parts.inputs
+    batch = B.batch_size(example_batch)
     limit, limit_source = _memory_limit(memory_limit, dev)
     base_cfg = {"optimizer": optimizer, "lr": lr, "fused_optimizer": False, "device": str(dev), "seed": seed,
                 "batch_size": batch}
@@ -167,7 +169,7 @@ def tune(
                         memory_limit=limit, memory_limit_source=limit_source, budget_s=float(budget_s),
                         drift_tolerance=dict(DRIFT_TOLERANCE), min_effect=MIN_EFFECT,
                         inputs=[list(t.shape[1:]) for t in inputs_t if isinstance(t, torch.Tensor)])
-    batches = [to_device((inputs if isinstance(inputs, torch.Tensor) else inputs_t, target), dev)]
+    batches = [B.to_device(example_batch, dev)]
     kw = {"loss_fn": loss_fn, "optimizer_fn": optimizer_fn}
     cands, skipped = training_candidates(model, inputs_t, dev, batch=batch, own_optimizer=optimizer_fn is not None,
                                          skip=skip)
@@ -872,8 +874,13 @@ class _Tune:
             from torch_tricks.deploy.pipeline import optimize
         except ImportError as exc:
             return {"status": "failed", "reason": f"the deploy package cannot be imported: {exc}", "steps": []}
-        x = self.batches[0][0]
-        example = tuple(t[:1] for t in x) if isinstance(x, tuple) else x[:1]
+        from torch_tricks import batches as B
+
+        parts = B.unpack(self.batches[0])
+        if parts.kwargs:
+            return {"status": "skipped", "steps": [], "reason": "the model takes keyword inputs; the deploy chain "
+                    "exports positional ones: run `torch-tricks optimize` with positional --input"}
+        example = parts.args[0][:1] if len(parts.args) == 1 else tuple(t[:1] for t in parts.args)
         batch = self.report.batch
         out: dict[str, Any] = {"steps": [], "batches": [1, batch]}
         for chain in (["fuse", "int8"], ["int8-dynamic"], ["bf16"], ["reparam"], ["onnx"]):
@@ -900,54 +907,6 @@ class _Tune:
 
 
 # -- inputs ------------------------------------------------------------------------------------
-
-def example_batch(model: nn.Module, inputs: Any, *, seed: int = 0) -> tuple[tuple[Any, torch.Tensor], Callable[..., torch.Tensor]]:
-    """``((inputs, target), loss_fn)`` for a model given only its inputs (what the CLI has).
-
-    One forward on the first sample (eval mode, no grad, on a copy) gives the output, of
-    any structure (tensor, tuple, dict, dataclass, transformers ``ModelOutput``: its
-    prediction is :func:`torch_tricks.outputs.primary_output`, the logits first).
-    Token logits ``(batch, T, vocab)`` for integer ids ``(batch, T)`` get next-token
-    targets from the ids (the last position ignored); ``(batch, classes)`` random class
-    labels; any other output a random target of its shape. The loss is ``--loss auto``
-    (cross-entropy for class/token targets, mean squared error otherwise). A forward that
-    raises is a :class:`UserError` naming the module and the shapes it got; one with no
-    floating-point output a UserError saying so.
-    """
-    from torch_tricks.inspect.inputs import as_input_tuple
-    from torch_tricks.outputs import get_loss, primary_output
-
-    xs = as_input_tuple(inputs)
-    if not xs or not isinstance(xs[0], torch.Tensor) or xs[0].dim() == 0:
-        raise UserError("the tune needs batched tensor inputs")
-    n = int(xs[0].shape[0])
-    one = tuple(t[:1] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in xs)
-    probe = copy.deepcopy(model).eval()
-    try:
-        with torch.no_grad():
-            out = probe(*one)
-    except Exception:
-        from torch_tricks.inspect.summarize import summary
-
-        summary(probe, one, depth=0)  # raises a ForwardError naming the module and the shapes it got
-        raise  # pragma: no cover  (summary ran it without error: re-raise the original)
-    pred = primary_output(out)
-    if pred.dim() < 1:
-        raise UserError("the forward's output is a scalar: the tune needs one prediction per "
-                        "sample, or give tune() your own loss_fn from Python")
-    gen = torch.Generator().manual_seed(seed)
-    dev = pred.device
-    ids = xs[0]
-    if (pred.dim() == 3 and not ids.is_floating_point() and ids.dim() == 2 and ids.shape[1] == pred.shape[1]):
-        target = torch.full_like(ids, -100)
-        target[:, :-1] = ids[:, 1:]  # next-token targets from the ids
-        return (inputs, target.to(dev)), get_loss("auto")
-    if pred.dim() == 2:
-        target = torch.randint(0, int(pred.shape[1]), (n,), generator=gen).to(dev)
-        return (inputs, target), get_loss("auto")
-    target = torch.randn((n, *pred.shape[1:]), generator=gen).to(dev)
-    return (inputs, target), get_loss("auto")
-
 
 # KB/MB/GB are decimal; KiB/MiB/GiB and the bare K/M/G (as docker and free read them) binary.
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

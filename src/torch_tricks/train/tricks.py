@@ -1,0 +1,529 @@
+"""``Tricks``: a tuned configuration carried into a training loop you keep.
+
+::
+
+    tricks = torch_tricks.Tricks("tune-report/tricks.toml")   # or a TrainConfig / dict
+    model, optimizer = tricks.prepare(model, optimizer)       # channels_last, checkpointing, compile, fused optim, EMA ...
+    for batch in loader:
+        with tricks.autocast():
+            loss = model(**batch).loss
+        tricks.backward(loss)      # grad scaler, accumulation scaling, no DDP sync on non-final micro-batches
+        tricks.step()              # NaN guard, clip, step, scheduler, EMA, zero_grad; a no-op between boundaries
+
+This is *the* step of torch-tricks: :func:`torch_tricks.fit` and :class:`TrainStep` (which
+the tuner times) are built on it, so a switch measured by ``tune`` is the switch your
+loop gets. Each switch of :class:`TrainConfig` is applied at the one place it belongs:
+
+* ``Tricks(...)``: device, ``torchrun`` process group, seeding (the same seed ``fit``
+  uses), cudnn benchmark;
+* :meth:`prepare`: the model changes (in-place activations, memory-efficient BN,
+  activation checkpointing, BN momentum for accumulation, SyncBN under DDP, device,
+  channels_last), then the wrappers (DDP, compile); the optimizer (built from the config
+  with no-decay groups when you pass none; yours switched to its fused step in place, so
+  your own scheduler stays bound to it); the lr schedule (warm-up/cosine) when the config
+  asks for one; the grad scaler (fp16) and the EMA;
+* :meth:`autocast`: the forward's precision, and ``no_sync`` under DDP on every
+  micro-batch but a group's last;
+* :meth:`backward`: the loss divided by ``accumulate`` (``fit`` passes each micro-batch's
+  share of samples instead), scaled for fp16;
+* :meth:`step`: on the ``accumulate``-th backward: the NaN guard (one host sync),
+  unscale + clip, the optimizer step through the scaler, zero_grad(set_to_none), the
+  scheduler (not after a step the fp16 scaler skipped), the EMA update.
+
+:meth:`state_dict` holds what a resume needs: model, optimizer, scheduler, scaler, EMA,
+the step count and the accumulation position (with the gradients of a half-done group).
+
+Written here rather than taken from Accelerate: Accelerate has no activation
+checkpointing, channels_last, EMA, NaN guard or fused-optimizer switches, and the same
+object must also be the step ``fit`` and the tuner run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from torch_tricks.errors import UserError
+from torch_tricks.train.config import TrainConfig
+
+__all__ = ["Tricks", "TrainingDiverged"]
+
+
+class TrainingDiverged(UserError):
+    """A non-finite loss stopped the run; the message names the step and the last good checkpoint."""
+
+
+class Tricks:
+    """The step of a :class:`TrainConfig` (a path to its TOML/YAML file, a dict, or keyword overrides)."""
+
+    def __init__(self, config: TrainConfig | dict[str, Any] | str | os.PathLike[str] | None = None,
+                 **overrides: Any) -> None:
+        self.config = (as_config(config) or TrainConfig()).replace(**overrides).validate()
+        self.applied: list[str] = []  # the switches that took effect, in order
+        self.model: nn.Module | None = None  # what to call: the prepared model under its wrappers
+        self.unwrapped_model: nn.Module | None = None  # the prepared module whose parameters train
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.ema: Any = None
+        self.step_count = 0  # optimizer steps taken, fp16-skipped ones included
+        self.skipped_steps = 0  # fp16 steps the grad scaler skipped (inf/NaN gradients)
+        self.group_loss = torch.zeros(())  # the summed (weighted) loss of the last finished group, detached
+        self.last_good = ""  # the last checkpoint, named when the NaN guard stops a run
+        self._micro = 0  # backward calls in the group under way
+        self._group = 0  # this group's size when set by fit (micro-batch splits); 0 = config.accumulate
+        self._ddp: nn.Module | None = None
+        self._setup_runtime()
+        from torch_tricks.train.precision import make_grad_scaler
+
+        self.scaler = make_grad_scaler(self.config.precision, self.device)
+        self._loss_sum = torch.zeros((), device=self.device)
+
+    # -- the five calls ------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: Any = None, *extra: Any, total_steps: int | None = None) -> Any:
+        """``(model, optimizer, *extra)`` ready for the loop.
+
+        ``optimizer``: yours (switched to its fused step in place when the config asks and
+        PyTorch has one), a callable ``params -> optimizer``, or None to build
+        ``config.optimizer`` with no-decay groups. ``extra``: your lr scheduler (stepped by
+        :meth:`step`) and/or DataLoaders (given a DistributedSampler under ``torchrun``),
+        returned in the order given. A schedule of the config (warm-up, cosine) is built
+        when you pass no scheduler; its length is ``total_steps``, else ``max_steps``, else
+        ``epochs`` x the steps of the first DataLoader given.
+        """
+        if not isinstance(model, nn.Module):
+            raise UserError(f"prepare() needs your nn.Module first, got {type(model).__name__}")
+        if self.unwrapped_model is not None:
+            raise UserError("prepare() was called already: make one Tricks per model")
+        self.unwrapped_model = self._prepare_model(model)
+        self.model = self._wrap_model(self.unwrapped_model)
+        self.optimizer = self._build_optimizer(optimizer)
+        out: list[Any] = []
+        loaders = []
+        for obj in extra:
+            if isinstance(obj, (DataLoader, Dataset)):
+                obj = self.prepare_data(obj)
+                loaders.append(obj)
+            elif _is_scheduler(obj):
+                if self.scheduler is not None:
+                    raise UserError("prepare() got two lr schedulers: give one")
+                self.scheduler = obj
+            else:
+                raise UserError(f"prepare() takes a model, an optimizer, then lr schedulers or DataLoaders; "
+                                f"got {type(obj).__name__}")
+            out.append(obj)
+        if self.scheduler is None:
+            self.scheduler = self._build_scheduler(total_steps, loaders[0] if loaders else None)
+        self.ema = self._build_ema()
+        return (self.model, self.optimizer, *out)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward's context: the config's precision, and DDP's ``no_sync`` unless this micro-batch ends its group."""
+        from torch_tricks.train.distributed import no_sync_if
+        from torch_tricks.train.precision import autocast
+
+        stack = contextlib.ExitStack()
+        if self._ddp is not None:
+            stack.enter_context(no_sync_if(self._ddp, not self.sync_gradients))
+        stack.enter_context(autocast(self.config.precision, self.device))
+        return stack
+
+    def backward(self, loss: torch.Tensor, *, weight: float | None = None) -> torch.Tensor:
+        """Backward of ``loss`` x ``weight`` (default ``1 / accumulate``), through the fp16 scaler; returns it detached."""
+        self._need_prepare()
+        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+            raise UserError(f"backward() needs the loss tensor, got {type(loss).__name__}")
+        if loss.numel() != 1:
+            raise UserError(f"the loss has shape {tuple(loss.shape)}, not a scalar: reduce it to the batch's mean")
+        w = 1.0 / self.config.accumulate if weight is None else weight
+        loss = loss.reshape(()) * w if w != 1.0 else loss.reshape(())
+        self.scaler.scale(loss).backward()
+        done = loss.detach().float()
+        self._loss_sum += done
+        self._micro += 1
+        return done
+
+    def step(self) -> bool:
+        """The optimizer step at a group's end (see the module doc); True if the weights changed."""
+        self._need_prepare()
+        if self._micro == 0 or self._micro < (self._group or self.config.accumulate):
+            return False
+        return self._optimizer_step()
+
+    # -- around the loop -----------------------------------------------------------------------
+    @property
+    def sync_gradients(self) -> bool:
+        """True when the next backward ends an accumulation group (the step after it is real)."""
+        return self._micro + 1 >= (self._group or self.config.accumulate)
+
+    def flush(self) -> bool:
+        """Step on a short last group (an epoch's end): what accumulated so far, as one update."""
+        return self._optimizer_step() if self._micro else False
+
+    def zero_grad(self) -> None:
+        """Drop a half-done group (its gradients and loss), e.g. to retry it in smaller micro-batches."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self._micro = 0
+        self._loss_sum.zero_()
+
+    def to_device(self, batch: Any) -> Any:
+        """``batch`` (any form of :mod:`torch_tricks.batches`) on the device; images channels_last if switched on."""
+        from torch_tricks.batches import to_device
+
+        return to_device(batch, self.device, channels_last=self.config.channels_last)
+
+    def prepare_data(self, data: Any, *, train: bool = True) -> Any:
+        """A loader for ``data``: a Dataset gets a seeded DataLoader of ``batch_size``; under ``torchrun``
+        a DataLoader is rebuilt with a DistributedSampler; any other iterable is kept as it is."""
+        from torch_tricks.train.seed import seeded_generator, worker_init_fn
+
+        cfg = self.config
+        if isinstance(data, DataLoader):
+            if self.dist is not None and not isinstance(data.sampler, DistributedSampler):
+                from torch_tricks.data.loader import rebuild_loader
+
+                data = rebuild_loader(data, sampler=self._sampler(data.dataset, train))
+            return data
+        if isinstance(data, Dataset) and hasattr(data, "__len__"):
+            sampler = self._sampler(data, train) if self.dist is not None else None
+            return DataLoader(
+                data, batch_size=cfg.batch_size, shuffle=train and sampler is None, sampler=sampler,
+                generator=seeded_generator(cfg.seed) if train and sampler is None else None,
+                worker_init_fn=worker_init_fn, pin_memory=self.device.type == "cuda",
+            )
+        return data
+
+    @property
+    def ema_model(self) -> nn.Module | None:
+        """The EMA weights' model (eval mode), or None without ``ema``."""
+        return self.ema.module if self.ema is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs: model, optimizer, scheduler, scaler, EMA, step count, accumulation position."""
+        self._need_prepare()
+        state: dict[str, Any] = {
+            "model": self.unwrapped_model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "step_count": self.step_count,
+            "skipped_steps": self.skipped_steps,
+            "micro": self._micro,
+            "loss_sum": self._loss_sum.detach().cpu(),
+            "config": self.config.to_dict(),
+        }
+        if self._micro:  # a half-done group: its gradients are part of the state
+            state["grads"] = [p.grad.detach().clone() if p.grad is not None else None
+                              for p in self.unwrapped_model.parameters()]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into the prepared model, optimizer, scheduler, scaler and EMA."""
+        self._need_prepare()
+        missing = [k for k in ("model", "optimizer", "scaler", "step_count") if k not in state]
+        if missing:
+            raise UserError(f"not a Tricks state (no {', '.join(missing)}): pass what tricks.state_dict() returned")
+        self.unwrapped_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scheduler") is not None and self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        if state.get("ema") is not None:
+            if self.ema is None:
+                raise UserError("the state holds an EMA but this config has ema off: set ema = true to resume it")
+            self.ema.load_state_dict(state["ema"])
+        self.step_count = int(state["step_count"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._micro = int(state.get("micro", 0))
+        self._loss_sum = torch.as_tensor(state.get("loss_sum", 0.0), dtype=torch.float32).to(self.device)
+        for p, g in zip(self.unwrapped_model.parameters(), state.get("grads") or []):
+            p.grad = g.to(p.device) if g is not None else None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """:meth:`state_dict` to ``path``, atomically (a crash mid-write leaves the old file)."""
+        from torch_tricks.train.checkpoint import _atomic_torch_save
+
+        from pathlib import Path
+
+        _atomic_torch_save(self.state_dict(), Path(path))
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """:meth:`load_state_dict` from a file written by :meth:`save` (loaded with weights_only)."""
+        from pathlib import Path
+
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"no Tricks state at {str(p)!r}: give the file tricks.save() wrote")
+        try:
+            state = torch.load(p, map_location=self.device, weights_only=True)
+        except Exception as exc:
+            raise UserError(f"{p}: not a readable Tricks state ({type(exc).__name__}): the file is damaged or "
+                            "not from tricks.save()") from None
+        self.load_state_dict(state)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _setup_runtime(self) -> None:
+        from torch_tricks.train.distributed import init_distributed
+        from torch_tricks.train.precision import check_precision
+        from torch_tricks.train.seed import seed_everything
+
+        cfg = self.config
+        use_dist = cfg.distributed == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        self.dist = init_distributed() if use_dist else None
+        if self.dist is not None:
+            self.device = self.dist.device
+        elif cfg.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            try:
+                self.device = torch.device(cfg.device)
+            except RuntimeError:
+                raise UserError(f"unknown device {cfg.device!r}: use auto, cpu, cuda or cuda:N") from None
+            if self.device.type == "cuda" and not torch.cuda.is_available():
+                raise UserError("device cuda asked for, but this torch sees no CUDA device: use device=cpu")
+        self.is_main = self.dist is None or self.dist.is_main
+        check_precision(cfg.precision, self.device)
+        if cfg.precision != "fp32":
+            self.applied.append(f"precision={cfg.precision}")
+        seed_everything(cfg.seed + (self.dist.rank if self.dist else 0), deterministic=cfg.deterministic)
+        if cfg.cudnn_benchmark:
+            from torch_tricks.train.speed import cudnn_benchmark
+
+            cudnn_benchmark(True, fixed_shapes=True)
+            self.applied.append("cudnn_benchmark")
+        if cfg.detect_anomaly:  # debugging only: slow, and for the rest of the process (fit scopes it to its run)
+            torch.autograd.set_detect_anomaly(True)
+            self.applied.append("detect_anomaly")
+
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
+        cfg, applied = self.config, self.applied
+        if cfg.inplace:
+            from torch_tricks.train.memory import inplace_activations
+
+            model = inplace_activations(model)
+            applied.append("inplace")
+        if cfg.memory_efficient_bn:
+            from torch_tricks.train.memory import memory_efficient_bn_act
+
+            model = memory_efficient_bn_act(model)
+            applied.append("memory_efficient_bn")
+        if cfg.checkpointing:
+            from torch_tricks.train.memory import checkpoint_blocks, checkpoint_sequential_sqrt
+
+            if cfg.checkpointing == "sqrt":
+                if not isinstance(model, nn.Sequential):
+                    raise UserError("checkpointing='sqrt' needs an nn.Sequential model: use 'blocks' or a name pattern")
+                model = checkpoint_sequential_sqrt(model)
+            elif cfg.checkpointing == "blocks":
+                model = checkpoint_blocks(model)
+            else:
+                model = checkpoint_blocks(model, names=[cfg.checkpointing])
+            applied.append(f"checkpointing={cfg.checkpointing}")
+        if cfg.bn_momentum_adjust and cfg.accumulate > 1:
+            _adjust_bn_momentum(model, cfg.accumulate)
+            applied.append("bn_momentum_adjust")
+        if cfg.sync_bn and self.dist is not None:
+            from torch_tricks.train.syncbn import convert_sync_batchnorm
+
+            model = convert_sync_batchnorm(model)
+            applied.append("sync_bn")
+        model = model.to(self.device)
+        if cfg.channels_last:
+            from torch_tricks.train.speed import channels_last
+
+            model = channels_last(model)
+            applied.append("channels_last")
+        return model
+
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
+        if self.dist is not None:
+            from torch_tricks.train.distributed import wrap_ddp
+
+            model = self._ddp = wrap_ddp(model, self.dist)
+            self.applied.append("ddp")
+        if self.config.compile:
+            from torch_tricks.train.speed import compile_model
+
+            model = compile_model(model)
+            self.applied.append("compile")
+        return model
+
+    def _build_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
+        cfg = self.config
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if cfg.fused_optimizer:
+                kind = _switch_to_fast_step(optimizer)
+                self.applied.append(f"{kind}_optimizer" if kind else "fused_optimizer=unavailable")
+            return optimizer
+        params = self.unwrapped_model.parameters()
+        if callable(optimizer):
+            return optimizer([p for p in params if p.requires_grad])
+        if optimizer is not None:
+            raise UserError(f"optimizer must be a torch.optim.Optimizer, a callable params -> optimizer, or None; "
+                            f"got {type(optimizer).__name__}")
+        from torch_tricks.train.optim import build_optimizer, param_groups
+
+        lr = cfg.lr
+        if cfg.scale_lr:
+            from torch_tricks.train.schedule import scale_lr
+
+            world = self.dist.world_size if self.dist else 1
+            lr = scale_lr(cfg.lr, cfg.batch_size * cfg.accumulate * world, base_batch=cfg.base_batch)
+            self.applied.append(f"scale_lr={lr:.3g}")
+        groups = (
+            param_groups(self.unwrapped_model, cfg.weight_decay)
+            if cfg.no_decay_norm_bias
+            else [{"params": [p for p in params if p.requires_grad], "weight_decay": cfg.weight_decay}]
+        )
+        opt = build_optimizer(
+            groups, cfg.optimizer, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+            fused=None if cfg.fused_optimizer else False, foreach=None if cfg.fused_optimizer else False,
+        )
+        if cfg.fused_optimizer:  # say which multi-tensor form PyTorch could give this optimizer here
+            kind = "fused" if opt.defaults.get("fused") else "foreach" if opt.defaults.get("foreach") else ""
+            self.applied.append(f"{kind}_optimizer" if kind else "fused_optimizer=unavailable")
+        return opt
+
+    def _build_scheduler(self, total_steps: int | None, loader: Any) -> Any:
+        cfg = self.config
+        if cfg.schedule == "constant" and not cfg.warmup_steps:
+            return None
+        total = total_steps or 0
+        if not total:
+            per_epoch = math.ceil(_len(loader) / cfg.accumulate) if loader is not None and _len(loader) else 0
+            by_epochs = per_epoch * cfg.epochs
+            total = min(cfg.max_steps, by_epochs) if cfg.max_steps and by_epochs else cfg.max_steps or by_epochs
+        if not total:
+            raise UserError("a learning-rate schedule needs a known length: give max_steps, total_steps= or a "
+                            "sized DataLoader to prepare()")
+        from torch_tricks.train.schedule import warmup_schedule
+
+        return warmup_schedule(self.optimizer, cfg.warmup_steps, total, kind=cfg.schedule)
+
+    def _build_ema(self) -> Any:
+        if not self.config.ema:
+            return None
+        from torch_tricks.train.ema import EMA
+
+        self.applied.append("ema")
+        return EMA(self.unwrapped_model, decay=self.config.ema_decay)
+
+    def _sampler(self, dataset: Dataset, train: bool) -> DistributedSampler:
+        from torch_tricks.train.distributed import distributed_sampler
+
+        return distributed_sampler(dataset, self.dist, shuffle=train, seed=self.config.seed)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def _optimizer_step(self) -> bool:
+        cfg = self.config
+        loss = self._loss_sum.clone()
+        self._micro = 0
+        self._loss_sum.zero_()
+        if not self._all_finite(loss) and not self.scaler.is_enabled():
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingDiverged(
+                f"loss is {float(loss)} at step {self.step_count + 1}; "
+                f"last good checkpoint: {self.last_good or 'none saved (set checkpoint_dir)'}"
+            )
+        if cfg.grad_clip:
+            self.scaler.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(self.unwrapped_model.parameters(), cfg.grad_clip)
+        from torch_tricks.train.precision import scaler_step
+
+        stepped = scaler_step(self.scaler, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        if not stepped:
+            self.skipped_steps += 1
+            self.group_loss = torch.zeros((), device=self.device)
+            return False
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update(self.unwrapped_model)
+        self.group_loss = loss
+        return True
+
+    def _all_finite(self, loss: torch.Tensor) -> bool:
+        if not self.config.nan_guard:
+            return True
+        bad = not bool(torch.isfinite(loss))
+        if self.dist is not None:
+            from torch_tricks.train.distributed import any_rank
+
+            bad = any_rank(bad)
+        return not bad
+
+    def _need_prepare(self) -> None:
+        if self.optimizer is None:
+            raise UserError("call tricks.prepare(model, optimizer) first")
+
+
+def as_config(config: Any) -> TrainConfig | None:
+    """A TrainConfig from a path (TOML/YAML), a dict, or a TrainConfig; None stays None."""
+    if isinstance(config, (str, os.PathLike)):
+        from torch_tricks.train.config import load_config
+
+        return TrainConfig.from_dict(load_config(config))
+    if isinstance(config, dict):
+        return TrainConfig.from_dict(config)
+    if config is not None and not isinstance(config, TrainConfig):
+        raise UserError(f"config must be a TrainConfig, a dict or a path to a TOML/YAML file, got {type(config).__name__}")
+    return config
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+def _switch_to_fast_step(opt: torch.optim.Optimizer) -> str:
+    """Switch the user's optimizer to its fused step in place; the kind switched to ("" if none).
+
+    In place, not rebuilt: the user's scheduler (and anything else) holds this object.
+    torch.optim reads ``group["fused"]`` at each step; the two private flags are the ones
+    its own ``__init__`` sets for ``fused=True`` (the amp-scaling hand-off and the one-time
+    device/dtype check), so the result is what ``cls(params, fused=True)`` builds.
+    """
+    if opt.defaults.get("fused"):
+        return "fused"
+    if opt.defaults.get("foreach"):
+        return "foreach"
+    if opt.state or opt.defaults.get("differentiable"):
+        return ""
+    from torch_tricks.train.optim import _fused_devices
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    ok = ("fused" in inspect.signature(type(opt).__init__).parameters and params
+          and all(p.device.type in _fused_devices() and p.is_floating_point() and not p.is_sparse for p in params))
+    if not ok:
+        return ""
+    for g in [opt.defaults, *opt.param_groups]:
+        g["fused"], g["foreach"] = True, False
+    opt._step_supports_amp_scaling = True
+    opt._need_device_dtype_check_for_fused = True
+    return "fused"
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return hasattr(obj, "step") and hasattr(obj, "state_dict") and hasattr(obj, "optimizer") \
+        and not isinstance(obj, torch.optim.Optimizer)
+
+
+def _adjust_bn_momentum(model: nn.Module, k: int) -> None:
+    """k updates at m' move the running stats as far as one update at m: m' = 1 - (1 - m)^(1/k)."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is not None:
+            m.momentum = 1 - (1 - m.momentum) ** (1 / k)
+
+
+def _len(loader: Any) -> int:
+    try:
+        return len(loader)
+    except TypeError:
+        return 0
