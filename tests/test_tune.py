@@ -488,3 +488,30 @@ def test_the_race_drops_a_runner_that_raises_and_a_non_contender_after_the_least
     # a baseline that raises ends the race
     dead = Race([Lane("plain", Sleeper(1.0, fail_after=2), role="baseline"), Lane("x", Sleeper(1.0))], min_rounds=5)
     assert dead.run(time.perf_counter() + 5) == "failed" and dead.rounds == 2
+
+
+class _SlowStep(nn.Module):
+    """A step of ~0.3 s: a 3 s budget cannot hold the A/A twin, memory and one trick's least race."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        time.sleep(0.3)
+        return self.head(x)
+
+
+def test_a_budget_too_short_for_one_trick_stops_after_the_plain_step_and_says_what_would_do(tmp_path):
+    report = tune(_SlowStep(), (torch.randn(16, 8), torch.randint(0, 4, (16,))), budget_s=3, progress=False)
+    assert report.rounds == 0 and report.aa_grad_drift is None  # no twin built, no race run
+    assert report.baseline.step_s and report.baseline.step_s >= 0.3
+    assert report.stop_reason.startswith("budget: one plain step takes") and "raise --budget-seconds to about" in \
+        report.stop_reason
+    suggested = int(report.stop_reason.split("raise --budget-seconds to about ")[1].split()[0])
+    assert suggested > 3
+    assert report.results and all(r.status == "skipped" and "raise --budget-seconds" in r.reason
+                                  for r in report.results)
+    paths = report.write(tmp_path)
+    assert "no trick was measured" in paths["tricks.toml"].read_text()
+    assert "(memory not measured)" in report.to_text()

@@ -170,7 +170,9 @@ class TuneReport:
         if which == "throughput":
             why = "throughput under the memory limit"
             if best is None or best is self.baseline:
-                what = "the plain fp32 step (no trick was faster beyond the noise)"
+                what = ("the plain fp32 step (no trick was faster beyond the noise)"
+                        if any(r.status.startswith("measured") for r in self.results)
+                        else "the plain fp32 step (no trick was measured: over --budget-seconds)")
             else:
                 what = best.name + (f" ({best.speedup:.2f}x the plain step)" if best.speedup else "")
         else:
@@ -247,11 +249,15 @@ class TuneReport:
         if self.stop_reason:
             lines.append(f"stopped: {self.stop_reason}")
         if b and b.step_s:
-            lines.append(f"plain fp32 step: {_fmt_s(b.step_s)}, peak {_bytes(b.peak_bytes)} "
-                         f"(state {_bytes(b.state_bytes)}, activations {_bytes(b.activation_bytes)})")
+            lines.append(f"plain fp32 step: {_fmt_s(b.step_s)}" + (
+                f", peak {_bytes(b.peak_bytes)} (state {_bytes(b.state_bytes)}, activations "
+                f"{_bytes(b.activation_bytes)})" if b.peak_bytes else " (memory not measured)"))
         bt = self.best_throughput
+        measured = any(r.status.startswith("measured") for r in self.results)
         if bt is not None:
-            if bt is b:
+            if bt is b and not measured:
+                lines.append("throughput: no trick was measured: keep the plain step until a longer tune says more")
+            elif bt is b:
                 lines.append("throughput: no trick is faster beyond the noise here: keep the plain step")
             else:
                 lines.append(f"throughput: {bt.name}: {_speedup(bt)} the plain step"

@@ -259,6 +259,7 @@ class _Tune:
     def run(self, cands: list[Candidate], data: str | None) -> None:
         report = self.report
         self.phase("baseline")
+        t_base = time.perf_counter()
         try:
             base = build_runner("plain", self.model, self.base_cfg, self.batches, **self.kw)
         except UserError:
@@ -270,6 +271,8 @@ class _Tune:
         self.base = base
         base_res = Result("plain", "baseline", {}, (), status="measured", verdict="baseline")
         base_res.first_call_s, base_res.losses = base.first_call_s, base.losses
+        if self._too_slow_for_the_budget(base, time.perf_counter() - t_base, base_res, cands):
+            return
         # what one candidate's drift + memory costs, roughly: timed after the first build, which
         # pays one-off costs (imports, kernel caches) that later builds do not
         t0 = time.perf_counter()
@@ -714,6 +717,37 @@ class _Tune:
 
     def _noise(self) -> float:
         return self.report.noise
+
+    def _too_slow_for_the_budget(self, base: Runner, build_s: float, base_res: Result, cands: list[Candidate]) -> bool:
+        """Stop after the plain step when the budget cannot hold even one trick's measurement.
+
+        What the least tune costs is known once the plain step is built: the A/A twin and
+        the memory measurement (about one build each), one trick's build, and the least race
+        of three lanes. A step of seconds (BERT-base at batch 32 on two cores: 8 s) would
+        otherwise run the set-up for minutes past the budget and measure nothing; this says
+        at once what budget or batch would do, with the plain step's time measured.
+        """
+        step_s = max(_median(base.step_times) if base.step_times else build_s, 1e-4)
+        need = 3.0 * build_s + (_MIN_ROUNDS + 1) * 3 * step_s
+        spent = time.perf_counter() - self.t0
+        if self.left() >= need:
+            return False
+        report = self.report
+        base_res.step_s = step_s
+        report.baseline = base_res
+        suggest = math.ceil((spent + need) / 10.0) * 10
+        smaller = max(1, int(report.batch * self.left() / need)) if report.batch > 1 else 1
+        why = (f"one plain step takes {step_s:.1f} s here: measuring even one trick needs about {need:.0f} s more "
+               f"(the A/A twin, memory, one trick's set-up, {_MIN_ROUNDS} rounds); raise --budget-seconds to about "
+               f"{suggest}" + (f" or lower --batch (to about {smaller})" if smaller < report.batch else ""))
+        report.results = [Result(c.name, c.goal, c.changes, c.ids, note=c.note, status="skipped", verdict="skipped",
+                                 reason="over --budget-seconds before it could be measured: " + why.split(": ", 1)[1])
+                          for c in cands]
+        report.stop_reason = "budget: " + why
+        report.notes.append("only the plain step was measured: " + why)
+        self.phase_s["set-up"] = time.perf_counter() - self.t0
+        self.base = None
+        return True
 
     def _race_need(self, lanes: int, rounds: int) -> float:
         """Seconds for ``rounds`` rounds (and a warm-up) of ``lanes`` plain-sized steps."""
