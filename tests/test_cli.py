@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -192,3 +193,175 @@ def test_console_script_finds_a_factory_in_the_current_folder(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["totals"]["params"] == 12 * 3 + 3
+
+
+# -- named inputs (keyword arguments of the forward) and --loss (issue 13) ----------------------------
+
+BERT = ["--model", "hf:bert", "--hf-config",
+        "num_hidden_layers=2,hidden_size=64,num_attention_heads=2,intermediate_size=128"]
+GPT2 = ["--model", "hf:gpt2", "--hf-config", "n_layer=2,n_embd=64,n_head=2,vocab_size=1000,n_positions=64"]
+GPT2_NAMED = ["--input", "input_ids=long:32:1000", "--input", "attention_mask=ones:32"]
+
+
+def one_error_line(capsys, *argv) -> str:
+    """Run a command that must fail on bad input: exit 2, nothing on stdout, one error line."""
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "", err
+    lines = [line for line in err.splitlines() if line.startswith("torch-tricks: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_summary_with_named_inputs_has_the_macs_and_params_of_the_positional_run(capsys):
+    pytest.importorskip("transformers")
+    code, out, err = run(capsys, "summary", *BERT, "--input", "input_ids=long:32:30522",
+                         "--input", "attention_mask=ones:32", "--json")
+    assert code == 0, err
+    named = json.loads(out)
+    code, out, err = run(capsys, "summary", *BERT, "--input", "long:32:30522", "--json")
+    assert code == 0, err
+    positional = json.loads(out)
+    assert named["totals"]["macs"] == positional["totals"]["macs"] > 0
+    assert named["totals"]["params"] == positional["totals"]["params"]
+    assert named["inputs"] == "input_ids=(1, 32) int64, attention_mask=(1, 32) int64"
+
+
+def test_time_memory_profile_and_graph_run_named_inputs(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    small = ["--batch", "2"]
+    code, out, err = run(capsys, "time", *GPT2, *GPT2_NAMED, *small, "--warmup", "1", "--repeats", "2", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert len(data["timings"]) == 3 and data["loss"] == "sum of output means"
+    code, out, err = run(capsys, "time", *GPT2, *GPT2_NAMED, *small, "--warmup", "0", "--repeats", "1",
+                         "--loss", "auto", "--json")
+    assert code == 0, err
+    assert json.loads(out)["loss"] == "auto"
+    code, out, err = run(capsys, "memory", *GPT2, *GPT2_NAMED, *small, "--loss", "ce", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["input_bytes"] == 2 * (2 * 32 * 8) and data["activation_bytes"] > 0  # the labels are a target
+    code, out, err = run(capsys, "profile", *GPT2, *GPT2_NAMED, *small, "--loss", "auto", "--top-k", "5")
+    assert code == 0, err
+    assert "aten::" in out
+    code, out, err = run(capsys, "graph", *GPT2, *GPT2_NAMED, "--out", str(tmp_path / "gpt2.dot"))
+    assert code == 0, err
+    assert "transformer.wte.weight" in (tmp_path / "gpt2.dot").read_text()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([*GPT2, "--input", "input_ids=long:32:1000", "--input", "attention_mak=ones:32"],
+     "model GPT2LMHeadModel's forward takes no input named 'attention_mak': did you mean 'attention_mask'? "
+     "it takes input_ids, "),
+    ([*GPT2, "--input", "input_ids=long:32:1000", "--input", "ones:32"], "name every input"),
+    ([*GPT2, "--input", "input_ids=long:x:1000"], "bad input spec 'input_ids=long:x:1000'"),
+    ([*GPT2, "--input", "input_ids=ones:4:2"], "ones takes the shape only"),
+    ([*GPT2, "--input", "9ids=long:32"], "Python identifier"),
+])
+def test_bad_named_inputs_are_one_line_and_exit_2(capsys, argv, needle):
+    pytest.importorskip("transformers")
+    for command in ("summary", "time"):
+        assert needle in one_error_line(capsys, command, *argv)
+
+
+def test_optimize_refuses_named_inputs_in_one_line(capsys):
+    line = one_error_line(capsys, "optimize", "--model", "mlp", "--input", "x=32", "--steps", "fuse", "--no-save")
+    assert line == "torch-tricks: error: optimize takes positional inputs: give --input SPEC without NAME="
+
+
+FACTORIES = '''
+import torch
+import torch.nn as nn
+
+
+class Argmax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc(x).argmax(-1)
+
+
+class VectorLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        logits = self.fc(x)
+        return {"loss": logits[:4].pow(2).mean(1), "logits": logits}
+
+
+class OnePerSample(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc(x).squeeze(-1)
+
+
+def argmax():
+    return Argmax()
+
+
+def vector_loss():
+    return VectorLoss()
+
+
+def one_per_sample():
+    return OnePerSample()
+'''
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    (tmp_path / "tt_loss_factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "tt_loss_factories"
+
+
+@pytest.mark.parametrize("command", [["memory"], ["time", "--repeats", "1", "--warmup", "0"],
+                                     ["tune", "--budget-seconds", "5", "--no-progress"]])
+def test_a_forward_without_a_floating_output_under_loss_auto_is_one_line(capsys, factories, command):
+    line = one_error_line(capsys, *command, "--model", f"{factories}:argmax", "--input", "16", "--batch", "4",
+                          "--loss", "auto")
+    assert "no floating-point tensor" in line and "int64 tensor of shape" in line
+
+
+@pytest.mark.parametrize("loss", ["auto", "none"])
+@pytest.mark.parametrize("command", [["memory"], ["time", "--repeats", "1", "--warmup", "0"]])
+def test_a_loss_that_is_not_a_scalar_is_one_line(capsys, factories, command, loss):
+    line = one_error_line(capsys, *command, "--model", f"{factories}:vector_loss", "--input", "16", "--batch", "8",
+                          "--loss", loss)
+    assert "has shape (4,), not a scalar" in line
+
+
+def test_without_loss_the_measured_step_needs_no_target(capsys, factories):
+    code, out, err = run(capsys, "memory", "--model", f"{factories}:vector_loss", "--input", "16", "--batch", "8",
+                         "--json")
+    assert code == 0, err  # the sum of the output means: the (4,) loss is just one more output
+    assert json.loads(out)["loss"] == "sum of output means"
+
+
+def test_tune_and_train_pass_their_loss_on(capsys, factories):
+    line = one_error_line(capsys, "tune", "--model", f"{factories}:one_per_sample", "--input", "16", "--batch", "4",
+                          "--loss", "ce", "--budget-seconds", "5", "--no-progress")
+    assert "--loss ce needs class logits" in line
+    line = one_error_line(capsys, "train", "--model", "small_cnn", "--data", "digits", "--epochs", "1",
+                          "--loss", "mse")
+    assert re.search(r"the target's shape \(\d+,\) differs from the output's \(\d+, 10\)", line), line
+
+
+def test_loss_choices_are_the_shared_ones():
+    from torch_tricks.cli import build_parser
+    from torch_tricks.outputs import LOSSES
+
+    parser = build_parser()
+    for command in ("memory", "time", "profile", "tune", "train"):
+        assert parser.parse_args([command, "--loss", "bce-with-logits"]).loss == "bce-with-logits"
+    assert parser.parse_args(["memory"]).loss is None and parser.parse_args(["tune"]).loss == "auto"
+    assert parser.parse_args(["doctor", "--model", "mlp"]).loss == "auto"
+    for kind in (*LOSSES, "cross-entropy", "bce"):
+        assert parser.parse_args(["doctor", "--model", "mlp", "--loss", kind]).loss == kind

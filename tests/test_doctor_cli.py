@@ -350,3 +350,36 @@ def test_runtime_on_builtin_resnet18_with_a_proper_loss_reports_nothing(capsys):
     assert data["findings"] == [] and data["ok"] and data["completed"]
     assert data["memory"] is not None and data["memory"]["leaking"] is False  # the growth check ran
     assert data["target"].startswith("generated class indices (8,)") and data["loss_fn"] == "cross-entropy"
+
+
+# -- named inputs and the shared --loss names (issue 13) --------------------------------------------
+
+BERT = ("--model", "hf:bert", "--hf-config",
+        "num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,vocab_size=100")
+
+
+def test_runtime_on_a_transformers_model_with_named_inputs(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    named = ("--input", "input_ids=long:12:100", "--input", "attention_mask=ones:12")
+    code, out, err = run(capsys, "doctor", *BERT, *named, "--steps", "1", "--json")
+    data = json.loads(out)
+    assert code == data["exit_code"] and data["completed"], err
+    assert data["inputs"] == "input_ids=(8, 12) int64, attention_mask=(8, 12) int64"
+    assert data["loss_fn"] == "cross-entropy" and data["target"].startswith("generated next-token targets (8, 12)")
+    assert not [f for f in data["findings"] if f["rule"] in ("TT207", "TT210")]
+    code, out, _ = run(capsys, "doctor", *BERT, *named, "--steps", "1", "--loss", "nll")
+    assert code == 1 and re.search(r"^TT207 +error +cls\.predictions\.decoder: NLLLoss gets raw logits", out, re.M)
+    assert "loss (nll) " in out
+    code, out, err = run(capsys, "doctor", *BERT, "--input", "input_ids=long:12:100", "--input", "mask=ones:12")
+    assert code == 2 and out == "" and "forward takes no input named 'mask'" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("loss, shown", [("auto", "cross-entropy"), ("ce", "cross-entropy"),
+                                         ("cross-entropy", "cross-entropy"), ("none", "none")])
+def test_runtime_loss_names_shared_with_the_other_commands(capsys, buggy, loss, shown):
+    code, out, _ = run(capsys, "doctor", "--model", buggy, "--input", "16", "--steps", "1", "--loss", loss, "--json")
+    data = json.loads(out)
+    assert data["loss_fn"] == shown and data["completed"]
+    assert ("TT207" in {f["rule"] for f in data["findings"]}) == (shown == "cross-entropy")

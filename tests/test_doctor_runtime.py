@@ -585,3 +585,104 @@ def test_report_as_dict_is_json():
     assert d["ok"] is False and d["counts"]["error"] == 1
     assert {f["rule"] for f in d["findings"]} >= {"TT201", "TT203", "TT207"}
     assert d["findings"][0]["severity"] == "error"  # most severe first
+
+
+# -- keyword inputs and loss names ---------------------------------------------------------------
+
+class TokenLM(nn.Module):
+    """A tiny causal-LM-shaped model: keyword inputs, a dict output with logits (B, T, V)."""
+
+    def __init__(self, vocab=16, d=8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        h = self.emb(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1)
+        logits = self.head(h)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return out
+
+
+def _tokens(batch=8, seq=6):
+    ids = torch.randint(0, 16, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def test_keyword_inputs_run_as_keyword_arguments_and_are_left_untouched():
+    batch = _tokens()
+    before = {k: v.clone() for k, v in batch.items()}
+    report = check(TokenLM(), batch, "auto")
+    assert report.completed and report.inputs == "input_ids=(8, 6) int64, attention_mask=(8, 6) int64"
+    assert report.outputs == "(8, 6, 16) float32"
+    assert report.loss_fn == "cross-entropy"
+    assert report.target == "generated next-token targets (8, 6) from the input ids"
+    assert 0 < report.loss < 2 * torch.log(torch.tensor(16.0)).item()  # near log(vocab) at init
+    assert all(torch.equal(batch[k], before[k]) for k in batch)
+
+
+def test_auto_uses_the_models_own_loss_when_it_has_one():
+    batch = {**_tokens(), "labels": _tokens()["input_ids"]}
+    report = check(TokenLM(), batch, "auto")
+    assert report.completed and report.loss_fn == "the model's own loss" and report.target.startswith("none")
+
+
+def test_auto_on_a_tensor_output_is_the_cross_entropy_of_before():
+    model, x = MLP(), X16()
+    auto = check(model, x, "auto")
+    explicit = check(model, x, nn.CrossEntropyLoss())
+    assert auto.loss_fn == "cross-entropy" and explicit.loss_fn == "CrossEntropyLoss"
+    assert auto.target == explicit.target and auto.target.startswith("generated class indices (8,)")
+    assert auto.loss == pytest.approx(explicit.loss)
+    log_softmax = check(Buggy(), X16(), "ce")  # the TT207 watch sees the named loss too
+    assert [f.path for f in rules_of(log_softmax, "TT207")] == ["(model)"]
+
+
+@pytest.mark.parametrize("kind, name", [("ce", "cross-entropy"), ("cross-entropy", "cross-entropy"),
+                                        ("nll", "nll"), ("mse", "mse"), ("bce-with-logits", "bce-with-logits"),
+                                        ("none", "none")])
+def test_loss_names_on_a_structured_output(kind, name):
+    class DictOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 8)
+
+        def forward(self, x):
+            return {"hidden": x, "logits": self.fc(x)}
+
+    report = check(DictOut(), X16(), kind)
+    assert report.completed and report.loss_fn == name and report.loss is not None
+
+
+def test_bad_loss_names_and_outputs_without_a_prediction():
+    with pytest.raises(UserError, match="unknown loss 'hinge'"):
+        check(MLP(), X16(), "hinge")
+
+    class Argmax(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.fc(x).argmax(-1)
+
+    with pytest.raises(UserError, match="no floating-point tensor") as err:
+        check(Argmax(), X16(), "auto")
+    assert "\n" not in str(err.value)
+
+
+def test_a_transformers_model_with_named_inputs():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+        max_position_embeddings=16))
+    ids = torch.randint(0, 100, (8, 12))
+    report = check(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, "auto")
+    assert report.completed and report.loss_fn == "cross-entropy"
+    assert report.outputs.startswith("(8, 12, 100) float32")
+    assert rules_of(report, "TT207") == [] and rules_of(report, "TT210") == []

@@ -228,3 +228,53 @@ def test_tensorboard_graph_rejects_file_logdir(tmp_path):
     f.write_text("x")
     with pytest.raises(UserError):
         tensorboard_graph(mlp(), torch.randn(2, 4), f)
+
+
+# --- keyword inputs (a dict): a transformers-style forward ----------------------------------------
+
+
+class MaskedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, input_ids, attention_mask):
+        return self.head(self.emb(input_ids) * attention_mask.unsqueeze(-1).to(torch.float32))
+
+
+def _named(batch: int = 2) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.randint(0, 50, (batch, 7)), "attention_mask": torch.ones(batch, 7, dtype=torch.long)}
+
+
+def test_dot_graph_of_keyword_inputs(tmp_path):
+    dot = model_graph(MaskedEncoder(), _named())
+    assert "emb.weight" in dot and "head.weight" in dot and _balanced(dot)
+    path = save_graph(MaskedEncoder(), _named(), tmp_path / "m.dot")
+    assert path.read_text() == dot
+
+
+@pytest.mark.skipif(not HAVE_ORT, reason="needs onnx, onnxscript and onnxruntime (pip install 'torch-tricks[onnx]')")
+def test_export_onnx_of_keyword_inputs_names_them_and_keeps_the_batch_dynamic(tmp_path, capsys):
+    import onnx
+    import onnxruntime as ort
+
+    model = MaskedEncoder().eval()
+    path = export_onnx(model, _named(1), tmp_path / "m.onnx")
+    graph_inputs = onnx.load(str(path)).graph.input
+    assert [i.name for i in graph_inputs] == ["input_ids", "attention_mask"]
+    assert graph_inputs[0].type.tensor_type.shape.dim[0].dim_param  # a symbolic batch
+    feed = _named(5)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+        None, {k: v.numpy() for k, v in feed.items()})[0]
+    with torch.no_grad():
+        assert abs(got - model(**feed).numpy()).max() <= 1e-5
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.skipif(not HAVE_TB, reason="needs tensorboard (pip install 'torch-tricks[tensorboard]')")
+def test_tensorboard_graph_of_keyword_inputs(tmp_path, capsys):
+    logdir = save_graph(MaskedEncoder(), _named(), tmp_path / "tb")
+    assert any(p.name.startswith("events.out.tfevents") for p in logdir.iterdir())
+    assert capsys.readouterr().out == ""

@@ -45,3 +45,140 @@ def test_token_bound_defaults_to_model_vocab():
 def test_batch_must_be_positive():
     with pytest.raises(UserError):
         make_inputs("3", batch=0)
+
+
+# -- named inputs (keyword arguments of the forward), ones / zeros --------------------------------
+
+@pytest.mark.parametrize("text", ["3x224x224", "int64:128:1000", "int32:4", "float16:3x8", "bool:5", "ones:128",
+                                  "zeros:2x3", "input_ids=int64:128:50257", "attention_mask=ones:128",
+                                  "token_type_ids=zeros:128", "pixel_values=3x32x32"])
+def test_str_of_a_spec_parses_back_to_the_same_spec(text):
+    (spec,) = parse_input_specs(text)
+    assert str(spec) == text
+    assert parse_input_specs(str(spec)) == [spec]
+
+
+def test_named_specs_give_a_dict_of_the_same_tensors_as_positional_ones():
+    specs = parse_input_specs(["input_ids=long:16:50", "attention_mask=ones:16", "token_type_ids=zeros:16"])
+    assert [s.name for s in specs] == ["input_ids", "attention_mask", "token_type_ids"]
+    named = make_inputs(specs, batch=3, seed=4)
+    positional = make_inputs("long:16:50,ones:16,zeros:16", batch=3, seed=4)
+    assert isinstance(named, dict) and list(named) == ["input_ids", "attention_mask", "token_type_ids"]
+    assert isinstance(positional, tuple)
+    assert all(torch.equal(a, b) for a, b in zip(named.values(), positional))
+    assert named["attention_mask"].dtype == torch.int64 and bool((named["attention_mask"] == 1).all())
+    assert named["token_type_ids"].shape == (3, 16) and int(named["token_type_ids"].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (["input_ids=long:8:10", "ones:8"], "name every input"),
+    (["long:8:10", "attention_mask=ones:8"], "name every input"),
+    (["x=3", "x=4"], "given twice"),
+    (["1x=3"], "Python identifier"),
+    (["class=3"], "Python identifier"),
+    (["=3"], "Python identifier"),
+    (["input_ids=long:abc"], "bad input spec 'input_ids=long:abc'"),
+    (["input_ids="], "bad input spec"),
+    (["mask=ones:8:2"], "ones takes the shape only"),
+    (["mask=zeros"], "zeros takes the shape only"),
+    (["mask=ones:0"], "positive"),
+])
+def test_bad_named_specs_raise_one_line(bad, needle):
+    with pytest.raises(UserError, match=needle) as err:
+        parse_input_specs(bad)
+    assert "\n" not in str(err.value)
+
+
+# -- call_model: a dict is keyword arguments, a tuple positional, anything else one argument ------
+
+class Echo(torch.nn.Module):
+    def forward(self, *args, **kwargs):
+        return args, kwargs
+
+
+def test_call_model_dispatches_by_the_form_of_the_inputs():
+    from collections import namedtuple
+
+    from torch_tricks.inspect.inputs import call_model, input_tensors, split_inputs
+
+    x, m = torch.ones(2), torch.zeros(2)
+    assert call_model(Echo(), {"input_ids": x, "attention_mask": m}) == ((), {"input_ids": x, "attention_mask": m})
+    assert call_model(Echo(), (x, m)) == ((x, m), {})
+    assert call_model(Echo(), [x, m]) == ((x, m), {})
+    assert call_model(Echo(), x) == ((x,), {})
+    Pair = namedtuple("Pair", "a b")
+    pair = Pair(x, m)
+    assert call_model(Echo(), pair) == ((pair,), {})  # a namedtuple is one input
+    assert call_model(Echo(), ({"side": x},)) == (({"side": x},), {})  # a dict inside a tuple stays positional
+    assert split_inputs({"a": x}) == ((), {"a": x})
+    assert input_tensors({"a": x, "b": 3, "c": m}) == [x, m]
+
+
+def test_as_input_tuple_refuses_a_dict_instead_of_wrapping_it():
+    from torch_tricks.inspect.inputs import as_input_tuple
+
+    with pytest.raises(UserError, match="keyword inputs \\(input_ids\\)"):
+        as_input_tuple({"input_ids": torch.ones(1)})
+    assert as_input_tuple([torch.ones(1)])[0].shape == (1,)
+
+
+def test_describe_inputs_names_keyword_inputs():
+    from torch_tricks.inspect.inputs import describe_inputs
+
+    inputs = make_inputs("input_ids=long:4:9,attention_mask=ones:4", batch=2)
+    assert describe_inputs(inputs) == "input_ids=(2, 4) int64, attention_mask=(2, 4) int64"
+
+
+# -- check_input_names ------------------------------------------------------------------------------
+
+class TwoInputs(torch.nn.Module):
+    def forward(self, input_ids, attention_mask=None, *, scale=1.0):
+        return input_ids
+
+
+class AnyKwargs(torch.nn.Module):
+    def forward(self, x, **kwargs):
+        return x
+
+
+def test_check_input_names_against_the_forward():
+    from torch_tricks.inspect.inputs import check_input_names
+
+    check_input_names(TwoInputs(), ["input_ids", "attention_mask", "scale"])
+    check_input_names(AnyKwargs(), ["x", "anything", "at_all"])  # **kwargs takes every name
+    with pytest.raises(UserError) as err:
+        check_input_names(TwoInputs(), ["input_ids", "attention_mak"])
+    assert str(err.value) == ("model TwoInputs's forward takes no input named 'attention_mak': did you mean "
+                              "'attention_mask'? it takes input_ids, attention_mask, scale")
+
+
+def test_check_input_names_reads_declared_kwargs():
+    from typing import TypedDict, Unpack
+
+    from torch_tricks.inspect.inputs import check_input_names
+
+    class Extra(TypedDict, total=False):
+        output_attentions: bool
+
+    class Declared(torch.nn.Module):
+        def forward(self, x, **kwargs: Unpack[Extra]):
+            return x
+
+    check_input_names(Declared(), ["x", "output_attentions"])
+    with pytest.raises(UserError, match="no input named 'foo'"):
+        check_input_names(Declared(), ["foo"])
+
+
+def test_check_input_names_of_a_transformers_model():
+    transformers = pytest.importorskip("transformers")
+    from torch_tricks.inspect.inputs import check_input_names
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100,
+                                                                 n_positions=16))
+    check_input_names(model, ["input_ids", "attention_mask", "labels", "output_attentions"])
+    # its forward has **kwargs, which it passes down and ignores: a misspelt name must not slip through
+    with pytest.raises(UserError) as err:
+        check_input_names(model, ["input_ids", "foo"])
+    message = str(err.value)
+    assert message.startswith("model GPT2LMHeadModel's forward takes no input named 'foo': it takes input_ids, ")
+    assert "attention_mask" in message and "\n" not in message

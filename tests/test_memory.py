@@ -134,3 +134,35 @@ def test_leak_check_flags_outputs_kept_in_a_list():
 def test_leak_check_needs_two_steps():
     with pytest.raises(ValueError):
         leak_check(lambda: None, steps=1)
+
+
+# -- keyword inputs and a real loss ----------------------------------------------------------------
+
+class MaskedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, input_ids, attention_mask):
+        return {"logits": self.fc((self.emb(input_ids) * attention_mask.unsqueeze(-1)).mean(1))}
+
+
+def test_memory_report_takes_keyword_inputs_and_a_target():
+    from torch_tricks.outputs import get_loss
+
+    ids, mask = torch.randint(0, 50, (4, 8)), torch.ones(4, 8, dtype=torch.long)
+    named = memory_report(MaskedHead(), {"input_ids": ids, "attention_mask": mask}, optimizer="sgd")
+    positional = memory_report(MaskedHead(), (ids, mask), optimizer="sgd")
+    assert named.input_bytes == positional.input_bytes == 2 * 4 * 8 * 8
+    assert named.activation_bytes == positional.activation_bytes > 0
+    with_loss = memory_report(MaskedHead(), {"input_ids": ids, "attention_mask": mask}, optimizer="sgd",
+                              loss_fn=get_loss("ce"), target=torch.randint(0, 5, (4,)))
+    assert with_loss.param_bytes == named.param_bytes and with_loss.saved_tensors >= named.saved_tensors
+
+
+def test_a_loss_that_is_not_a_scalar_is_a_user_error():
+    from torch_tricks.errors import UserError
+
+    with pytest.raises(UserError, match=r"the loss has shape \(4, 10\), not a scalar"):
+        memory_report(mlp(), torch.randn(4, 256), loss_fn=lambda out: out * 2)

@@ -110,3 +110,24 @@ def test_profile_step_rejects_bad_arguments(kwargs):
         profile_step(lambda: None, **kwargs)
     with pytest.raises(UserError):
         profile_step("not callable")
+
+
+def test_profile_of_a_step_on_keyword_inputs_sees_the_model_ops():
+    from torch_tricks.inspect.step import Workloads
+    from torch_tricks.outputs import get_loss
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 8)
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, input_ids, attention_mask):
+            return self.fc(self.emb(input_ids) * attention_mask.unsqueeze(-1))
+
+    ids = torch.randint(0, 20, (2, 5))
+    wl = Workloads(Masked(), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, loss_fn=get_loss("ce"),
+                   target=torch.randint(0, 3, (2, 5)))
+    rep = profile_step(wl.step, warmup=0, steps=1, top_k=200, use_cprofile=False)
+    names = {o.name for o in rep.ops}
+    assert "aten::embedding" in names and "aten::linear" in names

@@ -186,3 +186,54 @@ def test_to_dict_is_json_serialisable():
     d = json.loads(json.dumps(s.to_dict()))
     assert d["totals"]["params"] == s.totals["params"]
     assert "conventions" in d and d["rows"]
+
+
+# -- keyword inputs (a dict): what a transformers model takes ----------------------------------------
+
+class MaskedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.emb(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1)
+        return self.fc(h)
+
+
+def test_keyword_inputs_count_the_same_as_positional_ones():
+    ids, mask = torch.randint(0, 50, (2, 8)), torch.ones(2, 8, dtype=torch.long)
+    named = summary(MaskedMLP(), {"input_ids": ids, "attention_mask": mask})
+    positional = summary(MaskedMLP(), (ids, mask))
+    assert named.totals == positional.totals and named.totals["macs"] == 2 * 8 * 16 * 4
+    assert named.inputs == "input_ids=(2, 8) int64, attention_mask=(2, 8) int64"
+    assert positional.inputs == "(2, 8) int64, (2, 8) int64"
+    mixed = summary(MaskedMLP(), ids, kwargs={"attention_mask": mask})  # positional plus keyword
+    assert mixed.totals == positional.totals and mixed.inputs == "(2, 8) int64, attention_mask=(2, 8) int64"
+
+
+def test_a_forward_failing_on_keyword_inputs_names_them():
+    with pytest.raises(ForwardError) as err:
+        summary(MaskedMLP(), {"input_ids": torch.randint(0, 50, (2, 8)), "attention_mask": torch.ones(2, 5)})
+    assert "input_ids=(2, 8) int64, attention_mask=(2, 5) float32" in str(err.value)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_a_transformers_model_with_named_inputs_has_the_macs_and_params_of_the_positional_run(family):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=64, use_cache=False))
+    else:
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128, vocab_size=1000,
+            max_position_embeddings=64))
+    ids = torch.randint(0, 1000, (2, 32))
+    named = summary(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    positional = summary(model, ids)
+    assert named.totals["macs"] == positional.totals["macs"] > 0
+    assert named.totals["params"] == positional.totals["params"] == sum(p.numel() for p in model.parameters())
+    assert named.inputs.startswith("input_ids=(2, 32) int64")

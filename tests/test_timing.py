@@ -117,3 +117,26 @@ def test_synchronize_waits_for_cuda_kernels():
     t = benchmark(lambda: x @ x, warmup=1, repeats=3, device="cuda")
     assert t.repeats == 3 and t.min_s > 0
     del y
+
+
+# -- the timed workloads on keyword inputs (a transformers model) ----------------------------------
+
+def test_workloads_run_a_transformers_model_on_named_and_positional_inputs():
+    transformers = pytest.importorskip("transformers")
+    from torch_tricks.inspect.step import Workloads
+    from torch_tricks.outputs import get_loss
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100,
+                                                                 n_positions=16, use_cache=False))
+    ids = torch.randint(0, 100, (2, 16))
+    named = Workloads(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    positional = Workloads(model, ids)
+    for wl in (named, positional):
+        for fn in (wl.forward, wl.forward_backward, wl.step):
+            t = benchmark(fn, warmup=1, repeats=2)
+            assert t.repeats == 2 and len(t.times_s) == 2
+    model.eval()
+    assert torch.equal(named.forward().logits, positional.forward().logits)  # an all-ones mask changes nothing
+    with_labels = Workloads(model, {"input_ids": ids, "labels": ids}, loss_fn=get_loss("auto"), target=ids)
+    assert with_labels.loss().dim() == 0  # the model's own loss, from its labels

@@ -14,6 +14,10 @@ from typing import Any, Sequence
 from torch_tricks.errors import UserError
 
 DEFAULT_MODEL = "resnet18"
+_INPUT_HELP = ("input shape without the batch, e.g. 3x224x224; integer tokens as long:128:VOCAB; ones:128 or "
+               "zeros:128 for int64 masks; NAME=SPEC passes a keyword input to the forward, e.g. "
+               "input_ids=long:128:50257 and attention_mask=ones:128 (name every input or none); repeat or "
+               "comma-separate for several inputs (default: the model's own)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from torch_tricks.outputs import LOSSES
+
     p = argparse.ArgumentParser(
         prog="torch-tricks",
         description="Measure which PyTorch speed and memory tricks help your model, then apply them.",
@@ -54,9 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"built-in model name (see `torch-tricks models`) or package.module:factory "
                              f"(default {DEFAULT_MODEL})")
-        sp.add_argument("--input", action="append", metavar="SPEC",
-                        help="input shape without the batch, e.g. 3x224x224; integer tokens as long:128:VOCAB; "
-                             "repeat or comma-separate for several inputs (default: the model's own)")
+        sp.add_argument("--input", action="append", metavar="[NAME=]SPEC", help=_INPUT_HELP)
         sp.add_argument("--hf-config", metavar="KEY=VALUE,...",
                         help="config overrides of a transformers model (--model hf:gpt2, hf:bert:classification, "
                              "path/to/config.json), e.g. n_layer=2,n_embd=64,n_head=2")
@@ -64,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default cpu)")
         sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
         sp.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+
+    def loss_arg(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--loss", choices=LOSSES, metavar="KIND",
+                        help=f"loss of the measured training step: {', '.join(LOSSES)}, built against a target "
+                             "made for it (auto: the model's own .loss, else cross-entropy for class or token "
+                             "logits, mse otherwise); default: the sum of the output means, with no target")
 
     sp = sub.add_parser("models", help="list the built-in models")
     sp.add_argument("--json", action="store_true")
@@ -84,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("memory", help="parameter, gradient, optimizer and activation memory; leak check")
     model_args(sp, batch=8)
+    loss_arg(sp)
     sp.add_argument("--optimizer", default="adamw", help="sgd, adam or adamw (default adamw)")
     sp.add_argument("--leak-steps", type=int, default=0,
                     help="also run this many training steps and check that memory stops growing")
@@ -91,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("time", help="forward, forward+backward and training-step time (synchronised median)")
     model_args(sp, batch=8)
+    loss_arg(sp)
     sp.add_argument("--optimizer", default="sgd", help="sgd, adam or adamw (default sgd)")
     sp.add_argument("--warmup", type=int, default=3)
     sp.add_argument("--repeats", type=int, default=10)
@@ -98,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("profile", help="cProfile and torch.profiler hot spots of a training step")
     model_args(sp, batch=8)
+    loss_arg(sp)
     sp.add_argument("--optimizer", default="sgd")
     sp.add_argument("--top-k", type=int, default=15)
     sp.add_argument("--trace", metavar="PATH", help="also write a Chrome trace (open in Perfetto)")
@@ -109,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--config", metavar="FILE", help="TOML or YAML file with the same keys as the flags below")
     sp.add_argument("--out", metavar="FILE", help="write the history as JSON here")
     sp.add_argument("--json", action="store_true", help="print the history as JSON")
+    sp.add_argument("--loss", choices=LOSSES, metavar="KIND",
+                    help=f"{', '.join(LOSSES)} (default auto: the model's own .loss, else cross-entropy against "
+                         "class targets, mse against float ones)")
     sp.add_argument("--debug", action="store_true")
     _add_config_flags(sp)
     sp.set_defaults(func=cmd_train)
@@ -117,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(sp, batch=32)
     sp.add_argument("--optimizer", default="adamw", help="sgd, adam or adamw (default adamw)")
     sp.add_argument("--lr", type=float, default=1e-3, help="learning rate of the measured steps (default 1e-3)")
+    sp.add_argument("--loss", choices=LOSSES, default="auto", metavar="KIND",
+                    help=f"{', '.join(LOSSES)} (default auto: the model's own .loss, else cross-entropy for class "
+                         "or token logits, with next-token targets for token models, mse otherwise)")
     sp.add_argument("--data", metavar="PATH", help="also time the data loader on this data set (a pack, an ImageFolder "
                                                    "tree or an HDF5 file): is the step data-bound?")
     sp.add_argument("--deploy", action="store_true", help="also measure the inference chain (fuse, int8, bf16 ...)")
@@ -156,13 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = sp.add_argument_group("runtime check (--model)")
     g.add_argument("--model", help="built-in model name or package.module:factory: run training steps on it "
                                    "instead of linting files")
-    g.add_argument("--input", action="append", metavar="SPEC",
-                   help="input shape without the batch, e.g. 3x224x224; long:128:VOCAB for tokens "
-                        "(default: the model's own)")
+    g.add_argument("--input", action="append", metavar="[NAME=]SPEC", help=_INPUT_HELP)
+    g.add_argument("--hf-config", metavar="KEY=VALUE,...",
+                   help="config overrides of a transformers model (--model hf:bert ...), e.g. num_hidden_layers=2")
     g.add_argument("--batch", type=int, default=8, help="batch size (default 8: BatchNorm wants 8 or more)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default cpu)")
-    g.add_argument("--loss", choices=sorted(_DOCTOR_LOSSES), default="cross-entropy",
-                   help="loss of the training step (default cross-entropy; none: the mean of the outputs)")
+    g.add_argument("--loss", choices=[*LOSSES, "cross-entropy", "bce"], default="auto", metavar="KIND",
+                   help=f"loss of the training step: {', '.join(LOSSES)}, or cross-entropy (= ce) and bce, a torch.nn "
+                        "loss each (default auto: the model's own .loss, else cross-entropy; none: the mean of the "
+                        "outputs)")
     g.add_argument("--optimizer", metavar="NAME",
                    help="build this optimizer (sgd, adam, adamw ...) the way torch-tricks train does, and check "
                         "its parameter groups too (default: plain SGD steps, groups not checked)")
@@ -268,7 +289,7 @@ def _load(args: argparse.Namespace):
     """Model and example inputs from --model/--input/--batch/--device."""
     import torch
 
-    from torch_tricks.inspect.inputs import make_inputs, parse_input_specs
+    from torch_tricks.inspect.inputs import check_input_names, make_inputs, parse_input_specs
     from torch_tricks.models import load_model
 
     try:
@@ -282,7 +303,23 @@ def _load(args: argparse.Namespace):
     if not spec:
         raise UserError(f"--input is required for {args.model}: give its input shape, e.g. --input 3x224x224")
     inputs = make_inputs(parse_input_specs(spec), args.batch, model=model, device=device)
+    if isinstance(inputs, dict):  # keyword inputs: a name the forward does not take would be dropped or raise
+        check_input_names(model, inputs)
     return model.to(device), inputs
+
+
+def _measured_step(args: argparse.Namespace, model: Any, inputs: Any) -> tuple[Any, Any, Any]:
+    """``(inputs, target, loss_fn)`` of the step memory/time/profile measure: with ``--loss KIND``
+    the batch and loss of :func:`torch_tricks.batches.example_batch` (a dict batch keeps its
+    ``labels`` among the inputs); without it the inspector's default (the sum of the output
+    means: no target)."""
+    if args.loss is None:
+        return inputs, None, None
+    from torch_tricks.batches import example_batch, unpack
+
+    batch, loss_fn = example_batch(model, inputs, seed=0, loss=args.loss)
+    parts = unpack(batch)
+    return (parts.kwargs if parts.kwargs else parts.args), parts.target, loss_fn
 
 
 def _emit(args: argparse.Namespace, data: dict[str, Any], text: str) -> None:
@@ -372,8 +409,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from torch_tricks.inspect.step import Workloads
 
     model, inputs = _load(args)
-    rep = memory_report(model, inputs, optimizer=args.optimizer)
-    data = {"model": args.model, "batch": args.batch, **rep.to_dict()}
+    inputs, target, loss_fn = _measured_step(args, model, inputs)
+    rep = memory_report(model, inputs, optimizer=args.optimizer, loss_fn=loss_fn, target=target)
+    data = {"model": args.model, "batch": args.batch, "loss": args.loss or "sum of output means", **rep.to_dict()}
     rows = [
         ["parameters", human_bytes(rep.param_bytes)],
         ["buffers", human_bytes(rep.buffer_bytes)],
@@ -394,7 +432,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         text += ["", "largest saved activations by module:"]
         text += [f"  {name or '(model)'}: {human_bytes(b)}" for name, b in top]
     if args.leak_steps:
-        wl = Workloads(model, inputs, optimizer=args.optimizer)
+        wl = Workloads(model, inputs, loss_fn=loss_fn, optimizer=args.optimizer, target=target)
         leak = leak_check(wl.step, steps=args.leak_steps, device=args.device)
         data["leak_check"] = leak.to_dict()
         text += ["", f"leak check: {'LEAK: ' if leak.leaking else ''}{leak.message}"]
@@ -410,14 +448,16 @@ def cmd_time(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.warmup < 0:
         raise UserError("--repeats must be >= 1 and --warmup >= 0")
     model, inputs = _load(args)
-    wl = Workloads(model, inputs, optimizer=args.optimizer)
+    inputs, target, loss_fn = _measured_step(args, model, inputs)
+    wl = Workloads(model, inputs, loss_fn=loss_fn, optimizer=args.optimizer, target=target)
     results = {}
     model.eval()
     results["forward (eval, no_grad)"] = benchmark(wl.forward, warmup=args.warmup, repeats=args.repeats, device=args.device)
     model.train()
     results["forward+backward"] = benchmark(wl.forward_backward, warmup=args.warmup, repeats=args.repeats, device=args.device)
     results[f"training step ({args.optimizer})"] = benchmark(wl.step, warmup=args.warmup, repeats=args.repeats, device=args.device)
-    data = {"model": args.model, "batch": args.batch, "timings": {k: v.to_dict() for k, v in results.items()}}
+    data = {"model": args.model, "batch": args.batch, "loss": args.loss or "sum of output means",
+            "timings": {k: v.to_dict() for k, v in results.items()}}
     rows = [[k, f"{v.median_s * 1e3:.2f}", f"{v.iqr_s * 1e3:.2f}", f"{args.batch / v.median_s:.1f}"]
             for k, v in results.items()]
     text = f"{args.model}, batch {args.batch}, {args.device} (median of {args.repeats} after {args.warmup} warm-up):\n"
@@ -432,10 +472,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from torch_tricks.inspect.step import Workloads
 
     model, inputs = _load(args)
+    inputs, target, loss_fn = _measured_step(args, model, inputs)
     model.train()
-    wl = Workloads(model, inputs, optimizer=args.optimizer)
+    wl = Workloads(model, inputs, loss_fn=loss_fn, optimizer=args.optimizer, target=target)
     rep = profile_step(wl.step, top_k=args.top_k, trace_path=args.trace)
-    data = {"model": args.model, "batch": args.batch, **rep.to_dict()}
+    data = {"model": args.model, "batch": args.batch, "loss": args.loss or "sum of output means", **rep.to_dict()}
     text = [f"{args.model}, batch {args.batch}: hot spots of one training step"]
     if rep.ops:
         text += ["", f"torch.profiler operators (by self CPU time, {rep.steps} steps):",
@@ -458,6 +499,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from torch_tricks._io import atomic_path
     from torch_tricks.data import load_dataset
     from torch_tricks.models import load_model
+    from torch_tricks.outputs import get_loss
     from torch_tricks.train import TrainConfig, fit, load_config
 
     values = load_config(args.config) if args.config else {}
@@ -469,7 +511,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     seed_everything(config.seed)  # the initial weights too come from the seed
     model, _ = load_model(args.model, hf_config=getattr(args, "hf_config", None))
-    history = fit(model, train_set, val_set, config=config)
+    history = fit(model, train_set, val_set, config=config, loss_fn=get_loss(args.loss) if args.loss else None)
     from torch_tricks.train.distributed import cleanup, is_main_process
 
     main_rank = is_main_process()
@@ -495,11 +537,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from torch_tricks.tuning import example_batch, parse_size, tune
+    from torch_tricks.batches import example_batch
+    from torch_tricks.tuning import parse_size, tune
 
     limit = parse_size(args.memory_limit) if args.memory_limit else None
     model, inputs = _load(args)
-    batch, loss_fn = example_batch(model, inputs, seed=args.seed)
+    batch, loss_fn = example_batch(model, inputs, seed=args.seed, loss=args.loss)
     report = tune(model, batch, loss_fn, optimizer=args.optimizer, lr=args.lr, device=args.device,
                   budget_s=args.budget_seconds, memory_limit=limit, data=args.data, deploy=args.deploy,
                   seed=args.seed, progress=args.progress, name=args.model, skip=args.skip or ())
@@ -518,11 +561,6 @@ def cmd_graph(args: argparse.Namespace) -> int:
     path = save_graph(model, inputs, args.out)
     _emit(args, {"model": args.model, "written": str(path)}, f"graph written to {path}")
     return 0
-
-
-# `torch-tricks doctor --loss`: name -> torch.nn loss class (None: the mean of the outputs)
-_DOCTOR_LOSSES = {"cross-entropy": "CrossEntropyLoss", "nll": "NLLLoss", "bce-with-logits": "BCEWithLogitsLoss",
-                  "bce": "BCELoss", "mse": "MSELoss", "none": None}
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -615,8 +653,6 @@ def _doctor_paths(args: argparse.Namespace, fmt: str, select, ignore) -> int:
 def _doctor_model(args: argparse.Namespace, fmt: str, select, ignore) -> int:
     from pathlib import Path
 
-    import torch.nn as nn
-
     from torch_tricks.doctor import list_rules
     from torch_tricks.doctor.runtime import check_model
     from torch_tricks.doctor.static import exit_code, filter_findings, load_config, to_sarif
@@ -627,28 +663,26 @@ def _doctor_model(args: argparse.Namespace, fmt: str, select, ignore) -> int:
         raise UserError("--weight-decay goes with --optimizer NAME")
     config = load_config(Path.cwd())
     model, inputs = _load(args)
-    loss_name = _DOCTOR_LOSSES[args.loss]
-    loss_fn = getattr(nn, loss_name)() if loss_name else None
     optimizer = None
     if args.optimizer:
         from torch_tricks.train.optim import build_optimizer
 
         optimizer = build_optimizer(model, args.optimizer, weight_decay=args.weight_decay)
-    report = check_model(model, inputs, loss_fn, optimizer, steps=args.steps, device=args.device)
+    report = check_model(model, inputs, args.loss, optimizer, steps=args.steps, device=args.device)
     findings = filter_findings(report.findings, config.select if select is None else select,
                                config.ignore if ignore is None else ignore)
     code = exit_code(findings, args.fail_on or config.fail_on)
     if fmt == "sarif":
         print(json.dumps(to_sarif(findings, list_rules("runtime")), indent=2, ensure_ascii=False))
         return code
-    data = {"model": args.model, "loss_fn": args.loss, "optimizer": args.optimizer, **report.as_dict()}
+    data = {"model": args.model, "optimizer": args.optimizer, **report.as_dict()}  # loss_fn: the loss it used
     data["findings"] = [f.as_dict() for f in findings]  # after --select/--ignore and the config
     data["counts"] = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
     data["ok"] = not (data["counts"]["error"] or data["counts"]["warning"])
     data["exit_code"] = code
     loss = f"{report.loss:.4g}" if report.loss is not None else "-"
     lines = [f"{args.model}: inputs {report.inputs}, outputs {report.outputs or '-'}, target {report.target or '-'}",
-             f"loss ({args.loss}) {loss}, {report.steps_run} training step(s) on {report.device}, "
+             f"loss ({report.loss_fn}) {loss}, {report.steps_run} training step(s) on {report.device}, "
              + (f"optimizer {args.optimizer}" if args.optimizer else "plain SGD steps")]
     if not report.completed:
         lines.append(f"the training step did not complete: {report.error}")
@@ -738,7 +772,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
     from torch_tricks._format import human_bytes, table
     from torch_tricks.deploy.pipeline import list_steps, optimize
-    from torch_tricks.inspect.inputs import describe_inputs
+    from torch_tricks.inspect.inputs import describe_inputs, parse_input_specs
 
     if args.list_steps:
         steps = list_steps()
@@ -761,6 +795,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UserError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
+    if args.input and any(s.name for s in parse_input_specs(args.input)):
+        raise UserError("optimize takes positional inputs: give --input SPEC without NAME=")
     model, inputs = _load(args)
     calib = check = None
     if args.data:

@@ -46,16 +46,27 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from torch_tricks.doctor.rules import Finding, Rule, register_rule, severity_rank
 from torch_tricks.errors import UserError
-from torch_tricks.inspect.inputs import as_input_tuple, describe_inputs
+from torch_tricks.inspect.inputs import call_model, describe_inputs, input_tensors, normalize_inputs
 from torch_tricks.inspect.memory import leak_check
 from torch_tricks.inspect.step import default_loss
+from torch_tricks.outputs import output_loss, primary_output
 from torch_tricks.train.memory import INPLACE_ACTIVATIONS, inplace_activations
 from torch_tricks.train.optim import param_groups
 
-__all__ = ["RuntimeReport", "check_model", "RULES", "MIN_BN_BATCH"]
+__all__ = ["RuntimeReport", "check_model", "RULES", "MIN_BN_BATCH", "LOSS_KINDS"]
 
 #: Per-device batch below which BatchNorm statistics are too noisy (seeds/001).
 MIN_BN_BATCH = 8
+
+#: Loss names ``check_model`` takes for ``loss_fn`` (and ``doctor --loss``): the shared names of
+#: :data:`torch_tricks.outputs.LOSSES` plus two aliases of the doctor's own (``cross-entropy``,
+#: ``bce``), each a ``torch.nn`` loss class, whose calls the TT207 rule watches; ``none``: the
+#: mean of the outputs. ``auto`` is the model's own ``.loss`` when its output carries one, else
+#: cross-entropy.
+LOSS_KINDS: dict[str, str | None] = {
+    "auto": "CrossEntropyLoss", "ce": "CrossEntropyLoss", "cross-entropy": "CrossEntropyLoss", "nll": "NLLLoss",
+    "bce-with-logits": "BCEWithLogitsLoss", "bce": "BCELoss", "mse": "MSELoss", "none": None,
+}
 
 
 def _rule(id: str, name: str, severity: str, message: str, explanation: str, source: str) -> Rule:
@@ -227,6 +238,7 @@ class RuntimeReport:
     inputs: str = ""  # shapes and dtypes of the batch
     outputs: str = ""  # of the model's output tensors
     target: str = ""  # "given ...", "generated ...", or why there is none
+    loss_fn: str = ""  # the loss the check used: a LOSS_KINDS name ("cross-entropy" for auto/ce), or the callable's
     loss: float | None = None  # of the first step
     steps_run: int = 0
     completed: bool = True  # False when the training step could not run to its end
@@ -270,14 +282,18 @@ def check_model(
 ) -> RuntimeReport:
     """Run a training step of ``model`` on ``batch`` and report the runtime pitfalls.
 
-    ``batch``: the input tensor, or a tuple/list of positional inputs. ``loss_fn``:
-    called as ``loss_fn(output, target)`` (``loss_fn(output)`` if it takes one argument);
-    without it the loss is the mean of the outputs. Without ``target`` a plausible one is
-    made from the output (class indices for CrossEntropy/NLL-like losses and 2-D logits,
-    0/1 labels for BCE, random values of the output's shape otherwise). ``optimizer``:
-    the one used in training (its param groups are checked and a copy of it steps);
-    without it plain SGD steps. ``steps`` more steps measure memory growth (at least 2
-    to see a trend; 1 skips that check). ``device``: where to run (default: the model's).
+    ``batch``: the input tensor, a tuple/list of positional inputs, or a dict of keyword
+    inputs (``model(**batch)``). ``loss_fn``: called as ``loss_fn(output, target)``
+    (``loss_fn(output)`` if it takes one argument); or a name of :data:`LOSS_KINDS`, that
+    torch loss applied to the output's prediction (:func:`torch_tricks.outputs.primary_output`:
+    a ModelOutput's logits, token logits over their last dimension); without it the loss
+    is the mean of the outputs. Without ``target`` a plausible one is made from the output
+    (class indices for CrossEntropy/NLL-like losses and 2-D logits, next-token ids for token
+    logits of integer ids, 0/1 labels for BCE, random values of the output's shape
+    otherwise). ``optimizer``: the one used in training (its param groups are checked and
+    a copy of it steps); without it plain SGD steps. ``steps`` more steps measure memory
+    growth (at least 2 to see a trend; 1 skips that check). ``device``: where to run
+    (default: the model's).
 
     Works on copies (see the module docstring): the caller's model, optimizer, loss
     function and batch are unchanged afterwards. A batch the model cannot take raises a
@@ -300,7 +316,13 @@ class _Checker:
             raise UserError(f"check_model needs an nn.Module, got {type(model).__name__}: pass the model")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise UserError(f"steps must be an integer >= 1, got {steps!r}")
-        if loss_fn is not None and not callable(loss_fn):
+        self.loss_kind: str | None = None  # a LOSS_KINDS name, resolved on the first output
+        if isinstance(loss_fn, str):
+            self.loss_kind = loss_fn.lower().replace("_", "-")
+            if self.loss_kind not in LOSS_KINDS:
+                raise UserError(f"unknown loss {loss_fn!r}: choose one of {', '.join(LOSS_KINDS)}")
+            loss_fn = None
+        elif loss_fn is not None and not callable(loss_fn):
             raise UserError(f"loss_fn must be callable (e.g. nn.CrossEntropyLoss()), got {type(loss_fn).__name__}")
         if optimizer is not None:
             if not isinstance(optimizer, torch.optim.Optimizer):
@@ -322,7 +344,8 @@ class _Checker:
         self.target = _to_device(target, self.device)
         self.target_note = "given " + describe_inputs(tree_flatten(target)[0]) if target is not None else ""
         self.findings: list[Finding] = []
-        self.report = RuntimeReport(device=str(self.device), inputs=describe_inputs(self.inputs))
+        self.report = RuntimeReport(device=str(self.device), inputs=describe_inputs(self.inputs),
+                                    loss_fn=self.loss_kind or _loss_name(loss_fn))
         self.called: set[str] = set()  # modules that ran in the first step
         self.unused: set[str] = set()  # parameters without gradient in the first step
         self.opt_can_step = True  # False once step() asked for a closure
@@ -386,7 +409,7 @@ class _Checker:
         if self.work_opt is None:
             self.work_opt = torch.optim.SGD(trainable, lr=1e-3)
 
-    def _fresh_inputs(self) -> tuple[Any, ...]:
+    def _fresh_inputs(self) -> tuple[Any, ...] | dict[str, Any]:
         return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.inputs)
 
     # -- the instrumented first step -----------------------------------------------------
@@ -401,7 +424,7 @@ class _Checker:
         try:
             with rec, watch:
                 try:
-                    out = work(*inputs)
+                    out = call_model(work, inputs)
                 except _LossAbort:
                     raise
                 except Exception as exc:
@@ -418,7 +441,7 @@ class _Checker:
         self.report.steps_run = 1
         self.report.outputs = describe_inputs(_tensors(out))
         self.report.loss = float(loss.detach().float())
-        self.report.target = self.target_note or ("none: loss_fn takes the output only" if self.loss_fn else
+        self.report.target = self.target_note or ("none: loss_fn takes the output only" if self.work_loss else
                                                   "none: no loss_fn, the loss is the mean of the outputs")
         self.called = {c.name for c in rec.calls}
         forward_finite = self._forward_findings(rec, out, loss)
@@ -449,13 +472,15 @@ class _Checker:
     def _plain_step(self) -> None:
         """A training step without instrumentation (for the leak check): keeps nothing."""
         self.work_opt.zero_grad(set_to_none=True)
-        out = self.work(*self._fresh_inputs())
+        out = call_model(self.work, self._fresh_inputs())
         loss = self._loss(out, first=False)
         if loss.requires_grad:
             loss.backward()
         self._optimizer_step()
 
     def _loss(self, out: Any, first: bool) -> torch.Tensor:
+        if first and self.loss_kind is not None:
+            self.work_loss = self._named_loss(out)
         fn = self.work_loss
         if fn is None:
             loss = default_loss(out)
@@ -465,7 +490,7 @@ class _Checker:
                 self.target, self.target_note = _make_target(fn, out)
             try:
                 loss = fn(out, self.target) if takes_target else fn(out)
-            except _LossAbort:
+            except (_LossAbort, UserError):
                 raise
             except Exception as exc:
                 given = describe_inputs(_tensors(self.target)) if self.target is not None else "none"
@@ -483,6 +508,33 @@ class _Checker:
                 self.report.notes.append(f"loss_fn returned shape {tuple(loss.shape)}: the check used its mean")
             loss = loss.mean()
         return loss.reshape(())
+
+    def _named_loss(self, out: Any) -> Callable[..., torch.Tensor] | None:
+        """The torch loss of ``self.loss_kind`` for this output (see :data:`LOSS_KINDS`); makes
+        the target a structured or token output needs (a tensor output keeps today's rules)."""
+        kind, cls = self.loss_kind, LOSS_KINDS[self.loss_kind]
+        if cls is None:
+            self.report.loss_fn = "none"
+            return None
+        if kind == "auto":
+            if output_loss(out) is not None:  # a UserError when it is not a scalar
+                self.report.loss_fn = "the model's own loss"
+                self.target_note = self.target_note or "none: the model computes its loss (labels among the inputs)"
+                return _own_loss
+            primary_output(out)  # a UserError when the output has no floating-point tensor
+        self.report.loss_fn = "cross-entropy" if cls == "CrossEntropyLoss" else kind
+        base = getattr(nn, cls)()
+        ids = _token_ids(self.inputs, out) if cls in ("CrossEntropyLoss", "NLLLoss") else None
+        if isinstance(out, torch.Tensor) and ids is None:
+            return base  # a plain tensor: the loss as is, the target from _make_target
+        if self.target is None:
+            if ids is not None:
+                self.target = torch.full_like(ids, -100)
+                self.target[:, :-1] = ids[:, 1:]
+                self.target_note = f"generated next-token targets {tuple(ids.shape)} from the input ids"
+            else:
+                self.target, self.target_note = _make_target(base, primary_output(out))
+        return _PredictionLoss(base)
 
     def _forward_error(self, exc: Exception, rec: "_Recorder") -> UserError:
         where, fix = "", "pass a batch of the shape the model expects, batch dimension first"
@@ -853,9 +905,9 @@ class _Recorder:
         self._handles: list[Any] = []
 
     def __enter__(self) -> "_Recorder":
-        for m in self.model.modules():
-            self._handles.append(m.register_forward_pre_hook(self._pre))
-            self._handles.append(m.register_forward_hook(self._post))
+        for m in self.model.modules():  # with kwargs: keyword inputs (attention masks ...) count too
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post, with_kwargs=True))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -863,8 +915,8 @@ class _Recorder:
             h.remove()
         self._handles.clear()
 
-    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        tensors = _tensors(args)
+    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        tensors = _tensors((args, kwargs))
         call = _Call(
             name=self.names.get(id(module), "?"),
             module=module,
@@ -879,7 +931,7 @@ class _Recorder:
             self.bn_batch[call.name] = min(self.bn_batch.get(call.name, n), n)
         self.stack.append(call)
 
-    def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         while self.stack and self.stack[-1].module is not module:
             self.stack.pop()  # a call that raised and was caught inside forward
         if not self.stack:
@@ -942,17 +994,18 @@ class _Fingerprints:
         self._inputs: list[list[float]] = []
 
     @classmethod
-    def run(cls, model: nn.Module, inputs: tuple[Any, ...]) -> "_Fingerprints":
+    def run(cls, model: nn.Module, inputs: tuple[Any, ...] | dict[str, Any]) -> "_Fingerprints":
         fp = cls()
         names = {id(m): n for n, m in model.named_modules()}
         handles = []
         for m in model.modules():
-            handles.append(m.register_forward_pre_hook(lambda mod, args: fp._inputs.append(_fingerprint(args))))
+            handles.append(m.register_forward_pre_hook(
+                lambda mod, args, kwargs: fp._inputs.append(_fingerprint((args, kwargs))), with_kwargs=True))
             handles.append(m.register_forward_hook(
                 lambda mod, args, out: fp.calls.append((names[id(mod)], mod, fp._inputs.pop(), _fingerprint(out)))
             ))
         try:
-            fp.output = _fingerprint(model(*inputs))
+            fp.output = _fingerprint(call_model(model, inputs))
         finally:
             for h in handles:
                 h.remove()
@@ -1218,14 +1271,14 @@ def _module_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _prepare_inputs(batch: Any, device: torch.device) -> tuple[Any, ...]:
-    """Positional inputs (tensors possibly nested in lists/dicts) detached onto ``device``;
-    they are cloned again for every step."""
-    inputs = as_input_tuple(batch)
+def _prepare_inputs(batch: Any, device: torch.device) -> tuple[Any, ...] | dict[str, Any]:
+    """Positional (a tuple) or keyword (a dict) inputs, tensors possibly nested in lists/dicts,
+    detached onto ``device``; they are cloned again for every step."""
+    inputs = normalize_inputs(batch)
     tensors = _tensors(inputs)
     if not tensors:
         raise UserError(f"the batch holds no tensor (got {describe_inputs(inputs) or 'nothing'}): "
-                        "pass the input tensor, or a tuple of the model's inputs")
+                        "pass the input tensor, a tuple of the model's inputs, or a dict of keyword inputs")
     for t in tensors:
         if t.dim() == 0 or t.shape[0] == 0:
             raise UserError(f"the batch has shape {tuple(t.shape)}: give at least one sample, batch dimension first")
@@ -1315,6 +1368,43 @@ def _make_target(fn: Any, out: Any) -> tuple[torch.Tensor, str]:
         target = torch.randn(tuple(t.shape), generator=gen).to(t.dtype)
         how = f"generated random values {tuple(t.shape)}"
     return target.to(t.device), how
+
+
+class _PredictionLoss(nn.Module):
+    """A torch loss on the prediction of any output (:func:`torch_tricks.outputs.primary_output`),
+    token logits ``(B, T, V)`` flattened against ``(B, T)`` targets (``-100`` ignored)."""
+
+    def __init__(self, loss: nn.Module) -> None:
+        super().__init__()
+        self.loss = loss
+
+    def forward(self, out: Any, target: torch.Tensor) -> torch.Tensor:
+        pred = primary_output(out)
+        if pred.dim() >= 3 and tuple(target.shape) == tuple(pred.shape[:-1]):
+            return self.loss(pred.reshape(-1, pred.shape[-1]), target.reshape(-1))
+        return self.loss(pred, target)
+
+
+def _own_loss(out: Any) -> torch.Tensor:
+    """The loss the model computed itself (``out.loss``: a transformers model given labels)."""
+    return output_loss(out)
+
+
+def _token_ids(inputs: tuple[Any, ...] | dict[str, Any], out: Any) -> torch.Tensor | None:
+    """The integer ids ``(B, T)`` behind token logits ``(B, T, V)``, else None."""
+    pred = primary_output(out)
+    tensors = input_tensors(inputs)
+    ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+    ids = ids if isinstance(ids, torch.Tensor) else (tensors[0] if tensors else None)
+    if ids is None or ids.is_floating_point() or ids.dim() != 2 or pred.dim() != 3:
+        return None
+    return ids if tuple(ids.shape) == tuple(pred.shape[:2]) else None
+
+
+def _loss_name(fn: Any) -> str:
+    if fn is None:
+        return "none"
+    return type(fn).__name__ if isinstance(fn, nn.Module) else getattr(fn, "__name__", type(fn).__name__)
 
 
 def _takes_target(fn: Any) -> bool:

@@ -20,7 +20,7 @@ _EXPORTS = {
     "autograd_dot": "graph", "model_graph": "graph", "export_onnx": "graph", "save_graph": "graph",
     "tensorboard_graph": "graph", "render_dot": "graph",
     "advise": "advisor", "Advice": "advisor",
-    "make_inputs": "inputs", "parse_input_specs": "inputs",
+    "make_inputs": "inputs", "parse_input_specs": "inputs", "call_model": "inputs", "check_input_names": "inputs",
     "Workloads": "step",
 }
 

@@ -8,7 +8,9 @@ Three views, each from PyTorch's own machinery where one exists:
   exporter); open the file in Netron.
 * :func:`tensorboard_graph` uses ``SummaryWriter.add_graph`` (a TorchScript trace).
 
-:func:`save_graph` picks one of them from the file extension.
+:func:`save_graph` picks one of them from the file extension. Inputs are a tensor, a tuple of
+positional inputs or a dict of keyword inputs (a transformers model's ``input_ids``,
+``attention_mask``), in all three views.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from torch_tricks._io import atomic_path
 from torch_tricks.errors import UserError
-from torch_tricks.inspect.inputs import as_input_tuple
+from torch_tricks.inspect.inputs import call_model, split_inputs
 
 __all__ = [
     "autograd_dot",
@@ -152,9 +154,9 @@ def autograd_dot(
 
 
 def model_graph(model: torch.nn.Module, inputs: Any, *, show_saved: bool = False, max_nodes: int = 5000) -> str:
-    """Run ``model(*inputs)`` with grad enabled and return its autograd graph as DOT."""
+    """Run ``model`` on ``inputs`` with grad enabled and return its autograd graph as DOT."""
     with torch.enable_grad():
-        out = model(*as_input_tuple(inputs))
+        out = call_model(model, inputs)
     return autograd_dot(out, dict(model.named_parameters()), show_saved=show_saved, max_nodes=max_nodes)
 
 
@@ -198,8 +200,9 @@ def export_onnx(
     ``dynamic_batch`` makes dim 0 symbolic for every tensor input whose dim 0 matches the
     first input's. torch.export silently specialises a size-1 dim for some models, so a
     batch of 1 is repeated to 2 for tracing; pass ``dynamic_batch=False`` for a model that
-    hard-codes its batch size. Weights above ~1.8 GB go to a ``.data`` side
-    file next to ``path``. Export errors from torch are raised as they are.
+    hard-codes its batch size. Keyword inputs (a dict) become the ONNX graph's named inputs.
+    Weights above ~1.8 GB go to a ``.data`` side file next to ``path``. Export errors from
+    torch are raised as they are.
     """
     try:
         import onnx  # noqa: F401
@@ -210,10 +213,10 @@ def export_onnx(
         ) from None
     if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset < 7):
         raise UserError(f"opset must be an ONNX opset number such as 18, got {opset!r}")
-    args = as_input_tuple(inputs)
+    args, kwargs = split_inputs(inputs)
     dynamic_shapes = None
     if dynamic_batch:
-        args, dynamic_shapes = _batch_dynamic(args)
+        args, kwargs, dynamic_shapes = _batch_dynamic(args, kwargs)
     weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
     target = Path(path)
@@ -229,6 +232,7 @@ def export_onnx(
                 model,
                 args,
                 str(tmpdir / target.name),
+                kwargs=kwargs or None,
                 dynamo=True,
                 opset_version=opset,
                 dynamic_shapes=dynamic_shapes,
@@ -249,6 +253,8 @@ def tensorboard_graph(model: torch.nn.Module, inputs: Any, logdir: str | os.Path
     ``add_graph`` traces with TorchScript and re-runs the model to check the trace, so the
     model is traced in eval mode (dropout would make the runs differ) with the fused
     attention fast path off (it takes another code path under the check's no_grad).
+    Keyword inputs are traced through a module that takes them positionally (the tracer
+    behind ``add_graph`` has no keyword inputs), so the graph's top scope is ``KeywordInputs``.
     """
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -259,7 +265,9 @@ def tensorboard_graph(model: torch.nn.Module, inputs: Any, logdir: str | os.Path
     logdir = Path(logdir)
     if logdir.exists() and not logdir.is_dir():
         raise UserError(f"TensorBoard log dir {str(logdir)!r} is a file: give a directory")
-    args = as_input_tuple(inputs)
+    args, kwargs = split_inputs(inputs)
+    if kwargs:
+        model, args = KeywordInputs(model, list(kwargs)), tuple(kwargs.values())
     writer = SummaryWriter(log_dir=str(logdir))
     try:
         # add_graph prints the exception before re-raising it; the library must not print.
@@ -347,24 +355,43 @@ def _flatten(obj: Any) -> Iterator[Any]:
             yield from _flatten(v)
 
 
-def _batch_dynamic(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...] | None]:
-    """Mark dim 0 as ``batch`` on tensor inputs that share the first tensor's dim 0."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1]
+class KeywordInputs(torch.nn.Module):
+    """``model`` called with keyword inputs given positionally: ``forward(*values)`` runs
+    ``model(**dict(zip(names, values)))``, for tracers that take positional inputs only."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.names = list(names)
+
+    def forward(self, *values: Any) -> Any:
+        return self.model(**dict(zip(self.names, values)))
+
+
+def _batch_dynamic(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...] | dict[str, Any] | None]:
+    """Mark dim 0 as ``batch`` on tensor inputs that share the first tensor's dim 0: a tuple of
+    specs for positional inputs, a dict by name for keyword ones (torch.export's two forms)."""
+    values = [*args, *kwargs.values()]
+    tensors = [a for a in values if isinstance(a, torch.Tensor) and a.dim() >= 1]
     if not tensors:
-        return args, None
+        return args, kwargs, None
     batch = tensors[0].shape[0]
     dim = torch.export.Dim("batch")
-    new_args, shapes = [], []
-    for a in args:
+    new_values, shapes = [], []
+    for a in values:
         if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == batch:
             if batch == 1:
                 a = torch.cat([a, a])
-            new_args.append(a)
+            new_values.append(a)
             shapes.append({0: dim})
         else:
-            new_args.append(a)
+            new_values.append(a)
             shapes.append(None)
-    return tuple(new_args), tuple(shapes)
+    if kwargs:  # split_inputs gives keyword or positional inputs, never both
+        return (), dict(zip(kwargs, new_values)), dict(zip(kwargs, shapes))
+    return tuple(new_values), {}, tuple(shapes)
 
 
 @contextlib.contextmanager
@@ -388,16 +415,22 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_export() -> Iterator[None]:
-    """Hide torch-internal deprecation warnings and "torchvision is not installed" log lines."""
-    log = logging.getLogger("torch.onnx._internal.exporter._registration")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    """Hide torch-internal deprecation warnings, "torchvision is not installed" log lines and
+    onnxscript's constant folding giving up on a node ("Evaluation failed": the node stays)."""
+    logs = [logging.getLogger(name) for name in ("torch.onnx._internal.exporter._registration",
+                                                 "onnxscript.optimizer._constant_folding")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
             # nn.LSTM's flat-weights cache trips torch.export's attribute check; harmless.
             warnings.filterwarnings("ignore", r"The tensor attributes .* were assigned during export")
+            # several inputs sharing the one batch dim: the exporter names it once; harmless.
+            warnings.filterwarnings("ignore", r"# The axis name: .* will not be used")
             yield
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)

@@ -1,26 +1,41 @@
-"""Example inputs from short specs such as ``3x224x224`` or ``long:128:1000``.
+"""Example inputs from short specs such as ``3x224x224``, ``long:128:1000`` or ``attention_mask=ones:128``.
 
 Grammar (one input; several are separated by commas or given as a list)::
 
-    [DTYPE:]D1xD2x...[:HIGH]
+    [NAME=][DTYPE:]D1xD2...[:HIGH]
+    [NAME=]ones:D1xD2...        [NAME=]zeros:D1xD2...
 
 ``DTYPE`` is a torch dtype name (``float32`` by default; ``long``/``int64``/``int`` and
 the other integer types give token-like ids). ``HIGH`` bounds integer values to
-``[0, HIGH)`` (default: the model's ``vocab_size`` attribute, else 2). The batch
+``[0, HIGH)`` (default: the model's ``vocab_size`` attribute, else 2). ``ones`` and
+``zeros`` are int64 tensors of ones or zeros (attention masks, token type ids). The batch
 dimension is *not* part of the spec: it is prepended from ``batch``.
+
+``NAME=`` makes the input a keyword argument of the forward (``input_ids=long:128:50257``):
+either every spec of a command is named or none is. The convention everywhere in
+torch-tricks: model inputs that are a dict are keyword arguments (``model(**inputs)``), a
+tuple or list positional ones, anything else (a tensor) the one positional argument;
+:func:`call_model` is that convention.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import keyword
 import re
+import typing
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from torch_tricks.errors import UserError
 
-__all__ = ["InputSpec", "parse_input_specs", "make_inputs", "describe_inputs", "as_input_tuple"]
+__all__ = [
+    "InputSpec", "parse_input_specs", "make_inputs", "describe_inputs", "as_input_tuple", "normalize_inputs",
+    "split_inputs", "input_tensors", "call_model", "check_input_names",
+]
 
 _DTYPES = {
     "float": torch.float32, "float32": torch.float32, "fp32": torch.float32,
@@ -30,23 +45,31 @@ _DTYPES = {
     "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
     "bool": torch.bool,
 }
+_FILLS = {"ones": 1, "zeros": 0}
 _DIMS = re.compile(r"^\d+(x\d+)*$")
+_GRAMMAR = "expected [NAME=][dtype:]D1xD2...[:high] or [NAME=]ones|zeros:D1xD2..., e.g. 3x224x224, long:128:1000 " \
+           "or attention_mask=ones:128"
 
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One model input, batch dimension excluded."""
+    """One model input, batch dimension excluded; ``name`` makes it a keyword argument."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype = torch.float32
     high: int | None = None  # exclusive upper bound for integer inputs
+    name: str | None = None  # keyword argument of the forward; None: positional
+    fill: int | None = None  # 1 / 0: every value is this (``ones`` / ``zeros``, int64)
 
     def __str__(self) -> str:
         dims = "x".join(map(str, self.shape))
+        prefix = f"{self.name}=" if self.name else ""
+        if self.fill is not None:
+            return f"{prefix}{'ones' if self.fill else 'zeros'}:{dims}"
         if self.dtype == torch.float32:
-            return dims
-        name = str(self.dtype).removeprefix("torch.")
-        return f"{name}:{dims}" + (f":{self.high}" if self.high is not None else "")
+            return prefix + dims
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{prefix}{dtype}:{dims}" + (f":{self.high}" if self.high is not None else "")
 
 
 def parse_input_specs(text: str | Sequence[str]) -> list[InputSpec]:
@@ -56,21 +79,40 @@ def parse_input_specs(text: str | Sequence[str]) -> list[InputSpec]:
         parts.extend(p.strip() for p in item.split(",") if p.strip())
     if not parts:
         raise UserError("empty --input: give a shape such as 3x224x224 (batch excluded)")
-    return [_parse_one(p) for p in parts]
+    specs = [_parse_one(p) for p in parts]
+    named = [s.name for s in specs if s.name]
+    if named and len(named) != len(specs):
+        first = next(p for p, s in zip(parts, specs) if not s.name)
+        raise UserError(f"input {first!r} has no name while others do: name every input (NAME=SPEC, "
+                        "keyword arguments of the forward) or none (positional)")
+    twice = sorted({n for n in named if named.count(n) > 1})
+    if twice:
+        raise UserError(f"input name {twice[0]!r} is given twice: give each keyword input once")
+    return specs
 
 
 def _parse_one(part: str) -> InputSpec:
-    fields = part.split(":")
+    name, eq, body = part.partition("=")
+    if not eq:
+        name, body = None, part
+    else:
+        name = name.strip()
+        if not name.isidentifier() or keyword.iskeyword(name):
+            raise UserError(f"bad input name {name!r} in {part!r}: NAME=SPEC needs a Python identifier, "
+                            "the forward's argument name (e.g. input_ids=long:128:50257)")
+        body = body.strip()
+    fields = body.split(":")
+    if fields[0].lower() in _FILLS:
+        if len(fields) != 2 or not _DIMS.match(fields[1]):
+            raise UserError(f"bad input spec {part!r}: {fields[0].lower()} takes the shape only, "
+                            f"e.g. {fields[0].lower()}:128")
+        return InputSpec(_shape(fields[1], part), torch.int64, None, name, _FILLS[fields[0].lower()])
     dtype = torch.float32
     if fields[0].lower() in _DTYPES:
         dtype = _DTYPES[fields.pop(0).lower()]
     if not fields or not _DIMS.match(fields[0]):
-        raise UserError(
-            f"bad input spec {part!r}: expected [dtype:]D1xD2...[:high], e.g. 3x224x224 or long:128:1000"
-        )
-    shape = tuple(int(d) for d in fields[0].split("x"))
-    if any(d == 0 for d in shape):
-        raise UserError(f"bad input spec {part!r}: dimensions must be positive")
+        raise UserError(f"bad input spec {part!r}: {_GRAMMAR}")
+    shape = _shape(fields[0], part)
     high = None
     if len(fields) == 2:
         if not fields[1].isdigit() or int(fields[1]) < 1:
@@ -80,7 +122,14 @@ def _parse_one(part: str) -> InputSpec:
         high = int(fields[1])
     elif len(fields) > 2:
         raise UserError(f"bad input spec {part!r}: too many ':' fields")
-    return InputSpec(shape, dtype, high)
+    return InputSpec(shape, dtype, high, name)
+
+
+def _shape(dims: str, part: str) -> tuple[int, ...]:
+    shape = tuple(int(d) for d in dims.split("x"))
+    if any(d == 0 for d in shape):
+        raise UserError(f"bad input spec {part!r}: dimensions must be positive")
+    return shape
 
 
 def make_inputs(
@@ -90,8 +139,9 @@ def make_inputs(
     model: torch.nn.Module | None = None,
     device: torch.device | str = "cpu",
     seed: int = 0,
-) -> tuple[torch.Tensor, ...]:
-    """Random tensors for ``specs`` with ``batch`` prepended, reproducible from ``seed``."""
+) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
+    """Random tensors for ``specs`` with ``batch`` prepended, reproducible from ``seed``:
+    a dict ``{name: tensor}`` (keyword inputs) when the specs are named, else a tuple."""
     if isinstance(specs, str):
         specs = parse_input_specs(specs)
     if batch < 1:
@@ -100,7 +150,9 @@ def make_inputs(
     out = []
     for spec in specs:
         shape = (batch, *spec.shape)
-        if spec.dtype.is_floating_point:
+        if spec.fill is not None:
+            t = torch.full(shape, spec.fill, dtype=torch.int64)
+        elif spec.dtype.is_floating_point:
             t = torch.randn(shape, generator=gen).to(spec.dtype)
         elif spec.dtype == torch.bool:
             t = torch.randint(0, 2, shape, generator=gen).bool()
@@ -108,11 +160,50 @@ def make_inputs(
             high = spec.high or int(getattr(model, "vocab_size", 0) or 2)
             t = torch.randint(0, high, shape, generator=gen, dtype=torch.int64).to(spec.dtype)
         out.append(t.to(device))
+    if specs and specs[0].name:
+        return {s.name: t for s, t in zip(specs, out)}
     return tuple(out)
 
 
+# -- inputs as the forward takes them ------------------------------------------------------------
+
+def normalize_inputs(inputs: Any) -> tuple[Any, ...] | dict[str, Any]:
+    """``inputs`` in one of the two forms :func:`call_model` takes: a dict (keyword
+    arguments) or a tuple (positional arguments; a lone tensor becomes a 1-tuple)."""
+    if isinstance(inputs, Mapping):
+        return dict(inputs)
+    return as_input_tuple(inputs)
+
+
+def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of model inputs (see the module doc for the convention)."""
+    inputs = normalize_inputs(inputs)
+    return ((), inputs) if isinstance(inputs, dict) else (inputs, {})
+
+
+def call_model(model: Any, inputs: Any) -> Any:
+    """``model(**inputs)`` for a dict, ``model(*inputs)`` for a tuple or list, else ``model(inputs)``."""
+    args, kwargs = split_inputs(inputs)
+    return model(*args, **kwargs)
+
+
+def input_tensors(inputs: Any) -> list[torch.Tensor]:
+    """The top-level input tensors, positional then keyword (for shapes, bytes and devices)."""
+    args, kwargs = split_inputs(inputs)
+    return [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+
+
 def as_input_tuple(inputs: Any) -> tuple[Any, ...]:
-    """Normalise what a caller passes as model inputs to a positional-args tuple."""
+    """Normalise what a caller passes as *positional* model inputs to an args tuple.
+
+    A dict means keyword arguments, which a tuple cannot carry: that is a UserError here
+    (use :func:`split_inputs` / :func:`call_model` where keyword inputs are welcome)
+    rather than a silent 1-tuple holding the dict.
+    """
+    if isinstance(inputs, Mapping):
+        names = ", ".join(map(str, inputs)) or "none"
+        raise UserError(f"keyword inputs ({names}) given where only positional inputs work: pass a tuple of "
+                        "tensors (on the command line, --input SPEC without NAME=)")
     if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):  # a namedtuple is one input
         return inputs
     if isinstance(inputs, list):
@@ -120,12 +211,68 @@ def as_input_tuple(inputs: Any) -> tuple[Any, ...]:
     return (inputs,)
 
 
-def describe_inputs(inputs: Sequence[Any]) -> str:
-    """Short human form of concrete inputs, e.g. ``(1, 3, 224, 224) float32``."""
-    parts = []
-    for t in inputs:
-        if isinstance(t, torch.Tensor):
-            parts.append(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}")
-        else:
-            parts.append(type(t).__name__)
-    return ", ".join(parts)
+def describe_inputs(inputs: Sequence[Any] | Mapping[str, Any]) -> str:
+    """Short human form of concrete inputs, e.g. ``(1, 3, 224, 224) float32`` or, for
+    keyword inputs, ``input_ids=(1, 32) int64, attention_mask=(1, 32) int64``."""
+    if isinstance(inputs, Mapping):
+        return ", ".join(f"{k}={_describe_one(v)}" for k, v in inputs.items())
+    return ", ".join(_describe_one(t) for t in inputs)
+
+
+def _describe_one(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+    return type(t).__name__
+
+
+# -- input names against the forward -------------------------------------------------------------
+
+def check_input_names(model: Any, names: Iterable[str]) -> None:
+    """A UserError for a keyword input the model's forward does not take.
+
+    The forward's own parameters are accepted; a ``**kwargs`` takes every name, except
+    where its names are declared: ``**kwargs: Unpack[SomeTypedDict]`` takes that TypedDict's
+    keys, and a transformers model's ``**kwargs`` (typed or not) are its
+    ``TransformersKwargs`` (``output_attentions``...), which the model passes down and
+    ignores when unknown, so a misspelt ``attention_mak`` would be dropped silently.
+    """
+    forward = getattr(model, "forward", model)
+    try:
+        try:
+            params = inspect.signature(forward, eval_str=True).parameters.values()
+        except Exception:  # an annotation that does not evaluate here
+            params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return  # a builtin or C++ forward: nothing to check against
+    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    var_kw = next((p for p in params if p.kind == p.VAR_KEYWORD), None)
+    extra: list[str] = []
+    if var_kw is not None:
+        declared = _declared_kwargs(var_kw.annotation, model)
+        if declared is None:
+            return
+        extra = declared
+    for name in names:
+        if name in takes or name in extra:
+            continue
+        close = difflib.get_close_matches(name, takes + extra, n=1)
+        shown = ", ".join(takes[:12]) + (", ..." if len(takes) > 12 else "")
+        raise UserError(f"model {type(model).__name__}'s forward takes no input named {name!r}: "
+                        + (f"did you mean {close[0]!r}? " if close else "")
+                        + f"it takes {shown or 'no keyword inputs'}")
+
+
+def _declared_kwargs(annotation: Any, model: Any) -> list[str] | None:
+    """Names a ``**kwargs`` is declared to take (see :func:`check_input_names`); None: any."""
+    if typing.get_origin(annotation) is typing.Unpack:
+        (td,) = typing.get_args(annotation) or (None,)
+        keys = getattr(td, "__annotations__", None)
+        if isinstance(keys, dict):
+            return list(keys)
+    if type(model).__module__.startswith("transformers."):
+        try:
+            from transformers.utils.generic import TransformersKwargs
+        except ImportError:
+            return None
+        return list(getattr(TransformersKwargs, "__annotations__", {}))
+    return None

@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from torch_tricks.inspect.inputs import input_tensors
 from torch_tricks.inspect.step import Workloads
 
 __all__ = [
@@ -82,17 +83,20 @@ def memory_report(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
     copy_model: bool = True,
+    target: Any = None,
 ) -> MemoryReport:
     """Measure the memory of a real training step of ``model`` on ``inputs``.
 
     Two steps run: the first creates gradients and optimizer state and counts the saved
     activations, the second is the steady-state step whose peak is reported. The model
-    is deep-copied first (``copy_model``) so its weights are left untouched.
+    is deep-copied first (``copy_model``) so its weights are left untouched. ``inputs``: a
+    tensor, a tuple (positional) or a dict (keyword inputs); with ``target`` the loss is
+    ``loss_fn(output, target)``, else ``loss_fn(output)`` (default: the sum of the output means).
     """
     work_model = copy.deepcopy(model) if copy_model else model
     work_model.train()
-    wl = Workloads(work_model, inputs, loss_fn=loss_fn, optimizer=optimizer)
-    device = _device_of(work_model, wl.inputs)
+    wl = Workloads(work_model, inputs, loss_fn=loss_fn, optimizer=optimizer, target=target)
+    device = _device_of(work_model, input_tensors(wl.inputs))
 
     # Step 1: saved activations, gradients, optimizer state.
     wl.optimizer.zero_grad(set_to_none=True)
@@ -125,7 +129,7 @@ def memory_report(
         if peak:
             peak.stop()
     device_peak = torch.cuda.max_memory_allocated(device) - base_alloc if cuda else None
-    input_bytes = sum(t.numel() * t.element_size() for t in wl.inputs if isinstance(t, torch.Tensor))
+    input_bytes = sum(t.numel() * t.element_size() for t in input_tensors(wl.inputs))
     return MemoryReport(
         device=str(device),
         optimizer=optimizer if isinstance(optimizer, str) else type(wl.optimizer).__name__,
@@ -461,7 +465,7 @@ def _optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def _device_of(model: nn.Module, inputs: tuple[Any, ...]) -> torch.device:
+def _device_of(model: nn.Module, inputs: list[torch.Tensor]) -> torch.device:
     for p in model.parameters():
         return p.device
     for t in inputs:

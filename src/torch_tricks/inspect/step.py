@@ -4,6 +4,9 @@
 backward, optimizer step) of a model on fixed inputs. Without a ``loss_fn`` the loss
 is the sum of the means of the floating-point outputs: it touches every output, so the
 backward pass has the same cost as with a real loss, and needs no targets.
+
+Inputs follow :func:`torch_tricks.inspect.inputs.call_model`: a dict is keyword arguments
+(a transformers model's ``input_ids``, ``attention_mask``, ``labels``), a tuple positional.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from torch_tricks.errors import UserError
-from torch_tricks.inspect.inputs import as_input_tuple
+from torch_tricks.inspect.inputs import call_model, normalize_inputs
 
 __all__ = ["OPTIMIZERS", "make_optimizer", "default_loss", "Workloads", "workloads"]
 
@@ -44,7 +47,8 @@ def default_loss(output: Any, *_: Any) -> torch.Tensor:
     flat, _ = tree_flatten(output)
     terms = [t.float().mean() for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not terms:
-        raise UserError("the model returns no floating-point tensor to take a loss of: pass loss_fn")
+        raise UserError("the model returns no floating-point tensor to take a loss of: return the logits "
+                        "(from Python: pass loss_fn)")
     return torch.stack(terms).sum()
 
 
@@ -60,7 +64,7 @@ class Workloads:
         target: Any = None,
     ):
         self.model = model
-        self.inputs = as_input_tuple(inputs)
+        self.inputs = normalize_inputs(inputs)
         self.loss_fn = loss_fn or default_loss
         self.target = target
         self._optimizer_spec = optimizer
@@ -75,12 +79,16 @@ class Workloads:
         return self._optimizer
 
     def loss(self) -> torch.Tensor:
-        out = self.model(*self.inputs)
-        return self.loss_fn(out, self.target) if self.target is not None else self.loss_fn(out)
+        out = call_model(self.model, self.inputs)
+        loss = self.loss_fn(out, self.target) if self.target is not None else self.loss_fn(out)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise UserError(f"the loss has {what}, not a scalar: return the batch's mean loss")
+        return loss
 
     def forward(self) -> Any:
         with torch.no_grad():
-            return self.model(*self.inputs)
+            return call_model(self.model, self.inputs)
 
     def forward_backward(self) -> torch.Tensor:
         self.model.zero_grad(set_to_none=True)

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from torch_tricks.errors import UserError
 from torch_tricks.inspect.flops import ModuleRecord, OpCounter, _unfused_attention
-from torch_tricks.inspect.inputs import as_input_tuple, describe_inputs
+from torch_tricks.inspect.inputs import describe_inputs, input_tensors, split_inputs
 
 __all__ = ["Row", "Summary", "summary", "ForwardError"]
 
@@ -84,29 +84,32 @@ def summary(
     kwargs: dict[str, Any] | None = None,
     train_mode: bool = False,
 ) -> Summary:
-    """Table of what ``model`` costs on ``inputs`` (a tensor or a tuple of positional inputs).
+    """Table of what ``model`` costs on ``inputs``: a tensor, a tuple of positional inputs or a
+    dict of keyword inputs (``kwargs`` adds keyword inputs to positional ones).
 
     ``depth`` limits the rows shown (``0`` = totals only); deeper modules are folded into
     their ancestors, whose columns already include them. The model's train/eval mode
     is restored afterwards.
     """
-    inputs = as_input_tuple(inputs)
+    args, named = split_inputs(inputs)
+    named = {**named, **(kwargs or {})}
     was_training = model.training
     model.train(train_mode)
     counter = OpCounter(model)
     try:
         with torch.no_grad(), _unfused_attention(), counter:
-            model(*inputs, **(kwargs or {}))
+            model(*args, **named)
     except UserError:
         raise
     except Exception as exc:
-        raise _forward_error(exc, counter, inputs) from exc
+        raise _forward_error(exc, counter, _describe(args, named)) from exc
     finally:
         model.train(was_training)
 
     all_rows = [_row(counter.records[n]) for n in _tree_order(model, counter)]
     root = counter.records.get("")
     trainable, frozen = _param_counts(model)
+    tensors = input_tensors(args) + input_tensors(named)
     leaf_acts = sum(r.activation_bytes for r in all_rows if r.is_leaf)
     totals = {
         "params": trainable + frozen,
@@ -118,28 +121,32 @@ def summary(
         "mac_bytes": root.total.mac_bytes if root else 0,
         "pointwise_bytes": root.total.pointwise_bytes if root else 0,
         "activation_bytes": leaf_acts,
-        "input_bytes": sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor)),
+        "input_bytes": sum(t.numel() * t.element_size() for t in tensors),
     }
     rows = [r for r in all_rows if r.name and r.depth <= depth]
     return Summary(
         model=type(model).__name__,
-        inputs=describe_inputs(inputs),
+        inputs=_describe(args, named),
         rows=rows,
         all_rows=all_rows,
         totals=totals,
         by_operator=_families(root.total.by_op if root else {}),
-        input_shapes=[tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor)],
+        input_shapes=[tuple(t.shape) for t in tensors],
     )
 
 
 # -- helpers -----------------------------------------------------------------------------
 
-def _forward_error(exc: Exception, counter: OpCounter, inputs: tuple[Any, ...]) -> ForwardError:
+def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    return ", ".join(d for d in (describe_inputs(args), describe_inputs(kwargs)) if d)
+
+
+def _forward_error(exc: Exception, counter: OpCounter, inputs: str) -> ForwardError:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     frame = counter.failed_in
     if frame is None or frame.rec.name == "":
         where = f"the model's forward ({type(counter.model).__name__})"
-        shapes = describe_inputs(inputs)
+        shapes = inputs
     else:
         where = f"module '{frame.rec.name}' ({type(frame.rec.module).__name__})"
         shapes = ", ".join(str(s) for s in frame.rec.input_shapes or []) or "no tensor inputs"
