@@ -196,11 +196,10 @@ def example_batch(model: nn.Module, inputs: Any, *, seed: int = 0, loss: str | N
 # -- helpers ---------------------------------------------------------------------------------------
 
 def _pair(x: Any, y: Any) -> Batch:
-    if isinstance(x, Mapping):
-        return Batch((), dict(x), y)
-    if isinstance(x, (tuple, list)):
-        return Batch(tuple(x), {}, y)
-    return Batch((x,), {}, y)
+    from torch_tricks.inspect.inputs import split_inputs  # the inputs convention: a dict is keyword arguments
+
+    args, kwargs = split_inputs(x)
+    return Batch(args, kwargs, y)
 
 
 def _model_loss(loss_fn: Callable[..., Any]) -> bool:
