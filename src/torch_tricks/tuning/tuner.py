@@ -327,7 +327,9 @@ class _Tune:
                 continue
             # room for its set-up and for the least timing of all built so far (5 rounds and a warm-up)
             timing_need = (_MIN_ROUNDS + 1) * (built + 3) * self.step_s
-            end = min(setup_end, self.train_end - self.compile_reserve - timing_need)
+            # set-up gets half the time left, but the first trick (the most promising: speed first) may take
+            # more: a race of the two baselines alone answers nothing (a 0.76 s GPT-2 step: 35 s per set-up)
+            end = min(setup_end if built else math.inf, self.train_end - self.compile_reserve - timing_need)
             if time.perf_counter() + self.setup_s > end:
                 res.status, res.verdict = "skipped", "skipped"
                 res.reason = "over --budget-seconds before it could be measured: raise it"
@@ -725,12 +727,13 @@ class _Tune:
         the memory measurement (about one build each), one trick's build, and the least race
         of three lanes. A step of seconds (BERT-base at batch 32 on two cores: 8 s) would
         otherwise run the set-up for minutes past the budget and measure nothing; this says
-        at once what budget or batch would do, with the plain step's time measured.
+        at once what budget or batch would do, with the plain step's time measured. Only a
+        budget under half the estimate stops it: the estimate comes from the first steps.
         """
         step_s = max(_median(base.step_times) if base.step_times else build_s, 1e-4)
         need = 3.0 * build_s + (_MIN_ROUNDS + 1) * 3 * step_s
         spent = time.perf_counter() - self.t0
-        if self.left() >= need:
+        if self.left() >= need / 2:  # the first steps can take twice the steady ones (warm-up, a busy machine)
             return False
         report = self.report
         base_res.step_s = step_s
