@@ -506,6 +506,7 @@ def test_a_budget_too_short_for_one_trick_stops_after_the_plain_step_and_says_wh
     report = tune(_SlowStep(), (torch.randn(16, 8), torch.randint(0, 4, (16,))), budget_s=3, progress=False)
     assert report.rounds == 0 and report.aa_grad_drift is None  # no twin built, no race run
     assert report.baseline.step_s and report.baseline.step_s >= 0.3
+    assert report.best_throughput is report.baseline and report.recommended_config()["precision"] == "fp32"
     assert report.stop_reason.startswith("budget: one plain step takes") and "raise --budget-seconds to about" in \
         report.stop_reason
     suggested = int(report.stop_reason.split("raise --budget-seconds to about ")[1].split()[0])

@@ -737,7 +737,7 @@ class _Tune:
             return False
         report = self.report
         base_res.step_s = step_s
-        report.baseline = base_res
+        report.baseline = report.best_throughput = base_res  # the recommendation: the plain step
         suggest = math.ceil((spent + need) / 10.0) * 10
         smaller = max(1, int(report.batch * self.left() / need)) if report.batch > 1 else 1
         why = (f"one plain step takes {step_s:.1f} s here: measuring even one trick needs about {need:.0f} s more "
