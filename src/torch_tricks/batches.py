@@ -108,14 +108,12 @@ def split(batch: Any, parts: int) -> list[Any]:
 def to_device(batch: Any, device: torch.device, *, channels_last: bool = False) -> Any:
     """``batch`` (of any form above) on ``device``; 4-d floating inputs in channels_last if asked (T4)."""
     nb = device.type == "cuda"
+    moved = _map(batch, lambda t: t.to(device, non_blocking=nb))
+    if channels_last:
+        from torch_tricks.train.speed import to_channels_last
 
-    def move(t: torch.Tensor) -> torch.Tensor:
-        t = t.to(device, non_blocking=nb)
-        if channels_last and t.dim() == 4 and t.is_floating_point():
-            t = t.contiguous(memory_format=torch.channels_last)
-        return t
-
-    return _map(batch, move)
+        moved = to_channels_last(moved)
+    return moved
 
 
 def takes_labels(model: nn.Module) -> bool:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from torch_tricks.errors import UserError
 from torch_tricks.outputs import get_loss, primary_output
 from torch_tricks.registry import register_trick
 from torch_tricks.train.config import TrainConfig
-from torch_tricks.train.tricks import Tricks, TrainingDiverged, as_config
+from torch_tricks.train.tricks import Tricks, TrainingDiverged, _len, as_config, run_length
 
 __all__ = ["fit", "History", "TrainingDiverged", "TrainStep", "micro_batches"]
 
@@ -178,8 +177,7 @@ class _Trainer:
         self.device, self.dist, self.is_main = self.tricks.device, self.tricks.dist, self.tricks.is_main
         self.train_loader = self.tricks.prepare_data(train_data, train=True)
         self.val_loader = self.tricks.prepare_data(val_data, train=False) if val_data is not None else None
-        self.steps_per_epoch = math.ceil(_len(self.train_loader) / cfg.accumulate) if _len(self.train_loader) else 0
-        self.total_steps = self._total_steps()
+        self.steps_per_epoch, self.total_steps = run_length(cfg, self.train_loader)
         if (cfg.schedule != "constant" or cfg.warmup_steps) and not self.total_steps:
             raise UserError("a learning-rate schedule needs a known length: give max_steps or sized data")
         self.model, self.optimizer = self.tricks.prepare(model, optimizer, total_steps=self.total_steps)
@@ -199,21 +197,6 @@ class _Trainer:
     @step.setter
     def step(self, value: int) -> None:
         self.tricks.step_count = value
-
-    @property
-    def last_good(self) -> str:
-        return self.tricks.last_good
-
-    @last_good.setter
-    def last_good(self, value: str) -> None:
-        self.tricks.last_good = value
-
-    def _total_steps(self) -> int:
-        cfg = self.cfg
-        by_epochs = self.steps_per_epoch * cfg.epochs if self.steps_per_epoch else 0
-        if cfg.max_steps and by_epochs:
-            return min(cfg.max_steps, by_epochs)
-        return cfg.max_steps or by_epochs
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> History:
@@ -382,7 +365,7 @@ class _Trainer:
             scaler=self.scaler, ema=self.ema, step=self.step, epoch=epoch, batch_index=batch_index,
             extra={"micro_batches": self.micro, "skipped_steps": self.history.skipped_steps},
         )
-        self.last_good = f"{path} (step {self.step})"
+        self.tricks.last_good = f"{path} (step {self.step})"
         self.history.checkpoint = str(path)
 
     def _maybe_resume(self) -> None:
@@ -402,7 +385,7 @@ class _Trainer:
         self.micro = int(extra.get("micro_batches", 1))
         self.tricks.skipped_steps = self.history.skipped_steps = int(extra.get("skipped_steps", 0))
         self.history.resumed_from_step = report.step
-        self.last_good = f"{path} (step {self.step})"
+        self.tricks.last_good = f"{path} (step {self.step})"
 
     # -- logging ---------------------------------------------------------------------------
     def _open_logs(self) -> None:
@@ -558,13 +541,6 @@ def _set_epoch(loader: Any, epoch: int, seed: int) -> None:
         if sampler.generator is None:
             sampler.generator = torch.Generator()
         sampler.generator.manual_seed(seed * 100_003 + epoch)
-
-
-def _len(loader: Any) -> int:
-    try:
-        return len(loader)
-    except TypeError:
-        return 0
 
 
 def _sync(device: torch.device) -> None:

@@ -396,11 +396,7 @@ class Tricks:
         cfg = self.config
         if cfg.schedule == "constant" and not cfg.warmup_steps:
             return None
-        total = total_steps or 0
-        if not total:
-            per_epoch = math.ceil(_len(loader) / cfg.accumulate) if loader is not None and _len(loader) else 0
-            by_epochs = per_epoch * cfg.epochs
-            total = min(cfg.max_steps, by_epochs) if cfg.max_steps and by_epochs else cfg.max_steps or by_epochs
+        total = total_steps or run_length(cfg, loader)[1]
         if not total:
             raise UserError("a learning-rate schedule needs a known length: give max_steps, total_steps= or a "
                             "sized DataLoader to prepare()")
@@ -520,6 +516,13 @@ def _adjust_bn_momentum(model: nn.Module, k: int) -> None:
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is not None:
             m.momentum = 1 - (1 - m.momentum) ** (1 / k)
+
+
+def run_length(cfg: TrainConfig, loader: Any) -> tuple[int, int]:
+    """``(optimizer steps per epoch, steps of the run)`` of ``cfg`` over ``loader``; 0 where unknown (no len)."""
+    per_epoch = math.ceil(_len(loader) / cfg.accumulate) if loader is not None and _len(loader) else 0
+    by_epochs = per_epoch * cfg.epochs
+    return per_epoch, (min(cfg.max_steps, by_epochs) if cfg.max_steps and by_epochs else cfg.max_steps or by_epochs)
 
 
 def _len(loader: Any) -> int:
