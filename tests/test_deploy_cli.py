@@ -243,13 +243,14 @@ def test_onnx_runtime_int8_setting_can_be_forced(capsys):
     for target, steps in (("no-vnni", ["--steps", "onnx-int8:dynamic", "--int8-for", "no-vnni"]),
                           ("vnni", ["--steps", "onnx-int8:dynamic:vnni"])):
         code, out, err = run(capsys, "optimize", "--model", "mlp", *steps, "--no-latency", "--no-save", "--json")
-        assert code == 0, err
         step = json.loads(out)["steps"][0]
         s = step["int8_setting"]
         assert s["for_vnni"] is (target == "vnni") and s["forced"] and s["reason"].startswith("forced")
         assert s["weight_type"] == ("int8" if target == "vnni" else "uint8")
-        if target == "no-vnni":  # exact on every CPU; s8 weights may saturate on one without VNNI
-            assert step["within_tolerance"], step["agreement"]
+        if target == "no-vnni" or s["vnni"]:  # exact on every CPU, and s8 weights where the kernels have VNNI
+            assert code == 0 and step["within_tolerance"], (err, step["agreement"])
+        else:  # s8 weights forced onto kernels without VNNI may saturate (87.5% on an AVX2 EPYC): said, exit 1
+            assert code == (0 if step["within_tolerance"] else 1), err
         assert any(n.startswith("int8 setting: ") and "forced by the caller" in n for n in step["notes"])
     code, out, _ = run(capsys, "optimize", "--model", "mlp", "--steps", "onnx-int8:dynamic:no-vnni", "--no-latency",
                        "--no-save")
