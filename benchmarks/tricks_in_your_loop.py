@@ -5,7 +5,9 @@ the speed-up that configuration gives a training loop the user keeps, through
 ``torch_tricks.Tricks('tricks.toml')``. Checked on ResNet-18 (64x64 images, batch 16)
 and a small GPT-2 (4 layers, 256 wide, 128 tokens, batch 8), each in one run:
 
-1. ``tune`` (seeded, ``--budget`` seconds) on the model, one example batch and its loss;
+1. ``tune`` (seeded, ``--budget`` seconds; by default 120 for ResNet-18 and 360 for GPT-2,
+   whose 4 s step on one AVX2 core left a 120 s tune time for the two baselines only) on
+   the model, one example batch and its loss;
    its report is written (``tricks.toml`` among it) and the prediction read off it: the
    recommended configuration's speed-up over the plain step, with its ~95% interval,
    and the tune's noise (plain against an identical plain, A/A). A tune that keeps the
@@ -44,28 +46,25 @@ and a small GPT-2 (4 layers, 256 wide, 128 tokens, batch 8), each in one run:
 any other busy process make each step 10-20x slower and erratic; the tune and the loop
 run under the same count, so the comparison holds at any count.
 
-What a disagreement on a CPU has meant so far: the allocator, not the loop. With
-glibc's defaults a small process hands freed memory back to the OS and takes fresh
-pages again every step; the plain step's for-loop AdamW makes a temporary per
-parameter, so in a fresh process ResNet-18's plain step costs ~20,000 minor page faults
-(226 ms, against 207 ms for the same step in the tune), the fused bf16 step ~7,000.
-Inside the tune, where a dozen model copies keep the heap warm, the race's steps
-page-fault not at all (counted around its calls), so it times the plain step faster
-than a user's process runs it and under-predicts a fused optimizer's gain (measured:
-1.36x predicted, 1.46x realised; for ``fused_optimizer`` alone 1.15-1.16x against
-1.20-1.24x). ``TrainStep`` (what the tune times) and this loop give the same ratio side
-by side in one process (1.22x and 1.20x for ``fused_optimizer``), so the loop is not the
-difference. ``--keep-heap`` (``mallopt``: blocks up to 32 MiB from the heap, never
-trimmed) keeps freed memory in both processes; then no step page-faults and the two
-agreed (1.35x predicted, 1.36x realised). ``--loop same`` is no fix: whether the tune's
-process still has a warm heap when the loops run varies from run to run (1.46x and 1.33x
-realised against 1.42x and 1.39x predicted). GPT-2 pays ~260,000 faults per step in both
-(its 200 MB logits are always mmapped), so its prediction holds. The minor page faults
-per step of each arm are printed for this reason.
+The allocator, on a CPU: with glibc's defaults a small process hands freed memory back
+to the OS and takes fresh pages again every step; the plain step's for-loop AdamW makes
+a temporary per parameter, so in a fresh process ResNet-18's plain step cost ~20,000
+minor page faults (226 ms, against 207 ms for the same step in the tune), the fused bf16
+step ~7,000. Inside the tune, where a dozen model copies kept the heap warm, the race's
+steps page-faulted not at all, so it timed the plain step faster than a user's process
+ran it and under-predicted a fused optimizer's gain (measured before the fix: 1.36x
+predicted, 1.46x realised: DISAGREE). Since then ``Tricks`` keeps the heap on a CPU
+(``keep_heap``, on by default: :func:`torch_tricks.train.speed.keep_heap`), in the tune's
+process and in the user's alike, so both time a step without those faults.
+``--no-keep-heap`` runs the two loops with ``keep_heap = false`` (the tune keeps its own),
+which shows what the allocator alone does to a prediction on this machine. The minor page
+faults per step of each arm are printed for this reason. GPT-2's 200 MB logits stay
+mapped either way (over glibc's 32 MiB cap), the same in tune and loop.
 
     python benchmarks/tricks_in_your_loop.py                       # both models, 120 s tunes, 30 rounds
     python benchmarks/tricks_in_your_loop.py --models resnet18 --budget 60 --rounds 20
     python benchmarks/tricks_in_your_loop.py --optimizer own --out tune-reports --json loop.json
+    python benchmarks/tricks_in_your_loop.py --no-keep-heap     # the loops on glibc's default heap
 """
 
 from __future__ import annotations
@@ -83,10 +82,10 @@ from typing import Any, Callable, Iterator
 
 HERE = Path(__file__).resolve().parent
 
-# name -> (load_model reference, hf_config, input spec with {size}/{seq}, batch option)
+# name -> (load_model reference, hf_config, input spec with {size}/{seq}, batch option, default tune budget s)
 MODELS = {
-    "resnet18": ("resnet18", None, "3x{size}x{size}", "resnet_batch"),
-    "gpt2": ("hf:gpt2", "n_layer=4,n_embd=256,n_head=4", "long:{seq}:50257", "gpt_batch"),
+    "resnet18": ("resnet18", None, "3x{size}x{size}", "resnet_batch", 120.0),
+    "gpt2": ("hf:gpt2", "n_layer=4,n_embd=256,n_head=4", "long:{seq}:50257", "gpt_batch", 360.0),
 }
 
 
@@ -120,7 +119,7 @@ def build(name: str, args: argparse.Namespace) -> tuple[Any, Any, Callable[..., 
     from torch_tricks.inspect.inputs import make_inputs
     from torch_tricks.models import load_model
 
-    ref, hf_config, spec, batch_opt = MODELS[name]
+    ref, hf_config, spec, batch_opt, _ = MODELS[name]
     spec = spec.format(size=args.resnet_size, seq=args.gpt_seq)
     n = getattr(args, batch_opt)
     torch.manual_seed(args.seed)
@@ -169,7 +168,7 @@ def run_tune(name: str, args: argparse.Namespace, out_root: Path) -> dict[str, A
     from torch_tricks import tune
 
     model, batch, loss_fn, what = build(name, args)
-    report = tune(model, batch, loss_fn, device=torch.device(args.device), budget_s=args.budget, seed=args.seed,
+    report = tune(model, batch, loss_fn, device=torch.device(args.device), budget_s=budget(name, args), seed=args.seed,
                   progress=False, name=name)
     out = out_root / name
     report.write(out)
@@ -205,6 +204,9 @@ def run_loops(name: str, args: argparse.Namespace, report_dir: Path) -> dict[str
         "plain": {"config": json.loads((report_dir / "plain.json").read_text())},
         "tuned": {"config": str(report_dir / "tricks.toml")},  # the file, as the user's loop reads it
     }
+    if args.no_keep_heap:  # glibc's default heap in both loops (the tune kept its own)
+        arms["plain"]["config"]["keep_heap"] = False
+        arms["tuned"]["config"] = {**load_config(arms["tuned"]["config"]), "keep_heap": False}
     for arm in arms.values():
         m = copy.deepcopy(model)  # the same initial weights for both
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3) if args.optimizer == "own" else None
@@ -259,7 +261,7 @@ def loops_in_child(name: str, args: argparse.Namespace, report_dir: Path) -> dic
             "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--resnet-batch", str(args.resnet_batch),
             "--resnet-size", str(args.resnet_size), "--gpt-batch", str(args.gpt_batch), "--gpt-seq", str(args.gpt_seq),
             "--threads", str(args.threads), "--device", args.device, "--optimizer", args.optimizer,
-            "--seed", str(args.seed)] + (["--keep-heap"] if args.keep_heap else [])
+            "--seed", str(args.seed)] + (["--no-keep-heap"] if args.no_keep_heap else [])
     r = subprocess.run(argv, stdout=subprocess.PIPE, text=True)  # stderr (its progress bar) passes through
     if r.returncode != 0:
         raise RuntimeError(f"the loop process for {name} exited with {r.returncode}")
@@ -279,6 +281,11 @@ def verdict(t: dict[str, Any], loop: dict[str, Any]) -> dict[str, Any]:
             "diff": diff, "agree": abs(diff) <= tolerance}
 
 
+def budget(name: str, args: argparse.Namespace) -> float:
+    """The tune's budget for ``name``: ``--budget``, else the model's default."""
+    return args.budget if args.budget is not None else MODELS[name][4]
+
+
 def _forever(batch: Any) -> Iterator[Any]:
     """The tune's one example batch, again and again (what the tune timed)."""
     while True:
@@ -292,23 +299,6 @@ def _minor_faults() -> int | None:
     except ImportError:
         return None
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def keep_heap() -> str:
-    """glibc only: blocks up to 32 MiB (its most) from the heap, never trimmed, so freed memory stays in the
-    process (see the module doc). Bigger blocks (GPT-2's 200 MB logits) stay mmapped, as by default: with
-    none mmapped the heap fragments between the two arms and a step page-faults more, not less."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        ok = libc.mallopt(m_mmap_threshold, 32 << 20) == 1 and libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
-    except (OSError, AttributeError):
-        ok = False
-    return ("kept (mallopt: M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 2 GiB)" if ok
-            else "not kept: no glibc mallopt here")
 
 
 def _median(xs: list[float]) -> float:
@@ -359,9 +349,9 @@ def print_results(results: list[dict[str, Any]], args: argparse.Namespace) -> No
         print(f"  {'AGREE' if r['agree'] else 'DISAGREE'}: predicted {_pm(r['predicted'], r['predicted_half'])}, "
               f"realised {_pm(r['realised'], r['realised_half'])}: |{r['diff']:+.3f}| "
               f"{'<=' if r['agree'] else '>'} {r['tolerance']:.3f} ({r['tolerance_from']})")
-        if not r["agree"] and pf["plain"] and not args.keep_heap:
-            print("  hint: the loop's steps page-fault in fresh memory, which the tune's process (its many model "
-                  "copies keep the heap warm) does not; --keep-heap runs both without that (see the module doc)")
+        if not r["agree"] and pf["plain"] and "keep_heap" not in r["applied"]["plain"]:
+            print("  hint: the loop's steps page-fault in fresh memory, which the tune's process (its heap kept) does "
+                  "not; keep_heap = true (the default) runs the loop as the tune timed it (see the module doc)")
     n_ok = sum(r["agree"] for r in results)
     print(f"\noverall: {'PASS' if n_ok == len(results) else 'FAIL'}: the tune's prediction and the speed-up realised "
           f"in the user's loop agree for {n_ok} of {len(results)} models")
@@ -410,7 +400,7 @@ def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="resnet18,gpt2", help=f"comma-separated, of: {', '.join(MODELS)}")
-    ap.add_argument("--budget", type=float, default=120.0, help="tune budget per model, seconds")
+    ap.add_argument("--budget", type=float, help="tune budget per model, seconds (default: resnet18 120, gpt2 360)")
     ap.add_argument("--rounds", type=int, default=30, help="interleaved timed rounds of the two loops")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per loop after its first call")
     ap.add_argument("--resnet-batch", type=int, default=16)
@@ -421,9 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
     ap.add_argument("--optimizer", choices=("config", "own"), default="config",
                     help="config: tricks.prepare(model) builds the tune's optimizer; own: your AdamW, passed in")
-    ap.add_argument("--keep-heap", action="store_true",
-                    help="glibc: keep freed memory in the process (mallopt), for tune and loop alike, so no step "
-                         "pays page faults for fresh memory (see the module doc)")
+    ap.add_argument("--no-keep-heap", action="store_true",
+                    help="run the two loops with keep_heap = false (glibc's default heap: steps page-fault in "
+                         "memory freed a step ago); the tune keeps its own (see the module doc)")
     ap.add_argument("--loop", choices=("fresh", "same"), default="fresh",
                     help="fresh: the two loops in a new Python process, as a training script runs after the tune; "
                          "same: in this process, after the tune (its heap state: see the module doc)")
@@ -444,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    heap = keep_heap() if args.keep_heap else "glibc's defaults" if sys.platform.startswith("linux") else "default"
+    heap = ("glibc's defaults in the loops (--no-keep-heap), kept in the tune" if args.no_keep_heap
+            else "kept by Tricks (keep_heap, the default) in tune and loops")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "auto":
@@ -454,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_loops(args.child, args, Path(args.child_dir))))
         return 0
     print(f"tune's prediction vs the user's loop through Tricks: {', '.join(names)}; {args.device}, "
-          f"{torch.get_num_threads()} thread(s), torch {torch.__version__}; tune budget {args.budget:.0f} s, "
+          f"{torch.get_num_threads()} thread(s), torch {torch.__version__}; tune budget {', '.join(f'{budget(n, args):.0f}' for n in names)} s, "
           f"{args.rounds} interleaved rounds after {args.warmup} warm-up steps, optimizer: {args.optimizer}; "
           f"loops: {'a fresh process' if args.loop == 'fresh' else 'this process, after the tune'}; heap: {heap}\n")
     results = []
@@ -462,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         out_root = Path(args.out) if args.out else Path(tmp)
         with tqdm(total=2 * len(names), desc="models", file=sys.stderr, unit="phase") as bar:
             for name in names:
-                bar.set_description(f"{name}: tune ({args.budget:.0f} s)")
+                bar.set_description(f"{name}: tune ({budget(name, args):.0f} s)")
                 t = run_tune(name, args, out_root)
                 bar.update(1)
                 bar.set_description(f"{name}: the two loops ({args.loop} process)")

@@ -267,3 +267,35 @@ def test_result_is_an_optimize_result_with_bf16_step():
     assert step.backend == "cast" and step.within_tolerance and step.size_bytes < 0.6 * res.original.size_bytes
     assert _out(res.model, x).dtype == torch.float32
     assert any(n.startswith("bf16:") for n in res.notes())
+
+
+class _DataclassOut(nn.Module):
+    """A forward returning a plain dataclass whose first field is an integer tensor, logits later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        from dataclasses import make_dataclass
+
+        logits = self.fc2(torch.relu(self.fc1(x)))
+        Out = make_dataclass("Out", ["pred", "features", "logits"])
+        return Out(logits.argmax(-1), torch.relu(self.fc1(x)), logits)
+
+
+def test_agreement_is_taken_on_the_logits_of_any_output_dataclass_and_model_output():
+    """optimize compares what torch_tricks.outputs calls the prediction: a dataclass's or a
+    transformers ModelOutput's logits, not its first field."""
+    model = _DataclassOut().eval()
+    x = torch.randn(32, 16)
+    step = optimize(model, "int8-dynamic", x, measure=False).steps[0]
+    assert step.within_tolerance and step.agreement.top1_agreement is not None  # (32, 10) logits, not the argmax
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=100, num_labels=3)
+    torch.manual_seed(0)
+    bert = transformers.BertForSequenceClassification(cfg).eval()
+    ids = torch.randint(0, 100, (16, 12))
+    step = optimize(bert, "int8-dynamic", ids, measure=False).steps[0]
+    assert step.agreement.top1_agreement is not None and step.agreement.max_abs_diff < 0.5, step.agreement

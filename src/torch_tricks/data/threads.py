@@ -238,7 +238,6 @@ class ThreadLoader:
 
 
 _TRIM_THRESHOLD = 64 << 20
-_trim_set = False
 
 
 def keep_freed_heap(nbytes: int = _TRIM_THRESHOLD) -> bool:
@@ -250,25 +249,14 @@ def keep_freed_heap(nbytes: int = _TRIM_THRESHOLD) -> bool:
     the process's other threads on other cores to flush their TLBs. With two decoding
     threads that cost ~7% of the CPU time per image here (measured: 394 vs 423 us per JPEG;
     two processes paid 400). The same as ``MALLOC_TRIM_THRESHOLD_=67108864`` in the
-    environment, but that must be set before Python starts. Done once per process; returns
-    whether it was done (False off glibc). Setting it also fixes the mmap threshold at its
-    default (128 KB) instead of letting glibc raise it.
+    environment, but that must be set before Python starts. Only ever raised (a training
+    step's :func:`~torch_tricks.train.speed.keep_heap` may have set more); returns whether
+    glibc took it (False off glibc). Setting it also fixes the mmap threshold where it is
+    instead of letting glibc raise it.
     """
-    global _trim_set
-    if _trim_set:
-        return True
-    import ctypes
-    import ctypes.util
-    import platform
+    from torch_tricks._malloc import raise_malloc_thresholds
 
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        _trim_set = bool(libc.mallopt(-1, int(nbytes)))  # -1: M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-    return _trim_set
+    return raise_malloc_thresholds(trim=nbytes)
 
 
 class _Buffers:

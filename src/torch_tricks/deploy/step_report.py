@@ -138,19 +138,14 @@ def report(
 
 
 def _first_tensor(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        for o in out:
-            if isinstance(o, torch.Tensor):
-                return o
-            if hasattr(o, "__array__"):
-                return torch.as_tensor(o)
-    if hasattr(out, "__array__"):
-        return torch.as_tensor(out)
-    raise TypeError(f"cannot find an output tensor in {type(out).__name__}")
+    """The output compared: :func:`torch_tricks.outputs.primary_output` (a ModelOutput's or dict's
+    logits, else the first floating-point tensor), with ONNX Runtime's numpy arrays as tensors."""
+    from torch_tricks.outputs import primary_output
+
+    def tensor(o: Any) -> Any:
+        return torch.as_tensor(o) if hasattr(o, "__array__") and not isinstance(o, torch.Tensor) else o
+
+    return primary_output([tensor(o) for o in out] if isinstance(out, (list, tuple)) else tensor(out))
 
 
 def _has_packed_params(model: nn.Module) -> bool:

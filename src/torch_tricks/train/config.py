@@ -42,6 +42,7 @@ class TrainConfig:
     cudnn_benchmark: bool = False  # T2 (CUDA, fixed shapes only)
     fused_optimizer: bool = True  # T7: fused or foreach step where available
     no_decay_norm_bias: bool = True  # T14/T15
+    keep_heap: bool = True  # CPU, glibc: freed memory stays in the process (no page faults per step)
     # memory
     accumulate: int = 1  # T11
     bn_momentum_adjust: bool = False  # T11: BN momentum for k-times smaller batches
@@ -69,7 +70,8 @@ class TrainConfig:
     log_dir: str = ""  # metrics.csv (and TensorBoard when installed)
     progress: bool = True
     # distributed
-    distributed: str = "auto"  # auto (under torchrun) | off
+    distributed: str = "auto"  # T18: auto (ddp under torchrun) | ddp | zero1 | fsdp | off
+    fsdp_reshard: bool = True  # fsdp: free a block's gathered parameters after forward (else keep them for backward)
     sync_bn: bool = False  # T19
     device: str = "auto"  # auto | cpu | cuda | cuda:N
 
@@ -94,7 +96,8 @@ class TrainConfig:
             (self.schedule in ("constant", "cosine", "linear"), f"schedule must be constant, cosine or linear, not {self.schedule!r}"),
             (0.0 < self.ema_decay < 1.0, "ema_decay must be between 0 and 1"),
             (0.0 <= self.swa_start < 1.0, "swa_start is a fraction of the epochs, in [0, 1)"),
-            (self.distributed in ("auto", "off"), "distributed must be auto or off"),
+            (self.distributed in ("auto", "ddp", "zero1", "fsdp", "off"),
+             f"distributed must be auto, ddp, zero1, fsdp or off, not {self.distributed!r}"),
             (not self.resume or bool(self.checkpoint_dir), "resume needs checkpoint_dir"),
         ]
         for ok, message in checks:

@@ -37,7 +37,7 @@ __all__ = ["EMA", "SWA", "update_bn", "first_element"]
     ids=("T22",),
     kind="train",
     trades="one more copy of the weights and a foreach lerp per update for a smoother, usually better model to evaluate",
-    needs="a model whose float parameters and buffers can be copied (not FSDP-sharded)",
+    needs="a model whose float parameters and buffers can be copied (under FSDP: copied before sharding, then sharded alike)",
     config_key="ema",
 )
 class EMA:

@@ -63,6 +63,7 @@ __all__ = [
     "memory_efficient_bn_act",
     "checkpoint_blocks",
     "checkpoint_sequential_sqrt",
+    "repeated_blocks",
     "checkpointed_names",
 ]
 
@@ -330,6 +331,12 @@ def checkpoint_blocks(
         if not isinstance(m.__dict__.get("forward"), _CheckpointedForward):
             m.forward = _CheckpointedForward(m)
     return model
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, block)`` of the repeated blocks of ``model`` (see :func:`checkpoint_blocks`),
+    outermost only, in module order: the unit of activation checkpointing and of FSDP sharding."""
+    return _outermost(model, _default_blocks(model))
 
 
 def checkpoint_sequential_sqrt(seq: nn.Sequential, segments: int | None = None) -> nn.Sequential:

@@ -15,7 +15,8 @@ the tuner times) are built on it, so a switch measured by ``tune`` is the switch
 loop gets. Each switch of :class:`TrainConfig` is applied at the one place it belongs:
 
 * ``Tricks(...)``: device, ``torchrun`` process group, seeding (the same seed ``fit``
-  uses), cudnn benchmark;
+  uses), cudnn benchmark, a kept heap on CPU (process-wide, as in the tune that timed
+  the step);
 * :meth:`prepare`: the model changes (in-place activations, memory-efficient BN,
   activation checkpointing, BN momentum for accumulation, SyncBN under DDP, device,
   channels_last), then the wrappers (DDP, compile); the optimizer (built from the config
@@ -79,6 +80,7 @@ class Tricks:
         self._micro = 0  # backward calls in the group under way
         self._group = 0  # this group's size when set by fit (micro-batch splits); 0 = config.accumulate
         self._ddp: nn.Module | None = None
+        self._fsdp: nn.Module | None = None
         self._setup_runtime()
         from torch_tricks.train.precision import make_grad_scaler
 
@@ -102,7 +104,14 @@ class Tricks:
         if self.unwrapped_model is not None:
             raise UserError("prepare() was called already: make one Tricks per model")
         self.unwrapped_model = self._prepare_model(model)
+        fsdp_ema = self._fsdp_mode() and self.config.ema
+        if fsdp_ema:  # the average is copied from the whole model, then sharded as the model is
+            self.ema = self._build_ema()
         self.model = self._wrap_model(self.unwrapped_model)
+        if fsdp_ema:
+            from torch_tricks.train.sharding import shard_fsdp
+
+            shard_fsdp(self.ema.module, precision=self.config.precision, reshard_after_forward=self.config.fsdp_reshard)
         self.optimizer = self._build_optimizer(optimizer)
         out: list[Any] = []
         loaders = []
@@ -120,7 +129,8 @@ class Tricks:
             out.append(obj)
         if self.scheduler is None:
             self.scheduler = self._build_scheduler(total_steps, loaders[0] if loaders else None)
-        self.ema = self._build_ema()
+        if not fsdp_ema:
+            self.ema = self._build_ema()
         return (self.model, self.optimizer, *out)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -131,6 +141,8 @@ class Tricks:
         stack = contextlib.ExitStack()
         if self._ddp is not None:
             stack.enter_context(no_sync_if(self._ddp, not self.sync_gradients))
+        if self._fsdp is not None:  # no reduce-scatter before a group's last micro-batch
+            self._fsdp.set_requires_gradient_sync(self.sync_gradients)
         stack.enter_context(autocast(self.config.precision, self.device))
         return stack
 
@@ -208,6 +220,10 @@ class Tricks:
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs: model, optimizer, scheduler, scaler, EMA, step count, accumulation position."""
         self._need_prepare()
+        if self.dist is not None and self.config.distributed in ("zero1", "fsdp"):
+            raise UserError(f"under distributed = {self.config.distributed} the state is sharded across ranks and "
+                            "needs a sharded checkpoint (torch.distributed.checkpoint), which Tricks does not write "
+                            "yet: use distributed = ddp to save and resume")
         state: dict[str, Any] = {
             "model": self.unwrapped_model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -276,7 +292,14 @@ class Tricks:
         from torch_tricks.train.seed import seed_everything
 
         cfg = self.config
-        use_dist = cfg.distributed == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if cfg.distributed in ("ddp", "zero1", "fsdp") and not launched:
+            raise UserError(f"distributed = {cfg.distributed} needs several processes: launch with `torchrun "
+                            f"--nproc_per_node N ...` (or set distributed = off)")
+        if cfg.distributed in ("zero1", "fsdp") and cfg.checkpoint_dir:
+            raise UserError(f"checkpoints under distributed = {cfg.distributed} are sharded (DCP), which fit does not "
+                            "write yet: leave checkpoint_dir empty, or use distributed = ddp")
+        use_dist = cfg.distributed != "off" and launched
         self.dist = init_distributed() if use_dist else None
         if self.dist is not None:
             self.device = self.dist.device
@@ -299,6 +322,11 @@ class Tricks:
 
             cudnn_benchmark(True, fixed_shapes=True)
             self.applied.append("cudnn_benchmark")
+        if cfg.keep_heap and self.device.type == "cpu":
+            from torch_tricks.train.speed import keep_heap
+
+            if keep_heap():
+                self.applied.append("keep_heap")
         if cfg.detect_anomaly:  # debugging only: slow, and for the rest of the process (fit scopes it to its run)
             torch.autograd.set_detect_anomaly(True)
             self.applied.append("detect_anomaly")
@@ -343,8 +371,17 @@ class Tricks:
             applied.append("channels_last")
         return model
 
+    def _fsdp_mode(self) -> bool:
+        return self.dist is not None and self.config.distributed == "fsdp"
+
     def _wrap_model(self, model: nn.Module) -> nn.Module:
-        if self.dist is not None:
+        if self._fsdp_mode():
+            from torch_tricks.train.sharding import shard_fsdp
+
+            model = self._fsdp = shard_fsdp(model, precision=self.config.precision,
+                                            reshard_after_forward=self.config.fsdp_reshard)
+            self.applied.append("fsdp")
+        elif self.dist is not None:
             from torch_tricks.train.distributed import wrap_ddp
 
             model = self._ddp = wrap_ddp(model, self.dist)
@@ -357,7 +394,20 @@ class Tricks:
         return model
 
     def _build_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
+        opt = self._build_local_optimizer(optimizer)
+        if self.dist is not None and self.config.distributed == "zero1":
+            from torch_tricks.train.sharding import zero1_optimizer
+
+            opt = zero1_optimizer(opt)
+            self.applied.append("zero1")
+        return opt
+
+    def _build_local_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         cfg = self.config
+        if isinstance(optimizer, torch.optim.Optimizer) and self.dist is not None \
+                and cfg.distributed in ("zero1", "fsdp"):
+            raise UserError(f"under distributed = {cfg.distributed} the optimizer is built on the sharded parameters: "
+                            "pass prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
         if isinstance(optimizer, torch.optim.Optimizer):
             if cfg.fused_optimizer:
                 kind = _switch_to_fast_step(optimizer)

@@ -59,6 +59,11 @@ _NOT_A_STEP_SWITCH = {
     "swa": "averages weights late in training; its per-step cost is that of ema (measured)",
     "ddp": "needs several processes: run the training under torchrun",
     "sync_batchnorm": "needs several processes: run the training under torchrun",
+    "zero1": "needs several processes: run the training under torchrun (distributed = zero1)",
+    "fsdp": "needs several processes: run the training under torchrun (distributed = fsdp)",
+    "keep_heap": "a process-wide allocator setting, on (the default) in this tune's process as in every Tricks or fit "
+                 "run, so that a step is timed here as your script will run it; once set it cannot be undone to time "
+                 "its absence (benchmarks/tricks_in_your_loop.py --no-keep-heap measures that in a fresh process)",
 }
 
 

@@ -1,0 +1,116 @@
+"""Sharded data parallelism with PyTorch's own engines (catalogue T18): ZeRO-1 and FSDP2.
+
+Under ``torchrun`` every rank holds the whole model with DDP (``distributed = "ddp"``);
+when the optimizer state or the model itself no longer fits a device, shard it:
+
+* ``zero1``: DDP for the gradients, :class:`~torch.distributed.optim.ZeroRedundancyOptimizer`
+  for the optimizer: each rank keeps and steps the state of its share of the parameters
+  and broadcasts its updated share (AdamW's two moments are 2/3 of a model's training
+  state: halved on 2 ranks).
+* ``fsdp``: :func:`torch.distributed.fsdp.fully_shard` (FSDP2) on each repeated block
+  (the blocks activation checkpointing finds: :func:`~torch_tricks.train.memory.repeated_blocks`)
+  and on the root: parameters, gradients and optimizer state are sharded; a block's
+  parameters are gathered just before its forward/backward and freed after
+  (``fsdp_reshard``: also after forward, the default; off keeps them gathered between
+  forward and backward, more memory for one all-gather less). ``precision = "bf16"``
+  becomes a :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` (bf16 compute and
+  communication, fp32 gradient reduction and master weights).
+
+Nothing here is a home-made engine: it is the wiring (wrapping granularity, the optimizer
+built on the sharded parameters, gradient sync only on a group's last micro-batch) that
+``Tricks`` and ``fit`` apply when the config asks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from torch_tricks.errors import UserError
+from torch_tricks.registry import register_trick
+
+__all__ = ["MODES", "shard_fsdp", "zero1_optimizer", "is_fsdp", "sharding_available"]
+
+MODES = ("auto", "ddp", "zero1", "fsdp", "off")  # TrainConfig.distributed
+
+
+def sharding_available(device: torch.device) -> tuple[bool, str]:
+    """ZeRO-1 and FSDP need torch.distributed and several processes (torchrun)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False, "this torch build has no torch.distributed"
+    return False, "needs several processes: run the training under torchrun (distributed = zero1 | fsdp)"
+
+
+@register_trick(
+    "fsdp",
+    ids=("T18",),
+    kind="train",
+    trades="parameters, gradients and optimizer state split across ranks, for an all-gather per block per pass",
+    needs="torchrun with several processes; repeated blocks to shard one by one",
+    config_key="distributed",
+    available=sharding_available,
+)
+def shard_fsdp(model: nn.Module, *, mesh: Any = None, precision: str = "fp32", reshard_after_forward: bool = True,
+               blocks: list[nn.Module] | None = None) -> nn.Module:
+    """``fully_shard`` each repeated block of ``model`` (or ``blocks``), then the root; in place, returned.
+
+    The model must be on this rank's device already. ``precision`` ``bf16``/``fp16``: the
+    blocks compute in that dtype from fp32 master weights, gradients reduced in fp32.
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from torch_tricks.train.memory import repeated_blocks
+
+    if not dist.is_initialized():
+        raise UserError("distributed = fsdp needs torchrun: launch with `torchrun --nproc_per_node N ...`")
+    mp = MixedPrecisionPolicy()
+    if precision in ("bf16", "fp16"):
+        low = torch.bfloat16 if precision == "bf16" else torch.float16
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    chosen = blocks if blocks is not None else [m for _, m in repeated_blocks(model)]
+    for block in chosen:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """True for a module ``fully_shard`` was applied to."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@register_trick(
+    "zero1",
+    ids=("T18",),
+    kind="train",
+    trades="optimizer state split across ranks, for one broadcast of the updated parameters per step",
+    needs="torchrun with several processes",
+    config_key="distributed",
+    available=sharding_available,
+)
+def zero1_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A :class:`~torch.distributed.optim.ZeroRedundancyOptimizer` with ``optimizer``'s class,
+    param groups and options (``optimizer`` must not have stepped yet: its state is not moved);
+    each rank keeps and steps the state of its share of the parameters."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if not dist.is_initialized():
+        raise UserError("distributed = zero1 needs torchrun: launch with `torchrun --nproc_per_node N ...`")
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    if optimizer.state:
+        raise UserError("zero1 shards an optimizer before its first step: this one has state already")
+    import inspect
+
+    takes = inspect.signature(type(optimizer).__init__).parameters  # defaults hold keys __init__ does not take
+    groups = [{k: v for k, v in g.items() if k == "params" or k in takes} for g in optimizer.param_groups if g["params"]]
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in takes and k != "params"}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
