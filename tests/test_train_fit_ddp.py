@@ -72,3 +72,49 @@ def test_fit_under_torchrun_equals_single_process(tmp_path):
     fit(single, global_batches(), config=config().replace(epochs=1))  # the list holds both epochs
     for k, v in single.state_dict().items():
         torch.testing.assert_close(ddp[k].to(v.dtype), v, rtol=0, atol=1e-5, msg=k)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_meet_through_a_c10d_rendezvous_and_train_as_one_process(tmp_path):
+    """Many machines, as on a cluster: `torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint
+    HOST:PORT` on each node, here two agents on localhost with one process each; fit runs
+    unchanged and ends with the single-process parameters."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("this torch build has no gloo backend")
+    script = Path(__file__).parent / "dist_scripts" / "fit_ddp.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    endpoint = f"127.0.0.1:{_free_port()}"
+    agents = []
+    for _ in range(WORLD):  # one agent per "node", started independently, as on two hosts
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(WORLD), "--nproc_per_node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "tt-two-nodes", str(script),
+               str(tmp_path)]
+        agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       start_new_session=True))
+    logs = []
+    try:
+        for proc in agents:
+            logs.append(proc.communicate(timeout=180)[0])
+    except subprocess.TimeoutExpired:
+        for proc in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the two agents did not finish in 180 s")
+    assert all(p.returncode == 0 for p in agents) and (tmp_path / "done").exists(), "\n---\n".join(
+        log[-2000:] for log in logs)
+    ddp = torch.load(tmp_path / "params.pt")
+
+    from torch_tricks.train import fit
+
+    single = make_model()
+    fit(single, global_batches(), config=config().replace(epochs=1))
+    for k, v in single.state_dict().items():
+        torch.testing.assert_close(ddp[k].to(v.dtype), v, rtol=0, atol=1e-5, msg=k)
