@@ -230,3 +230,54 @@ def test_convert_uses_torch_syncbn_for_cuda_models():
     out = convert_sync_batchnorm(model)
     assert isinstance(out[1], nn.SyncBatchNorm)
     assert isinstance(convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4)).cuda(), impl="cpu")[0], CPUSyncBatchNorm)
+
+
+def _worker_pid(token: str, rank: int, timeout: float = 60.0) -> int:
+    """The pid of the torchrun worker of ``rank`` whose environment carries ``token``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"TT_TEST_TOKEN={token}".encode() in env and f"RANK={rank}".encode() in env \
+                    and b"TORCHELASTIC_RUN_ID=" in b" ".join(env) and f"LOCAL_RANK={rank}".encode() in env:
+                return int(pid)
+        time.sleep(0.2)
+    pytest.fail(f"no worker of rank {rank} appeared in {timeout} s")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the worker to kill")
+def test_kill_9_of_one_rank_mid_epoch_stops_the_other_with_one_line_naming_it(tmp_path):
+    import time
+    import uuid
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("this torch build has no gloo backend")
+    token = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", TT_TEST_TOKEN=token)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "torch_tricks.cli", "train", "--model", "small_cnn", "--data", "digits", "--epochs", "10000",
+           "--no-progress", "--log-every", "1000"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        victim = _worker_pid(token, 1)
+        time.sleep(8)  # mid-epoch, well into training
+        assert proc.poll() is None, "the run ended before the kill"
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        log, _ = proc.communicate(timeout=90)
+        took = time.monotonic() - killed
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert took < 60, f"the other rank took {took:.0f} s to stop"
+    lines = [line for line in log.splitlines() if "rank 1 of 2 was lost at step" in line]
+    assert len(lines) == 1 and lines[0].startswith("torch-tricks: error: rank 1 of 2 was lost at step"), log[-3000:]
+    assert proc.returncode != 0

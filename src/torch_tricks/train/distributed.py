@@ -12,6 +12,9 @@ that adds what the plain API leaves to the user:
   time to stop) into one collective decision. If ranks decide alone, one skips a step the
   others take, and the others wait forever in DDP's gradient all-reduce: a hang, not an error.
 * :func:`no_sync_if` skips DDP's gradient all-reduce on gradient-accumulation inner steps.
+* :func:`watch_ranks` turns a lost rank (killed, crashed, its machine gone) into one line
+  naming it and the step on every rank that is left, instead of a hang, a wall of
+  tracebacks or a bare SIGTERM from torchrun's agent.
 
 Every helper works when ``torch.distributed`` is not initialised (one process): it then
 does the single-process thing (returns the flag, does not wait, returns the tensor).
@@ -49,6 +52,9 @@ __all__ = [
     "unwrap_model",
     "distributed_sampler",
     "no_sync_if",
+    "RankLost",
+    "watch_ranks",
+    "lost_ranks",
 ]
 
 
@@ -322,3 +328,89 @@ def _reduce_flag(flag: bool, how: str) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN if how == "min" else dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+# -- a lost rank ---------------------------------------------------------------------------------
+
+class RankLost(UserError):
+    """A rank of the run died or stopped answering; the message names it and the step."""
+
+
+class _Terminated(BaseException):
+    """SIGTERM, as an exception in the main thread (torchrun's agent stops the others this way)."""
+
+
+@contextlib.contextmanager
+def watch_ranks(step: Any, last_good: Any = lambda: "", *, wait_s: float = 3.0) -> Any:
+    """Within it, a rank lost mid-run raises :class:`RankLost` naming it, the step and the last checkpoint.
+
+    Why: when one rank is killed, the others either block in a collective until its timeout
+    (another machine) or get SIGTERM from torchrun's agent (same machine) and vanish without
+    a word; neither says which rank went or when. Here a collective that fails with a
+    backend error, or a SIGTERM, makes this rank post "alive" in the job's store and wait
+    ``wait_s`` for the others' posts: the ranks that never post are the lost ones
+    (:func:`lost_ranks`). ``step`` and ``last_good`` are callables read at that moment.
+    A no-op in one process.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    import signal
+    import threading
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        def on_term(signum: int, frame: Any) -> None:
+            raise _Terminated()
+
+        previous = signal.signal(signal.SIGTERM, on_term)
+    def hold_sigterm() -> None:  # a second SIGTERM (the agent's, after a backend error) must not cut the wait
+        if previous is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    try:
+        yield
+    except _Terminated:
+        hold_sigterm()
+        lost = lost_ranks(wait_s)
+        raise RankLost(_lost_message(lost, step(), last_good(), "then SIGTERM stopped this rank")) from None
+    except RuntimeError as exc:  # DistBackendError is one: gloo's "connection closed by peer" ...
+        hold_sigterm()
+        lost = lost_ranks(wait_s)
+        if not lost:
+            raise
+        raise RankLost(_lost_message(lost, step(), last_good(), str(exc).strip().splitlines()[0][:200])) from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def lost_ranks(wait_s: float = 3.0) -> list[int] | None:
+    """The ranks that do not post "alive" in the job's store within ``wait_s`` (None: no store to ask)."""
+    import time
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        key = f"torch_tricks/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        store.set(f"{key}/{rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(world) if r != rank and not store.check([f"{key}/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except Exception:  # the store went with the lost rank (it lived in rank 0's process)
+        return None
+
+
+def _lost_message(lost: list[int] | None, step: int, last_good: str, why: str) -> str:
+    world = dist.get_world_size() if dist.is_initialized() else "?"
+    if lost:
+        who = ("rank " if len(lost) == 1 else "ranks ") + ", ".join(map(str, lost))
+        what = f"{who} of {world} was lost at step {step}: it died or stopped answering ({why})"
+    elif lost is None:
+        what = f"the run lost contact with the other ranks at step {step} ({why}); the job's store is gone too"
+    else:
+        what = f"rank {dist.get_rank()} of {world} stopped at step {step} ({why}); every other rank still answers"
+    return f"{what}; last complete checkpoint: {last_good or 'none saved (set checkpoint_dir)'}"

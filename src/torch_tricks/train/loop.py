@@ -207,8 +207,10 @@ class _Trainer:
         bar = self._progress()
         anomaly = torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else contextlib.nullcontext()
         step_times: list[float] = []
+        from torch_tricks.train.distributed import watch_ranks
+
         try:
-            with anomaly:
+            with anomaly, watch_ranks(lambda: self.step, lambda: self.tricks.last_good):
                 for epoch in range(self.start_epoch, cfg.epochs):
                     self.epoch = epoch
                     if self._train_epoch(epoch, bar, step_times):
