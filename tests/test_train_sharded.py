@@ -44,20 +44,27 @@ def dataset():
 def config(**kw):
     from torch_tricks.train import TrainConfig
 
-    return TrainConfig(epochs=2, batch_size=PER_RANK, optimizer="adamw", lr=0.01, weight_decay=0.01, seed=SEED,
-                       progress=False, device="cpu", **kw)
+    return TrainConfig(**{"epochs": 2, "batch_size": PER_RANK, "optimizer": "adamw", "lr": 0.01, "weight_decay": 0.01,
+                          "seed": SEED, "progress": False, "device": "cpu", **kw})
 
 
-def global_batches():
+RESUME_PER_RANK, RESUME_STOP = 4, 3  # 8 steps per epoch on 2 ranks; stopped after 3: mid-epoch
+
+
+def resume_config(**kw):
+    return config(**{"epochs": 1, "batch_size": RESUME_PER_RANK, "log_every": 1, **kw})
+
+
+def global_batches(per_rank=PER_RANK, epochs=2):
     """The global batches the two ranks see together, in DistributedSampler's order."""
     data = dataset()
     batches = []
-    for epoch in range(2):
+    for epoch in range(epochs):
         g = torch.Generator().manual_seed(SEED + epoch)
         order = torch.randperm(N, generator=g)
-        per_rank = [order[r::WORLD] for r in range(WORLD)]
-        for i in range(0, N // WORLD, PER_RANK):
-            idx = torch.cat([p[i:i + PER_RANK] for p in per_rank])
+        shards = [order[r::WORLD] for r in range(WORLD)]
+        for i in range(0, N // WORLD, per_rank):
+            idx = torch.cat([p[i:i + per_rank] for p in shards])
             batches.append((data.tensors[0][idx], data.tensors[1][idx]))
     return batches
 
@@ -118,3 +125,79 @@ def test_unknown_distributed_mode_is_a_config_error():
 
     with pytest.raises(UserError, match="distributed must be auto, ddp, zero1, fsdp or off, not 'zero3'"):
         TrainConfig(distributed="zero3").validate()
+
+
+def _train_losses(h):
+    return [(r["step"], r["loss"]) for r in h.rows if r["split"] == "train"]
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "zero1"])
+def test_a_checkpoint_of_two_ranks_resumes_on_two_ranks_and_on_one(tmp_path, mode):
+    """fsdp (a DCP checkpoint) or zero1 (the optimizer state consolidated on rank 0, one file)
+    on 2 ranks, stopped mid-epoch, resumes on 2 ranks (rank 0's losses and the parameters of
+    the uninterrupted run) and in one plain process on the same global batches (the losses of
+    a single-process run on them, rel 1e-5; its parameters)."""
+    import shutil
+
+    from torch_tricks.train import fit
+    from torch_tricks.train.sharded_checkpoint import POINTER, last_sharded
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("this torch build has no gloo backend")
+    script = Path(__file__).parent / "dist_scripts" / "fit_sharded_resume.py"
+    _torchrun(script, "whole", str(tmp_path / "ck_whole"), str(tmp_path / "whole.pt"), mode)
+    _torchrun(script, "stop", str(tmp_path / "ck"), str(tmp_path / "stop.pt"), mode)
+    if mode == "fsdp":
+        folder = last_sharded(tmp_path / "ck")
+        assert folder is not None and folder.name == f"step-{RESUME_STOP:08d}.dcp"
+        # a later save killed half-way: shards without .metadata, a pointer file never renamed into place
+        (tmp_path / "ck" / "step-00000005.dcp").mkdir()
+        (tmp_path / "ck" / "step-00000005.dcp" / "__0_0.distcp").write_bytes(b"half a shard")
+        (tmp_path / "ck" / (POINTER + ".tmp")).write_text('{"dir": "step-00000005.dcp"')
+        assert last_sharded(tmp_path / "ck") == folder  # the previous checkpoint is still the one to load
+    else:
+        assert (tmp_path / "ck" / "last.pt").is_file() and last_sharded(tmp_path / "ck") is None
+    shutil.copytree(tmp_path / "ck", tmp_path / "ck_one")
+
+    whole, stop = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "stop.pt")
+    assert [s for s, _ in stop["losses"]] == list(range(1, RESUME_STOP + 1))
+    _torchrun(script, "resume", str(tmp_path / "ck"), str(tmp_path / "resume.pt"), mode)
+    two = torch.load(tmp_path / "resume.pt")
+    assert two["resumed_from"] == RESUME_STOP
+    tail = [x for x in whole["losses"] if x[0] > RESUME_STOP]
+    assert [s for s, _ in two["losses"]] == [s for s, _ in tail]
+    for (_, a), (_, b) in zip(two["losses"], tail):
+        assert a == pytest.approx(b, rel=1e-5)
+    for k, v in whole["params"].items():
+        torch.testing.assert_close(two["params"][k], v, rtol=0, atol=1e-5, msg=k)
+
+    # one plain process, fed the global batches the two ranks saw together
+    batches = global_batches(RESUME_PER_RANK, epochs=1)
+    reference = _train_losses(fit(make_model(), batches, config=resume_config()))
+    single = make_model()
+    h = fit(single, batches, config=resume_config(checkpoint_dir=str(tmp_path / "ck_one"), resume=True))
+    assert h.resumed_from_step == RESUME_STOP
+    mine = _train_losses(h)
+    assert [s for s, _ in mine] == [s for s, _ in reference if s > RESUME_STOP]
+    for (_, a), (_, b) in zip(mine, [x for x in reference if x[0] > RESUME_STOP]):
+        assert a == pytest.approx(b, rel=1e-5)
+    for k, v in whole["params"].items():
+        torch.testing.assert_close(single.state_dict()[k], v, rtol=0, atol=1e-5, msg=k)
+
+
+def test_a_dcp_checkpoint_from_another_model_is_one_line(tmp_path):
+    """Written by one plain process through save_sharded (DCP works without a process group)."""
+    from torch_tricks.train import fit
+    from torch_tricks.train.sharded_checkpoint import save_sharded
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    save_sharded(tmp_path, model=model, optimizer=opt, step=1)
+    other = nn.Sequential(nn.Linear(6, 32), nn.Linear(32, 3))
+    with pytest.raises(UserError, match="does not fit this model and optimizer"):
+        fit(other, global_batches(), config=config(checkpoint_dir=str(tmp_path), resume=True, epochs=1))
+    (tmp_path / "last.dcp.json").write_text("{not json")
+    with pytest.raises(UserError, match="last.dcp.json is damaged"):
+        fit(make_model(), global_batches(), config=config(checkpoint_dir=str(tmp_path), resume=True, epochs=1))

@@ -360,19 +360,44 @@ class _Trainer:
         path = self._ckpt_path()
         if path is None:
             return
+        extra = {"micro_batches": self.micro, "skipped_steps": self.history.skipped_steps}
+        if self.tricks._fsdp_mode():  # no rank holds the whole model: every rank writes its shards
+            from torch_tricks.train.sharded_checkpoint import save_sharded
+
+            folder = save_sharded(self.cfg.checkpoint_dir, model=self.raw_model, optimizer=self.optimizer,
+                                  scheduler=self.scheduler, scaler=self.scaler, ema=self.ema, step=self.step,
+                                  epoch=epoch, batch_index=batch_index, extra=extra)
+            self.tricks.last_good = f"{folder} (step {self.step})"
+            self.history.checkpoint = str(folder)
+            return
+        if hasattr(self.optimizer, "consolidate_state_dict"):  # zero1: rank 0 gathers the whole optimizer state
+            self.optimizer.consolidate_state_dict(to=0)
         from torch_tricks.train.checkpoint import save_checkpoint
 
         save_checkpoint(
             path, model=self.raw_model, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self.scaler, ema=self.ema, step=self.step, epoch=epoch, batch_index=batch_index,
-            extra={"micro_batches": self.micro, "skipped_steps": self.history.skipped_steps},
+            extra=extra,
         )
         self.tricks.last_good = f"{path} (step {self.step})"
         self.history.checkpoint = str(path)
 
     def _maybe_resume(self) -> None:
         path = self._ckpt_path()
-        if not self.cfg.resume or path is None or not path.exists():
+        if not self.cfg.resume or path is None:
+            return
+        from torch_tricks.train.sharded_checkpoint import last_sharded, load_sharded
+
+        sharded = last_sharded(self.cfg.checkpoint_dir)
+        if sharded is not None and (not path.exists() or sharded.stat().st_mtime >= path.stat().st_mtime):
+            meta = load_sharded(sharded, model=self.raw_model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                scaler=self.scaler, ema=self.ema)  # written by any number of ranks
+            self._resumed(meta["step"], meta["epoch"], meta["batch_index"], meta.get("extra") or {}, sharded)
+            return
+        if self.tricks._fsdp_mode() and path.exists():
+            raise UserError(f"{path} is a whole-model checkpoint; under distributed = fsdp resume from a sharded "
+                            f"one ({self.cfg.checkpoint_dir}/{'last.dcp.json'}), or resume under ddp")
+        if not path.exists():
             return
         from torch_tricks.train.checkpoint import load_checkpoint
 
@@ -380,13 +405,15 @@ class _Trainer:
             path, model=self.raw_model, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self.scaler, ema=self.ema, map_location=self.device,
         )
-        self.step = report.step
-        self.start_epoch = report.epoch
-        self.skip_batches = report.batch_index
-        extra = report.extra or {}
+        self._resumed(report.step, report.epoch, report.batch_index, report.extra or {}, path)
+
+    def _resumed(self, step: int, epoch: int, batch_index: int, extra: dict[str, Any], path: Path) -> None:
+        self.step = step
+        self.start_epoch = epoch
+        self.skip_batches = batch_index
         self.micro = int(extra.get("micro_batches", 1))
         self.tricks.skipped_steps = self.history.skipped_steps = int(extra.get("skipped_steps", 0))
-        self.history.resumed_from_step = report.step
+        self.history.resumed_from_step = step
         self.tricks.last_good = f"{path} (step {self.step})"
 
     # -- logging ---------------------------------------------------------------------------

@@ -16,6 +16,11 @@ when the optimizer state or the model itself no longer fits a device, shard it:
   becomes a :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` (bf16 compute and
   communication, fp32 gradient reduction and master weights).
 
+Checkpoints: under ``fsdp`` a DCP checkpoint every rank writes
+(:mod:`torch_tricks.train.sharded_checkpoint`); under ``zero1`` rank 0 gathers the
+optimizer state (``consolidate_state_dict``) and writes the usual single file, which
+``ZeroRedundancyOptimizer`` re-partitions on load, for any number of ranks.
+
 Nothing here is a home-made engine: it is the wiring (wrapping granularity, the optimizer
 built on the sharded parameters, gradient sync only on a group's last micro-batch) that
 ``Tricks`` and ``fit`` apply when the config asks.

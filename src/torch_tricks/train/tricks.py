@@ -221,9 +221,9 @@ class Tricks:
         """What a resume needs: model, optimizer, scheduler, scaler, EMA, step count, accumulation position."""
         self._need_prepare()
         if self.dist is not None and self.config.distributed in ("zero1", "fsdp"):
-            raise UserError(f"under distributed = {self.config.distributed} the state is sharded across ranks and "
-                            "needs a sharded checkpoint (torch.distributed.checkpoint), which Tricks does not write "
-                            "yet: use distributed = ddp to save and resume")
+            raise UserError(f"under distributed = {self.config.distributed} the state is sharded across ranks: "
+                            "save it with fit's checkpoint_dir (a DCP checkpoint every rank writes) or "
+                            "torch_tricks.train.sharded_checkpoint.save_sharded, not tricks.state_dict()")
         state: dict[str, Any] = {
             "model": self.unwrapped_model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -296,9 +296,6 @@ class Tricks:
         if cfg.distributed in ("ddp", "zero1", "fsdp") and not launched:
             raise UserError(f"distributed = {cfg.distributed} needs several processes: launch with `torchrun "
                             f"--nproc_per_node N ...` (or set distributed = off)")
-        if cfg.distributed in ("zero1", "fsdp") and cfg.checkpoint_dir:
-            raise UserError(f"checkpoints under distributed = {cfg.distributed} are sharded (DCP), which fit does not "
-                            "write yet: leave checkpoint_dir empty, or use distributed = ddp")
         use_dist = cfg.distributed != "off" and launched
         self.dist = init_distributed() if use_dist else None
         if self.dist is not None:

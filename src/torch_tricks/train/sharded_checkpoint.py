@@ -1,0 +1,144 @@
+"""Sharded checkpoints for ``distributed = fsdp`` with ``torch.distributed.checkpoint`` (DCP, T20).
+
+Under FSDP no rank holds the whole model, so no rank can write ``last.pt``: every rank
+writes its shards (``dcp.save``; the coordinator writes ``.metadata`` last, so a folder
+without it is incomplete) into ``step-NNNNNNNN.dcp/`` under ``checkpoint_dir``, and only
+when every rank is done does rank 0 point ``last.dcp.json`` at it (temp file + rename)
+and remove older folders. A run killed while saving leaves the pointer on the previous,
+complete checkpoint. DCP reshards on load, so a checkpoint written by N ranks resumes on
+any number of ranks, one plain process included (``dcp.load`` without a process group).
+
+What is saved: the model and optimizer through
+:func:`torch.distributed.checkpoint.state_dict.get_state_dict` (sharded under FSDP, whole
+otherwise), the EMA's weights the same way, and as plain objects the scheduler, scaler,
+EMA count, every rank's RNG state, the step and the data position (``meta.pt``, written by
+rank 0 beside the shards before the pointer moves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_tricks.errors import UserError
+
+__all__ = ["POINTER", "last_sharded", "save_sharded", "load_sharded"]
+
+POINTER = "last.dcp.json"
+META = "meta.pt"  # step, data position, scheduler, scaler, RNG: rank 0 writes it beside the shards
+
+
+def last_sharded(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
+    """The folder ``last.dcp.json`` in ``checkpoint_dir`` points at, if it exists and is complete."""
+    pointer = Path(checkpoint_dir) / POINTER
+    if not pointer.is_file():
+        return None
+    try:
+        target = Path(checkpoint_dir) / json.loads(pointer.read_text())["dir"]
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{pointer} is damaged: delete it to start afresh, or restore it from a backup") from None
+    if not (target / ".metadata").is_file() or not (target / META).is_file():
+        raise UserError(f"{pointer} points at {target.name}, which is missing or incomplete (no .metadata or {META})")
+    return target
+
+
+def save_sharded(checkpoint_dir: str | os.PathLike[str], *, model: nn.Module, optimizer: Any, scheduler: Any = None,
+                 scaler: Any = None, ema: Any = None, step: int = 0, epoch: int = 0, batch_index: int = 0,
+                 extra: Any = None) -> Path:
+    """Every rank writes its shards of a resumable checkpoint; returns the new folder (see the module doc)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    from torch_tricks.train.checkpoint import _gather_rng_states
+    from torch_tricks.train.distributed import barrier, is_main_process
+
+    root = Path(checkpoint_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"step-{int(step):08d}.dcp"
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+    meta = {"step": int(step), "epoch": int(epoch), "batch_index": int(batch_index),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "ema_updates": ema.num_updates if ema is not None else None,
+            "rng": _gather_rng_states(), "extra": extra}  # every rank's RNG: a collective
+    if ema is not None:
+        state["ema"] = get_model_state_dict(ema.module)
+    if is_main_process() and target.exists():  # a folder left by a run killed at this very step
+        shutil.rmtree(target)
+    barrier()
+    with _one_process_is_meant():
+        dcp.save(state, checkpoint_id=str(target), no_dist=not dist.is_initialized())
+    if is_main_process():
+        torch.save(meta, target / META)  # before the pointer moves: a folder the pointer names has it
+    barrier()  # every rank's shards are written
+    if is_main_process():
+        tmp = root / (POINTER + ".tmp")
+        tmp.write_text(json.dumps({"dir": target.name, "step": int(step)}))
+        os.replace(tmp, root / POINTER)
+        for old in root.glob("step-*.dcp"):
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return target
+
+
+def load_sharded(path: str | os.PathLike[str], *, model: nn.Module, optimizer: Any, scheduler: Any = None,
+                 scaler: Any = None, ema: Any = None) -> dict[str, Any]:
+    """Load a :func:`save_sharded` folder into this run's objects, on any world size; its ``meta``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    from torch_tricks.train.checkpoint import restore_rng_state
+    from torch_tricks.train.distributed import get_rank
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+    if ema is not None:
+        state["ema"] = get_model_state_dict(ema.module)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _one_process_is_meant():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as exc:  # a BaseException holding each rank's traceback: its last line
+        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+        first = lines[-1][:200] if lines else type(exc).__name__
+        raise UserError(f"the sharded checkpoint {str(path)!r} does not fit this model and optimizer ({first}): "
+                        "resume with the model and config that wrote it, or start without resume") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    meta = torch.load(Path(path) / META, weights_only=True)
+    if ema is not None and "ema" in state:
+        set_model_state_dict(ema.module, state["ema"])
+        ema.num_updates = int(meta.get("ema_updates") or 0)
+    if scheduler is not None and meta.get("scheduler") is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    if scaler is not None and meta.get("scaler"):
+        scaler.load_state_dict(meta["scaler"])
+    per_rank = meta.get("rng") or []
+    if get_rank() < len(per_rank):
+        restore_rng_state(per_rank[get_rank()])
+    return meta
+
+
+@contextlib.contextmanager
+def _one_process_is_meant() -> Iterator[None]:
+    """DCP warns that it "assumes" one process whenever no group exists; here one process is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
