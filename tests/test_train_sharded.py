@@ -201,3 +201,23 @@ def test_a_dcp_checkpoint_from_another_model_is_one_line(tmp_path):
     (tmp_path / "last.dcp.json").write_text("{not json")
     with pytest.raises(UserError, match="last.dcp.json is damaged"):
         fit(make_model(), global_batches(), config=config(checkpoint_dir=str(tmp_path), resume=True, epochs=1))
+
+
+def test_ckpt_export_turns_a_dcp_checkpoint_into_one_state_dict(tmp_path, capsys):
+    from torch_tricks.cli import main
+    from torch_tricks.train.sharded_checkpoint import save_sharded
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    save_sharded(tmp_path / "ck", model=model, optimizer=opt, step=7)
+    assert main(["ckpt", "export", str(tmp_path / "ck"), str(tmp_path / "model.pt")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    fresh = make_model()
+    fresh.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # strict: every key, no extra
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    assert main(["ckpt", "export", str(tmp_path / "nothing"), str(tmp_path / "x.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no checkpoint at" in err and not (tmp_path / "x.pt").exists()

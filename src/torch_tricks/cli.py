@@ -230,6 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--debug", action="store_true")
     sp.set_defaults(func=cmd_loader_tune)
 
+    sp = sub.add_parser("ckpt", help="training checkpoints: export a sharded (DCP) or full one as a plain state_dict")
+    ck = sp.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    ex = ck.add_parser("export", help="the model's weights as one state_dict file, for inference")
+    ex.add_argument("src", help="a checkpoint_dir (last.dcp.json or last.pt), a step-N.dcp folder, or a last.pt file")
+    ex.add_argument("out", help="the state_dict file to write (atomically)")
+    ex.add_argument("--json", action="store_true")
+    ex.add_argument("--debug", action="store_true")
+    ex.set_defaults(func=cmd_ckpt_export)
+
     sp = sub.add_parser("optimize", help="deploy steps (fuse, reparam, prune, int8, onnx ...) chained, checked, saved")
     model_args(sp, batch=16)
     sp.add_argument("--steps", action="append", metavar="A,B",
@@ -761,6 +770,17 @@ def cmd_loader_tune(args: argparse.Namespace) -> int:
     if r.best is not None:
         lines.append("use: make_loader(dataset, " + ", ".join(f"{k}={v}" for k, v in r.loader_kwargs().items()) + ")")
     _emit(args, r.to_dict(), "\n".join(lines))
+    return 0
+
+
+def cmd_ckpt_export(args: argparse.Namespace) -> int:
+    from torch_tricks._format import human_bytes
+    from torch_tricks.train.sharded_checkpoint import export_checkpoint
+
+    info = export_checkpoint(args.src, args.out)
+    _emit(args, info, f"wrote {info['out']}: {info['tensors']} tensors, {info['numel']:,} values, "
+                      f"{human_bytes(info['bytes'])}, from {info['source']}; load it with "
+                      f"model.load_state_dict(torch.load({info['out']!r}, weights_only=True))")
     return 0
 
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from torch_tricks.errors import UserError
 
-__all__ = ["POINTER", "last_sharded", "save_sharded", "load_sharded"]
+__all__ = ["POINTER", "last_sharded", "save_sharded", "load_sharded", "export_checkpoint"]
 
 POINTER = "last.dcp.json"
 META = "meta.pt"  # step, data position, scheduler, scaler, RNG: rank 0 writes it beside the shards
@@ -142,3 +142,51 @@ def _one_process_is_meant() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+def export_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, Any]:
+    """The model's weights of a training checkpoint as one plain ``state_dict`` file, for inference.
+
+    ``src``: a ``checkpoint_dir`` (its ``last.dcp.json``, else its ``last.pt``), a ``step-N.dcp``
+    folder, or a ``last.pt`` file. DCP shards are joined by
+    :func:`torch.distributed.checkpoint.format_utils.dcp_to_torch_save` in this one process.
+    ``out`` is written atomically; ``torch.load(out, weights_only=True)`` gives the state_dict
+    that ``model.load_state_dict`` takes. Returns what was written.
+    """
+    import tempfile
+
+    from torch_tricks.train.checkpoint import _atomic_torch_save
+
+    p = Path(src)
+    if not p.exists():
+        raise UserError(f"no checkpoint at {str(p)!r}: give a checkpoint_dir, a step-N.dcp folder or a last.pt file")
+    folder = None
+    if p.is_dir():
+        folder = p if (p / ".metadata").is_file() else last_sharded(p)
+        if folder is None:
+            if not (p / "last.pt").is_file():
+                raise UserError(f"{str(p)!r} holds no checkpoint ({POINTER}, .metadata or last.pt)")
+            p = p / "last.pt"
+    if folder is not None:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp, _one_process_is_meant():
+            whole = Path(tmp) / "whole.pt"
+            dcp_to_torch_save(str(folder), str(whole))
+            state = torch.load(whole, weights_only=True).get("model")
+        source = str(folder)
+    else:
+        try:
+            state = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise UserError(f"{str(p)!r} is not a readable checkpoint ({type(exc).__name__})") from None
+        state = state.get("model") if isinstance(state, dict) and "model" in state else state
+        source = str(p)
+    if not isinstance(state, dict) or not state:
+        raise UserError(f"{source!r} has no model weights to export")
+    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    target = Path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_torch_save(state, target)
+    return {"source": source, "out": str(target), "tensors": len(state),
+            "numel": sum(t.numel() for t in state.values()), "bytes": target.stat().st_size}
