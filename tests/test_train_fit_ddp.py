@@ -34,16 +34,16 @@ def config(**kw):
                        progress=False, device="cpu", **kw)
 
 
-def global_batches():
+def global_batches(per_rank=PER_RANK, epochs=2):
     """The global batches the two ranks see together, in DistributedSampler's order."""
     data = dataset()
     batches = []
-    for epoch in range(2):
+    for epoch in range(epochs):
         g = torch.Generator().manual_seed(SEED + epoch)
         order = torch.randperm(N, generator=g)
-        per_rank = [order[r::WORLD] for r in range(WORLD)]
-        for i in range(0, N // WORLD, PER_RANK):
-            idx = torch.cat([p[i:i + PER_RANK] for p in per_rank])
+        shards = [order[r::WORLD] for r in range(WORLD)]
+        for i in range(0, N // WORLD, per_rank):
+            idx = torch.cat([p[i:i + per_rank] for p in shards])
             batches.append((data.tensors[0][idx], data.tensors[1][idx]))
     return batches
 

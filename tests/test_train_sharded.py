@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils.data import TensorDataset
 
+from test_train_fit_ddp import PER_RANK, SEED, WORLD, dataset, global_batches  # the same data, the same order
 from torch_tricks.errors import UserError
 
-N, PER_RANK, WORLD, SEED = 64, 8, 2, 3
 VARIANTS = {"plain": {}, "checkpointing-accumulate2": {"checkpointing": "blocks", "accumulate": 2},
             "ema": {"ema": True, "ema_decay": 0.9}}
 
@@ -36,11 +35,6 @@ def make_model():
     return nn.Sequential(nn.Linear(6, 16), nn.Sequential(Block(16), Block(16), Block(16)), nn.Linear(16, 3))
 
 
-def dataset():
-    g = torch.Generator().manual_seed(1)
-    return TensorDataset(torch.randn(N, 6, generator=g), torch.randint(0, 3, (N,), generator=g))
-
-
 def config(**kw):
     from torch_tricks.train import TrainConfig
 
@@ -53,20 +47,6 @@ RESUME_PER_RANK, RESUME_STOP = 4, 3  # 8 steps per epoch on 2 ranks; stopped aft
 
 def resume_config(**kw):
     return config(**{"epochs": 1, "batch_size": RESUME_PER_RANK, "log_every": 1, **kw})
-
-
-def global_batches(per_rank=PER_RANK, epochs=2):
-    """The global batches the two ranks see together, in DistributedSampler's order."""
-    data = dataset()
-    batches = []
-    for epoch in range(epochs):
-        g = torch.Generator().manual_seed(SEED + epoch)
-        order = torch.randperm(N, generator=g)
-        shards = [order[r::WORLD] for r in range(WORLD)]
-        for i in range(0, N // WORLD, per_rank):
-            idx = torch.cat([p[i:i + per_rank] for p in shards])
-            batches.append((data.tensors[0][idx], data.tensors[1][idx]))
-    return batches
 
 
 def _torchrun(script: Path, *args: str, timeout: float = 240) -> str:
