@@ -19,7 +19,8 @@ loop gets. Each switch of :class:`TrainConfig` is applied at the one place it be
   the step);
 * :meth:`prepare`: the model changes (in-place activations, memory-efficient BN,
   activation checkpointing, BN momentum for accumulation, SyncBN under DDP, device,
-  channels_last), then the wrappers (DDP, compile); the optimizer (built from the config
+  channels_last), then the wrappers (DDP, FSDP2 per block under ``distributed = fsdp``,
+  compile); the optimizer (a ZeroRedundancyOptimizer under ``zero1``; built from the config
   with no-decay groups when you pass none; yours switched to its fused step in place, so
   your own scheduler stays bound to it); the lr schedule (warm-up/cosine) when the config
   asks for one; the grad scaler (fp16) and the EMA;
@@ -403,8 +404,8 @@ class Tricks:
         cfg = self.config
         if isinstance(optimizer, torch.optim.Optimizer) and self.dist is not None \
                 and cfg.distributed in ("zero1", "fsdp"):
-            raise UserError(f"under distributed = {cfg.distributed} the optimizer is built on the sharded parameters: "
-                            "pass prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
+            raise UserError(f"under distributed = {cfg.distributed} Tricks builds the optimizer it shards: pass "
+                            "prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
         if isinstance(optimizer, torch.optim.Optimizer):
             if cfg.fused_optimizer:
                 kind = _switch_to_fast_step(optimizer)
