@@ -263,12 +263,16 @@ def test_kill_9_of_one_rank_mid_epoch_stops_the_other_with_one_line_naming_it(tm
     env.update(OMP_NUM_THREADS="1", TT_TEST_TOKEN=token)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "torch_tricks.cli", "train", "--model", "small_cnn", "--data", "digits", "--epochs", "10000",
-           "--no-progress", "--log-every", "1000"]
+           "--no-progress", "--log-every", "1000", "--checkpoint-dir", "ckpt", "--checkpoint-every", "5"]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         victim = _worker_pid(token, 1)
-        time.sleep(8)  # mid-epoch, well into training
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ckpt" / "last.pt").exists():  # training is under way (a loaded machine starts late)
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended or 120 s"
+            time.sleep(0.2)
+        time.sleep(1)  # mid-epoch, past a checkpoint
         assert proc.poll() is None, "the run ended before the kill"
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
@@ -280,4 +284,5 @@ def test_kill_9_of_one_rank_mid_epoch_stops_the_other_with_one_line_naming_it(tm
     assert took < 60, f"the other rank took {took:.0f} s to stop"
     lines = [line for line in log.splitlines() if "rank 1 of 2 was lost at step" in line]
     assert len(lines) == 1 and lines[0].startswith("torch-tricks: error: rank 1 of 2 was lost at step"), log[-3000:]
+    assert "last complete checkpoint: ckpt/last.pt (step " in lines[0], lines[0]  # still there to resume from
     assert proc.returncode != 0
