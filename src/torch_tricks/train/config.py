@@ -16,7 +16,9 @@ from typing import Any, Mapping
 
 from torch_tricks.errors import UserError
 
-__all__ = ["TrainConfig", "load_config"]
+__all__ = ["TrainConfig", "load_config", "DISTRIBUTED_MODES"]
+
+DISTRIBUTED_MODES = ("auto", "ddp", "zero1", "fsdp", "off")  # TrainConfig.distributed (T18)
 
 
 @dataclass
@@ -96,8 +98,8 @@ class TrainConfig:
             (self.schedule in ("constant", "cosine", "linear"), f"schedule must be constant, cosine or linear, not {self.schedule!r}"),
             (0.0 < self.ema_decay < 1.0, "ema_decay must be between 0 and 1"),
             (0.0 <= self.swa_start < 1.0, "swa_start is a fraction of the epochs, in [0, 1)"),
-            (self.distributed in ("auto", "ddp", "zero1", "fsdp", "off"),
-             f"distributed must be auto, ddp, zero1, fsdp or off, not {self.distributed!r}"),
+            (self.distributed in DISTRIBUTED_MODES,
+             f"distributed must be {', '.join(DISTRIBUTED_MODES[:-1])} or off, not {self.distributed!r}"),
             (not self.resume or bool(self.checkpoint_dir), "resume needs checkpoint_dir"),
         ]
         for ok, message in checks:

@@ -364,6 +364,7 @@ def watch_ranks(step: Any, last_good: Any = lambda: "", *, wait_s: float = 3.0) 
             raise _Terminated()
 
         previous = signal.signal(signal.SIGTERM, on_term)
+
     def hold_sigterm() -> None:  # a second SIGTERM (the agent's, after a backend error) must not cut the wait
         if previous is not None:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)

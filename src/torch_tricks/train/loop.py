@@ -386,7 +386,7 @@ class _Trainer:
         path = self._ckpt_path()
         if not self.cfg.resume or path is None:
             return
-        from torch_tricks.train.sharded_checkpoint import last_sharded, load_sharded
+        from torch_tricks.train.sharded_checkpoint import POINTER, last_sharded, load_sharded
 
         sharded = last_sharded(self.cfg.checkpoint_dir)
         if sharded is not None and (not path.exists() or sharded.stat().st_mtime >= path.stat().st_mtime):
@@ -396,7 +396,7 @@ class _Trainer:
             return
         if self.tricks._fsdp_mode() and path.exists():
             raise UserError(f"{path} is a whole-model checkpoint; under distributed = fsdp resume from a sharded "
-                            f"one ({self.cfg.checkpoint_dir}/{'last.dcp.json'}), or resume under ddp")
+                            f"one ({Path(self.cfg.checkpoint_dir) / POINTER}), or resume under ddp")
         if not path.exists():
             return
         from torch_tricks.train.checkpoint import load_checkpoint

@@ -97,6 +97,7 @@ def load_sharded(path: str | os.PathLike[str], *, model: nn.Module, optimizer: A
                  scaler: Any = None, ema: Any = None) -> dict[str, Any]:
     """Load a :func:`save_sharded` folder into this run's objects, on any world size; its ``meta``."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_state_dict,
@@ -111,8 +112,6 @@ def load_sharded(path: str | os.PathLike[str], *, model: nn.Module, optimizer: A
     state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     if ema is not None:
         state["ema"] = get_model_state_dict(ema.module)
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         with _one_process_is_meant():
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())

@@ -28,7 +28,7 @@ built on the sharded parameters, gradient sync only on a group's last micro-batc
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,9 +36,7 @@ import torch.nn as nn
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 
-__all__ = ["MODES", "shard_fsdp", "zero1_optimizer", "is_fsdp", "sharding_available"]
-
-MODES = ("auto", "ddp", "zero1", "fsdp", "off")  # TrainConfig.distributed
+__all__ = ["shard_fsdp", "zero1_optimizer", "sharding_available"]
 
 
 def sharding_available(device: torch.device) -> tuple[bool, str]:
@@ -82,13 +80,6 @@ def shard_fsdp(model: nn.Module, *, mesh: Any = None, precision: str = "fp32", r
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     return model
-
-
-def is_fsdp(model: nn.Module) -> bool:
-    """True for a module ``fully_shard`` was applied to."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
 
 
 @register_trick(

@@ -110,9 +110,7 @@ class Tricks:
             self.ema = self._build_ema()
         self.model = self._wrap_model(self.unwrapped_model)
         if fsdp_ema:
-            from torch_tricks.train.sharding import shard_fsdp
-
-            shard_fsdp(self.ema.module, precision=self.config.precision, reshard_after_forward=self.config.fsdp_reshard)
+            self._shard(self.ema.module)
         self.optimizer = self._build_optimizer(optimizer)
         out: list[Any] = []
         loaders = []
@@ -372,12 +370,15 @@ class Tricks:
     def _fsdp_mode(self) -> bool:
         return self.dist is not None and self.config.distributed == "fsdp"
 
+    def _shard(self, module: nn.Module) -> nn.Module:
+        """FSDP2 on ``module`` with this config's precision and resharding (the model, and its EMA alike)."""
+        from torch_tricks.train.sharding import shard_fsdp
+
+        return shard_fsdp(module, precision=self.config.precision, reshard_after_forward=self.config.fsdp_reshard)
+
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         if self._fsdp_mode():
-            from torch_tricks.train.sharding import shard_fsdp
-
-            model = self._fsdp = shard_fsdp(model, precision=self.config.precision,
-                                            reshard_after_forward=self.config.fsdp_reshard)
+            model = self._fsdp = self._shard(model)
             self.applied.append("fsdp")
         elif self.dist is not None:
             from torch_tricks.train.distributed import wrap_ddp
