@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="e.g. 8GiB or 512MiB (default: the GPU's memory, or 80%% of the RAM available)")
     sp.add_argument("--skip", action="append", metavar="TRICK", help="leave this trick out (repeatable)")
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--processes", type=int, metavar="N",
+                    help="also measure ddp, zero1 and fsdp on N processes the tune launches itself (torchrun's "
+                         "engine, this machine; --batch is then the global batch, N must divide it): per-rank "
+                         "memory and state, throughput against one process, scaling efficiency. Under torchrun "
+                         "the tune uses the ranks it was given instead")
     sp.add_argument("--out", metavar="DIR", help="write report.md, report.json, report.png and tricks.toml here")
     sp.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     sp.set_defaults(func=cmd_tune)
@@ -552,9 +557,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     limit = parse_size(args.memory_limit) if args.memory_limit else None
     model, inputs = _load(args)
     batch, loss_fn = example_batch(model, inputs, seed=args.seed, loss=args.loss)
+    from torch_tricks.train.distributed import get_rank
+
+    rank = get_rank()  # under torchrun: rank 0 prints and writes
     report = tune(model, batch, loss_fn, optimizer=args.optimizer, lr=args.lr, device=args.device,
                   budget_s=args.budget_seconds, memory_limit=limit, data=args.data, deploy=args.deploy,
-                  seed=args.seed, progress=args.progress, name=args.model, skip=args.skip or ())
+                  seed=args.seed, progress=args.progress and rank == 0, name=args.model, skip=args.skip or (),
+                  processes=args.processes)
+    if rank != 0:
+        return 0
     text = report.to_text()
     if args.out:
         paths = report.write(args.out)

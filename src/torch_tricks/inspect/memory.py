@@ -284,50 +284,106 @@ class LiveTensors(TorchDispatchMode):
     its inputs (a view, ``detach``, ``.data``, an in-place op) allocates nothing, and
     counting it would count weights that existed before the region (``copy.deepcopy``
     reads them through ``.data``, checkpointing through ``detach``) as new.
+
+    Two things a dispatch mode alone does not see are followed too, so that FSDP2's
+    per-rank memory is right: a wrapper subclass (a DTensor) owns no storage of its own,
+    its local tensors do (they are counted); and FSDP2 frees and re-allocates the
+    unsharded parameters by resizing their storage in place (``UntypedStorage.resize_``,
+    not an op): while the mode is active, a resize of a counted storage changes the count.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._alive: set[int] = set()
+        self._alive: dict[int, int] = {}  # id(storage) -> the bytes counted for it
         self._lock = threading.Lock()
+        self._resize: Any = None
+
+    def __enter__(self) -> "LiveTensors":
+        _RESIZE_WATCHERS.append(self)
+        if len(_RESIZE_WATCHERS) == 1:
+            _patch_resize(True)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _RESIZE_WATCHERS.remove(self)
+            if not _RESIZE_WATCHERS:
+                _patch_resize(False)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {_storage_id(t) for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)}
+        inputs = {id(st) for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)
+                  for st in _storages(t)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and _storage_id(t) not in inputs:
-                self._track(t)
+            if isinstance(t, torch.Tensor):
+                for st in _storages(t):
+                    if id(st) not in inputs:
+                        self._track(st)
         return out
 
-    def _track(self, t: torch.Tensor) -> None:
-        try:
-            st = t.untyped_storage()
-        except Exception:
-            return
+    def _track(self, st: Any) -> None:
         key = id(st)
         if key in self._alive:
             return
         nbytes = st.nbytes()
         with self._lock:
-            self._alive.add(key)
+            self._alive[key] = nbytes
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(st, self._free, key, nbytes)
+        weakref.finalize(st, self._free, key)
 
-    def _free(self, key: int, nbytes: int) -> None:
+    def _resized(self, st: Any) -> None:
+        key = id(st)
         with self._lock:
-            if key in self._alive:
-                self._alive.discard(key)
+            old = self._alive.get(key)
+            if old is None:
+                return
+            new = st.nbytes()
+            self._alive[key] = new
+            self.live_bytes += new - old
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            nbytes = self._alive.pop(key, None)
+            if nbytes is not None:
                 self.live_bytes -= nbytes
 
 
-def _storage_id(t: torch.Tensor) -> int | None:
+_RESIZE_WATCHERS: list[LiveTensors] = []
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _patch_resize(on: bool) -> None:
+    """Route ``UntypedStorage.resize_`` through the active trackers (FSDP2 frees/re-allocates this way)."""
+    if not on:
+        torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE
+        return
+
+    def resize_(self, size):  # noqa: ANN001 - the storage method's own signature
+        out = _ORIGINAL_RESIZE(self, size)
+        for w in list(_RESIZE_WATCHERS):
+            w._resized(self)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+
+
+def _storages(t: torch.Tensor) -> list[Any]:
+    """The storages ``t`` owns: its own, or a wrapper subclass's inner tensors' (a DTensor's local shard)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        return [st for a in attrs for st in _storages(getattr(t, a))]
     try:
-        return id(t.untyped_storage())
+        return [t.untyped_storage()]
     except Exception:  # tensors without storage (sparse, some subclasses)
-        return None
+        return []
 
 
 def process_memory() -> dict[str, int]:

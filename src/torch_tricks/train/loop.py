@@ -107,8 +107,10 @@ class TrainStep:
     def __init__(self, model: nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None = None,
                  optimizer: Any = None, config: TrainConfig | dict[str, Any] | None = None) -> None:
         config = as_config(config)
-        cfg = (config or TrainConfig()).replace(progress=False, distributed="off", checkpoint_dir="",
-                                                log_dir="", resume=False).validate()
+        cfg = config or TrainConfig()
+        # a mode named explicitly is kept (the tune's distributed rows time it under torchrun); "auto" is one process
+        mode = cfg.distributed if cfg.distributed in ("ddp", "zero1", "fsdp") else "off"
+        cfg = cfg.replace(progress=False, distributed=mode, checkpoint_dir="", log_dir="", resume=False).validate()
         self._trainer = _Trainer(model, [], None, loss_fn or get_loss("auto"), optimizer, cfg)
         self.config = cfg
 

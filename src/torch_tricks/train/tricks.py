@@ -360,7 +360,11 @@ class Tricks:
             model = convert_sync_batchnorm(model)
             applied.append("sync_bn")
         model = model.to(self.device)
-        if cfg.channels_last:
+        if cfg.channels_last and self._fsdp_mode():
+            # FSDP2 shards contiguous parameters only: the weights stay as they are and the inputs alone go
+            # channels_last (to_device), which a convolution follows (its output and kernels take the input's)
+            applied.append("channels_last=inputs")
+        elif cfg.channels_last:
             from torch_tricks.train.speed import channels_last
 
             model = channels_last(model)

@@ -124,6 +124,7 @@ class TuneReport:
     deploy: dict[str, Any] | None = None
     elapsed_s: float = 0.0
     own_optimizer: bool = False  # the caller's optimizer_fn: tricks.toml then names no optimizer
+    distributed: dict[str, Any] | None = None  # the ddp/zero1/fsdp rows (tune --processes N, or under torchrun)
 
     # -- the recommended configuration ------------------------------------------------------
     def recommended_config(self, which: str = "throughput") -> dict[str, Any]:
@@ -146,8 +147,20 @@ class TuneReport:
         cfg.update(changes)
         k = int(cfg.get("accumulate", 1))
         batch = self.batch if which == "throughput" or not (best and best.max_batch) else best.max_batch
+        mode = self.distributed_choice() if which == "throughput" else None
+        if mode is not None:  # fit's batch_size is per rank: the ranks together take the tuned global batch
+            cfg["distributed"] = "off" if mode == "one process" else mode
+            if mode != "one process":
+                batch //= int(self.distributed["processes"])
         cfg["batch_size"] = max(batch // k, 1)
         return cfg
+
+    def distributed_choice(self) -> str | None:
+        """The distributed rows' recommendation: a mode, ``"one process"``, or None (not measured)."""
+        d = self.distributed
+        if not d or d.get("status") != "measured":
+            return None
+        return d.get("recommended")
 
     def recommended_tricks(self, which: str = "throughput") -> list[str]:
         """The switches the recommendation turns on (``key=value`` for non-boolean ones)."""
@@ -160,6 +173,8 @@ class TuneReport:
         for k in TUNED_KEYS:
             if cfg[k] != plain[k]:
                 out.append(k if cfg[k] is True else f"{k}={cfg[k]}")
+        if cfg.get("distributed") not in (None, "off"):
+            out.append(f"distributed={cfg['distributed']}")
         return out
 
     def tricks_toml(self, which: str = "throughput") -> str:
@@ -182,10 +197,65 @@ class TuneReport:
                 if best and best.max_batch else "")
         lines = [head, f"# chosen for {why}: {what}",
                  f"# switched on: {', '.join(on) if on else 'nothing'}; every tuned switch is stated",
+                 *self._distributed_header(which),
                  *("# " + line if line else "#" for line in HOW_TO_APPLY.splitlines()),
                  "[train]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in cfg.items()]
         return "\n".join(lines) + "\n"
+
+    def _distributed_header(self, which: str) -> list[str]:
+        mode = self.distributed_choice() if which == "throughput" else None
+        if mode is None:
+            return []
+        n = int(self.distributed["processes"])
+        if mode == "one process":
+            return [f"# distributed: one process beat ddp/zero1/fsdp on {n} processes here: distributed = off"]
+        return [f"# distributed: {mode} on {n} processes: launch with `torchrun --nproc_per_node {n} ...`; "
+                f"batch_size is per rank ({n} x {self.batch // n} = the tuned global batch {self.batch})"]
+
+    DIST_HEADERS = ["mode", "ranks", "batch/rank", "step", "samples/s", "vs one process", "scaling eff.",
+                    "peak/rank", "state/rank", "params / grads / optimizer per rank", "loss drift", "verdict"]
+
+    def distributed_rows(self) -> list[list[str]]:
+        """Rows of the distributed table: the two references, then each mode."""
+        d = self.distributed or {}
+        out = []
+        for r in d.get("rows", []):
+            st = r.get("state") or {}
+            vs = r.get("throughput_vs_one_process")
+            half = r.get("throughput_vs_one_process_half_ci")
+            eff = r.get("scaling_efficiency")
+            verdict = r.get("verdict") or (f"{r.get('status')}: {r.get('reason')}" if r.get("reason") else r.get(
+                "status", ""))
+            if d.get("recommended") == r["name"]:
+                verdict = "* recommended: " + verdict
+            out.append([r["name"], str(r.get("ranks") or ""), str(r.get("batch_per_rank") or ""), _fmt_s(r.get("step_s")),
+                        f"{r['samples_per_s']:,.1f}" if r.get("samples_per_s") else "",
+                        (f"{vs:.2f}x" + (f" ±{half:.2f}" if half is not None and math.isfinite(half) else "")) if vs
+                        else "",
+                        f"{eff:.2f}" if eff else "", _bytes(r.get("peak_bytes")), _bytes(st.get("total")),
+                        " / ".join(_bytes(st.get(k)) for k in ("params", "grads", "optimizer")) if st else "",
+                        _pct(r.get("loss_drift")), verdict])
+        return out
+
+    def distributed_lines(self) -> list[str]:
+        d = self.distributed
+        if not d:
+            return []
+        n = d.get("processes")
+        if d.get("status") != "measured":
+            return [f"distributed ({n} processes): {d.get('status')}: {d.get('reason', '')}"]
+        where = (f"{d.get('backend')}, {d.get('device')}, {d.get('threads_per_rank')} thread(s) per rank, "
+                 f"one process on {d.get('one_process_threads')}" if d.get("device") == "cpu"
+                 else f"{d.get('backend')}, {d.get('device')}")
+        on = ", ".join(f"{k}={v}" for k, v in (d.get("changes") or {}).items()) or "the plain step"
+        lines = [f"distributed: {n} processes ({d.get('launched_by', '')}; {where}), global batch "
+                 f"{d.get('global_batch')} = {n} x {d.get('per_rank_batch')}, with {on}; {d.get('rounds')} "
+                 f"interleaved rounds; per-rank memory limit {_bytes(d.get('memory_limit_per_rank'))}"]
+        if d.get("recommended"):
+            lines.append(f"distributed: recommended {d['recommended']}: {d.get('why', '')}")
+        lines += [f"note: {x}" for x in d.get("notes", [])]
+        return lines
 
     # -- views --------------------------------------------------------------------------------
     HEADERS = ["trick", "ids", "goal", "speed-up", "rounds", "step", "peak memory", "activations", "max batch",
@@ -274,6 +344,7 @@ class TuneReport:
                          + (f" (plain: {b.max_batch})" if b and b.max_batch is not None and bb is not b else "")
                          + " (straight-line estimate from the batch and half of it)")
         lines += [f"note: {n}" for n in self.notes]
+        lines += self.distributed_lines()
         if self.data:
             lines.append("data: " + (self.data.get("summary") or f"{self.data.get('status')}: {self.data.get('reason', '')}"))
         if self.deploy:
@@ -288,7 +359,10 @@ class TuneReport:
         return lines
 
     def to_text(self) -> str:
-        return "\n".join([table(self.HEADERS, self.rows(compact=True), "llllrrrrrll"), ""] + self.summary_lines())
+        parts = [table(self.HEADERS, self.rows(compact=True), "llllrrrrrll"), ""]
+        if self.distributed and self.distributed.get("rows"):
+            parts += [table(self.DIST_HEADERS, self.distributed_rows(), "lrrrrrrrrrrl"), ""]
+        return "\n".join(parts + self.summary_lines())
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -312,6 +386,7 @@ class TuneReport:
             "recommended_tricks": self.recommended_tricks("throughput") if self.baseline else None,
             "recommended_largest_batch": self.recommended_config("batch") if self.baseline else None,
             "notes": self.notes, "data": self.data, "deploy": self.deploy,
+            "distributed": _finite(self.distributed),
         }
 
     def to_markdown(self) -> str:
@@ -333,8 +408,26 @@ class TuneReport:
                   f"first step (reported only: a fresh deep net's early gradients are chaotic), and the largest loss "
                   f"difference over {n_drift} steps relative to the first fp32 loss, which decides "
                   f"(tolerance {self.drift_tolerance}).\n\n"
+                  + self._distributed_markdown() +
                   "## Recommended config (`tricks.toml`)\n\n```toml\n" + self.tricks_toml() + "```\n\n"
                   "## How to apply it\n\n```python\n" + HOW_TO_APPLY + "```\n")
+
+    def _distributed_markdown(self) -> str:
+        if not self.distributed or not self.distributed.get("rows"):
+            return ""
+        h = self.DIST_HEADERS
+        head = "| " + " | ".join(h) + " |\n|" + "---|" * len(h) + "\n"
+        body = "".join("| " + " | ".join(c.replace("|", "/") for c in row) + " |\n" for row in self.distributed_rows())
+        return ("## Distributed: ddp, zero1, fsdp\n\n![per-rank memory and throughput](report-distributed.png)\n\n"
+                + head + body + "\n**vs one process**: the throughput (samples/s of the global batch) against one "
+                "process training the whole global batch (± half its ~95% interval), from the median of per-round "
+                "step-time ratios, every lane timed "
+                "round-robin in one run, each step between two barriers. **Scaling eff.**: a rank's share of the "
+                "batch alone on a rank's threads, against the mode (1.00: N ranks give N times one rank's "
+                "throughput). **Peak/rank**: tensor bytes from building the lane through three steps, the largest "
+                "rank's; **state/rank**: the parameters, gradients and optimizer state that rank holds (local "
+                "shards). **Loss drift**: the global loss of the first three steps against one process on the same "
+                "batch, relative to the first.\n\n")
 
     # -- files --------------------------------------------------------------------------------
     def write(self, out_dir: str | Path) -> dict[str, Path]:
@@ -345,6 +438,10 @@ class TuneReport:
         png = self.plot(out / "report.png")  # first: a missing matplotlib adds a note the others carry
         if png is not None:
             paths["report.png"] = png
+        if self.distributed and self.distributed.get("rows"):
+            dpng = self.plot_distributed(out / "report-distributed.png")
+            if dpng is not None:
+                paths["report-distributed.png"] = dpng
         with atomic_path(paths["report.json"]) as tmp:
             tmp.write_text(json.dumps(self.to_dict(), indent=2, default=str))
         with atomic_path(paths["tricks.toml"]) as tmp:
@@ -424,7 +521,75 @@ class TuneReport:
         return p
 
 
+    def plot_distributed(self, path: str | Path) -> Path | None:
+        """Two panels: throughput against one process (scaling efficiency on each bar), and per-rank state
+        (parameters, gradients, optimizer state) with the peak and the per-rank limit."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        d = self.distributed or {}
+        rows = [r for r in d.get("rows", []) if r.get("status") == "measured"]
+        if not rows:
+            return None
+        names = [("* " if d.get("recommended") == r["name"] else "") + r["name"] for r in rows]
+        fig, axes = plt.subplots(1, 2, figsize=(13, 0.55 * len(rows) + 2.4), sharey=True)
+        y = list(range(len(rows)))
+        speed = [r.get("throughput_vs_one_process") or (1.0 if r["name"] == "one process" else 0.0) for r in rows]
+        colors = ["tab:orange" if d.get("recommended") == r["name"] else "tab:blue" for r in rows]
+        axes[0].barh(y, speed, color=colors)
+        axes[0].axvline(1.0, color="k", lw=1)
+        for i, r in enumerate(rows):
+            eff = r.get("scaling_efficiency")
+            label = f"{speed[i]:.2f}x" + (f"  (scaling eff. {eff:.2f})" if eff else "")
+            axes[0].text(speed[i] + 0.01, i, label, va="center", fontsize=8)
+        axes[0].set_xlabel("throughput vs one process on the global batch (higher is better)")
+        left = [0.0] * len(rows)
+        for key, color in (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green")):
+            vals = [((r.get("state") or {}).get(key) or 0) / 2**20 for r in rows]
+            axes[1].barh(y, vals, left=left, color=color, label=key, height=0.5)
+            left = [a + b for a, b in zip(left, vals)]
+        peaks = [(r.get("peak_bytes") or 0) / 2**20 for r in rows]
+        axes[1].scatter(peaks, y, marker="|", s=300, color="k", label="peak", zorder=3)
+        lim = d.get("memory_limit_per_rank")
+        if lim and lim < 2 * max(peaks + [1.0]) * 2**20:
+            axes[1].axvline(lim / 2**20, color="tab:red", ls="--", lw=1.5, label="per-rank limit")
+        axes[1].set_xlabel("per-rank MiB: parameters + gradients + optimizer state, and the peak")
+        axes[1].legend(loc="lower right", fontsize=8)
+        axes[0].set_yticks(y)
+        axes[0].set_yticklabels(names)
+        axes[0].invert_yaxis()
+        fig.suptitle(f"torch-tricks tune: {self.model}, global batch {d.get('global_batch')} on "
+                     f"{d.get('processes')} processes ({d.get('backend')}, {d.get('device')}; * = recommended)")
+        fig.tight_layout()
+        p = Path(path)
+        with atomic_path(p) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
+        plt.close(fig)
+        return p
+
+
 # -- formatting --------------------------------------------------------------------------------
+
+def _finite(x: Any) -> Any:
+    """``x`` with non-finite floats as None (JSON has no Infinity)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _pct(x: float | None) -> str:
+    if x is None:
+        return ""
+    return f"{x:.1%}" if math.isfinite(x) else "not finite"
+
 
 def _plot_label(r: Result) -> str:
     """Why a trick has no speed-up bar, in a few words."""

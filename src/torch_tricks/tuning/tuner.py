@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import statistics
 import time
 import warnings
@@ -76,6 +77,8 @@ TUNED_KEYS = ("precision", "channels_last", "checkpointing", "compile", "fused_o
 # chaotic (ResNet-50, random batch: bf16 autocast alone gives a relative difference of 1.3,
 # cosine 0.13, while its losses after 3 steps stay within 0.5% of the first fp32 loss).
 DRIFT_TOLERANCE = {"loss": 0.05}
+# With several processes (--processes N, or under torchrun) the distributed rows get this share of the budget.
+DIST_SHARE = 0.4
 # Effects smaller than this are not called faster/slower even when the A/A noise is smaller.
 MIN_EFFECT = 0.02
 # A candidate whose probe step (an eighth of the batch) takes this many times the plain one is
@@ -110,6 +113,8 @@ def tune(
     progress: bool = True,
     name: str = "",
     skip: Sequence[str] = (),
+    processes: int | None = None,
+    _channel: Any = None,
 ) -> TuneReport:
     """Measure the training tricks on ``model_fn()`` with ``example_batch``, one batch of fit's.
 
@@ -123,6 +128,14 @@ def tune(
     dataset path for the loader measurement; ``deploy``: also measure the inference
     chain. ``skip``: trick names to leave out. Returns a :class:`TuneReport`; nothing
     is printed (the progress bar goes to stderr; ``progress=False`` hides it).
+
+    ``processes=N`` (N >= 2) also measures ``ddp``, ``zero1`` and ``fsdp`` on N ranks that
+    the tune launches itself (torchrun's engine, on this machine), with ``example_batch``
+    as the global batch (N must divide it): see :mod:`torch_tricks.tuning.distributed`.
+    Called on every rank under ``torchrun``, the tune does the same on the ranks it was
+    given: rank 0 measures the single-process tricks while the others wait, then every
+    rank times the modes; every rank returns the same report. The model and functions
+    must pickle for ``processes`` (spawned ranks); under torchrun rank 0's are sent.
     """
     t_start = time.perf_counter()
     if not budget_s or budget_s <= 0:
@@ -160,6 +173,18 @@ def tune(
             raise UserError(f"model_fn returned {type(model).__name__}, not an nn.Module")
     inputs_t = parts.inputs
     batch = B.batch_size(example_batch)
+    from torch_tricks.tuning import distributed as D
+
+    world = D.launched_world()
+    if processes is not None and world > 1:
+        raise UserError("--processes launches the ranks itself: run the tune without torchrun, or drop --processes")
+    dist_world = world if world > 1 else (processes or 0)
+    if processes is not None or world > 1:
+        D.check_world(dist_world, batch, dev)
+    if world > 1 and _channel is None:
+        return _tune_on_ranks(model, example_batch, loss_fn, optimizer_fn, dict(
+            optimizer=optimizer, lr=lr, device=device, budget_s=budget_s, memory_limit=memory_limit, data=data,
+            deploy=deploy, seed=seed, progress=progress, name=name, skip=skip), budget_s)
     limit, limit_source = _memory_limit(memory_limit, dev)
     base_cfg = {"optimizer": optimizer, "lr": lr, "fused_optimizer": False, "device": str(dev), "seed": seed,
                 "batch_size": batch}
@@ -177,29 +202,90 @@ def tune(
 
     from tqdm.auto import tqdm
 
-    total = 4 + len(cands) + bool(data) + bool(deploy)
+    total = 4 + len(cands) + bool(data) + bool(deploy) + bool(dist_world)
     bar = tqdm(total=total, desc="tune", unit="phase", disable=not progress, leave=False)
-    job = _Tune(model, batches, base_cfg, kw, limit, report, bar, t_start, float(budget_s), bool(data), bool(deploy))
+    job = _Tune(model, batches, base_cfg, kw, limit, report, bar, t_start, float(budget_s), bool(data), bool(deploy),
+                dist_world=dist_world, channel=_channel)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch/inductor chatter would break the report's table
             job.run(cands, data)
     finally:
         bar.close()
+    if dist_world and report.distributed is None:
+        report.distributed = {"status": "skipped", "processes": dist_world, "rows": [], "reason":
+                              "the tune stopped before the distributed rows (over --budget-seconds): raise it"}
     report.elapsed_s = time.perf_counter() - t_start
     return report
+
+
+def _tune_on_ranks(model, example_batch, loss_fn, optimizer_fn, kwargs: dict[str, Any], budget_s: float
+                   ) -> TuneReport:
+    """``tune`` on every rank under torchrun: rank 0 runs the tune (the single-process part on all the
+    host's cores while the others wait), the ranks measure the modes together, every rank gets the report."""
+    import torch.distributed as dist
+
+    from torch_tricks.train.distributed import cleanup, init_distributed
+    from torch_tricks.tuning import distributed as D
+
+    created = not (dist.is_available() and dist.is_initialized())
+    # the others wait while rank 0 measures alone: the collectives' timeout must outlast the whole tune
+    info = init_distributed(timeout=max(1800.0, 3 * float(budget_s) + 600.0))
+    try:
+        if info.rank == 0:
+            channel = _RankChannel(threads=torch.get_num_threads())  # the launcher's: the ranks' threads
+            report: Any = None
+            try:
+                cpu = torch.device(kwargs["device"]).type == "cpu"
+                with D._threads(D.usable_cores() if cpu else None):  # torchrun gave each rank 1 thread
+                    report = tune(model, example_batch, loss_fn, optimizer_fn, **kwargs, _channel=channel)
+            finally:
+                channel.send(None)  # a no-op once the job was sent; else the others stop waiting for one
+                dist.broadcast_object_list([report], src=0)
+            return report
+        got = [None]
+        dist.broadcast_object_list(got, src=0)  # the job, once rank 0 has measured alone
+        if got[0] is not None:
+            D.measure_modes(got[0])
+        got = [None]
+        dist.broadcast_object_list(got, src=0)
+        if got[0] is None:
+            raise UserError("rank 0's tune stopped: its error is in rank 0's output")
+        return got[0]
+    finally:
+        if created:
+            cleanup()
+
+
+class _RankChannel:
+    """Rank 0's side under torchrun: sends the distributed job to the waiting ranks once (None: none)."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.sent = False
+        self.threads = threads
+
+    def send(self, job: Any) -> None:
+        if self.sent:
+            return
+        import torch.distributed as dist
+
+        self.sent = True
+        dist.broadcast_object_list([job], src=0)
 
 
 class _Tune:
     """One tune's state: the runners, the deadlines of its phases, the report it fills."""
 
     def __init__(self, model, batches, base_cfg, kw, limit, report: TuneReport, bar, t0: float, budget: float,
-                 data: bool, deploy: bool) -> None:
+                 data: bool, deploy: bool, dist_world: int = 0, channel: Any = None) -> None:
         self.model, self.batches, self.base_cfg, self.kw = model, batches, base_cfg, kw
         self.limit, self.report, self.bar = limit, report, bar
         self.deadline = t0 + budget
-        # data and deploy get fixed shares of the budget; training gets the rest
-        self.train_end = self.deadline - (0.15 * budget if data else 0.0) - (0.25 * budget if deploy else 0.0)
+        # the distributed rows, data and deploy get fixed shares of the budget; training gets the rest
+        self.dist_world, self.channel = dist_world, channel
+        self.dist_share = DIST_SHARE * budget if dist_world else 0.0
+        self.data_share = 0.15 * budget if data else 0.0
+        self.train_end = self.deadline - self.dist_share - self.data_share - (0.25 * budget if deploy else 0.0)
         self.deploy_start_share = 0.25 * budget if deploy else 0.0
         self.t0 = t0
         self.phase_s: dict[str, float] = {}  # wall seconds per phase (report.phase_s)
@@ -416,7 +502,13 @@ class _Tune:
         self.base = self.twin = None
         self.side.clear()
 
-        # 7. data and deploy
+        # 7. the distributed rows, data and deploy
+        if self.dist_world:
+            t = time.perf_counter()
+            self.phase(f"{self.dist_world} processes")
+            report.distributed = self._measure_distributed()
+            self.phase_s["distributed"] = time.perf_counter() - t
+            self.bar.update(1)
         if data:
             t = time.perf_counter()
             self.phase("data")
@@ -874,6 +966,56 @@ class _Tune:
         if res.peak_bytes is not None and res.peak_bytes > self.limit:
             return f"{speed}, over the memory limit"
         return speed
+
+    def _measure_distributed(self) -> dict[str, Any]:
+        """ddp, zero1 and fsdp on the ranks, with the recommended configuration, against one process."""
+        from torch_tricks import batches as B
+        from torch_tricks.tuning import distributed as D
+
+        report = self.report
+        best = report.best_throughput or report.baseline
+        changes = {k: v for k, v in (best.changes if best is not None else {}).items() if k != "compile"}
+        notes = []
+        if best is not None and best.changes.get("compile"):
+            notes.append("compile is left out of the distributed rows (a compilation per lane and rank would take "
+                         "the phase): they are measured eagerly")
+        budget = self.deadline - self.data_share - self.deploy_start_share - time.perf_counter()
+        world = self.dist_world
+        on_cpu = torch.device(self.base_cfg.get("device", "cpu")).type == "cpu"
+        launched = D.launched_world() > 1
+        job = D.DistJob(
+            model=copy.deepcopy(self.model).cpu(), batch=B.to_device(self.batches[0], torch.device("cpu")),
+            loss_fn=self.kw.get("loss_fn"), optimizer_fn=self.kw.get("optimizer_fn"),
+            config={**self.base_cfg, **changes}, changes=changes, limit=self.limit, budget_s=budget,
+            deadline=time.time() + budget,
+            seed=int(self.base_cfg.get("seed", 0)), notes=notes,
+            threads=(self.channel.threads if launched else max(1, D.usable_cores() // world)) if on_cpu else None,
+            one_process_threads=(D.usable_cores() if launched else torch.get_num_threads()) if on_cpu else None)
+        why = "" if launched else D.unsendable(job)
+        if why:
+            return {**D._failed(why), "processes": world}
+        budget = self.deadline - self.data_share - self.deploy_start_share - time.perf_counter()  # after the copy
+        if budget < 5:
+            return {"status": "skipped", "processes": world, "rows": [], "reason":
+                    "over --budget-seconds before the distributed rows could be measured: raise it"}
+        job.budget_s, job.deadline = budget, time.time() + budget
+        if launched:
+            self.channel.send(job)  # the other ranks wait for it
+            try:
+                result = D.measure_modes(job)
+            except Exception as exc:
+                result = D._failed(error_line(exc))
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        else:
+            result = D.launch(job, world)
+            local = world
+        result.setdefault("processes", world)
+        result["launched_by"] = "torchrun" if launched else f"tune --processes {world}"
+        if result.get("status") == "measured":
+            rec, why = D.recommend(result, self.limit, local_ranks=local, min_effect=MIN_EFFECT,
+                                   drift_tolerance=DRIFT_TOLERANCE["loss"])
+            result["recommended"], result["why"] = rec, why
+        return result
 
     def _measure_data(self, path: str) -> dict[str, Any]:
         """Loader throughput at the tuned batch vs the recommended step's samples/s: data-bound or not."""

@@ -1,0 +1,504 @@
+"""The tune's distributed rows: ``ddp``, ``zero1`` and ``fsdp`` on N ranks, against one process (T18-T20).
+
+``tune(..., processes=N)`` (CLI ``--processes N``) launches N ranks itself with torchrun's
+own engine (:func:`torch.distributed.launcher.api.elastic_launch`: a c10d rendezvous on
+localhost, the ranks as spawned processes); a tune started under ``torchrun`` uses the
+ranks it was given. Either way every rank runs :func:`measure_modes` on the same
+:class:`DistJob` (the model, the tune's global batch, the recommended configuration):
+
+* the global batch is split across the ranks (the world size must divide it), so every
+  mode trains on the very samples the one-process tune measured;
+* **lanes**: each mode's step on every rank (``TrainStep`` under ``distributed = MODE``:
+  the step ``fit`` and ``Tricks`` run), and two references on rank 0 alone while the
+  others wait: *one process* (the global batch, the threads one process gets: what the
+  user would run without torchrun) and *one rank* (a rank's share of the batch on a rank's
+  threads: the denominator of the scaling efficiency);
+* **memory** per rank: the peak of live tensor bytes from building the lane through its
+  first steps (CUDA's counter, else :class:`~torch_tricks.inspect.memory.LiveTensors`,
+  which follows DTensor shards and FSDP2's storage resizes), and the parameters,
+  gradients and optimizer state this rank holds (local shards), the largest rank's;
+* **drift**: the global loss of the first steps (the mean over ranks) against one
+  process on the same batch: a mode that trains something else is caught here;
+* **time**: round-robin rounds, a new order every round, the same order on every rank
+  (seeded), each step between two barriers; rank 0 decides when to stop (its budget).
+
+:func:`recommend` picks, among the configurations that fit the per-rank memory limit and
+do not drift, the fastest; a mode only where it beats one process beyond the margin, and
+of modes within the margin of the fastest, the one with the smallest per-rank peak.
+
+Written here rather than taken from a library: the measurement is the tuner's own
+(the same step, memory tracker and paired ratios as its single-process race).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from torch_tricks.errors import UserError
+
+__all__ = ["MODES", "DistJob", "launched_world", "check_world", "launch", "unsendable", "measure_modes", "recommend",
+           "usable_cores"]
+
+MODES = ("ddp", "zero1", "fsdp")
+ONE_PROCESS, ONE_RANK = "one process", "one rank"
+_MIN_ROUNDS, _MAX_ROUNDS = 5, 60
+
+
+@dataclass
+class DistJob:
+    """What every rank needs to measure the distributed rows (picklable: it crosses to spawned ranks)."""
+
+    model: nn.Module  # on the CPU; each rank moves its copies to its device
+    batch: Any  # the tune's global batch, on the CPU
+    loss_fn: Callable[..., torch.Tensor] | None
+    optimizer_fn: Callable[..., torch.optim.Optimizer] | None
+    config: dict[str, Any]  # TrainConfig keys: the tune's base and the recommended changes
+    changes: dict[str, Any]  # the recommended changes (reported)
+    limit: int  # memory limit of one process (the device's, or the host's RAM)
+    budget_s: float  # seconds for the whole phase (bounds the collectives' timeout)
+    deadline: float = 0.0  # when the phase must end: time.time() on rank 0's host (spawning the ranks counts)
+    seed: int = 0
+    modes: tuple[str, ...] = MODES
+    threads: int | None = None  # intra-op threads per rank (CPU); None leaves them
+    one_process_threads: int | None = None  # threads of the one-process lane (CPU)
+    notes: list[str] = field(default_factory=list)
+
+
+# -- who runs where -------------------------------------------------------------------------------
+
+def launched_world() -> int:
+    """The world size torchrun gave this process (1 outside torchrun)."""
+    if "RANK" not in os.environ:
+        return 1
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_world(world: int, batch: int, device: torch.device) -> None:
+    """One line for a world size the tune cannot split the batch over (or has no devices for)."""
+    if world < 2:
+        raise UserError(f"--processes {world}: give 2 or more (one process is the plain tune)")
+    if batch % world:
+        lo, hi = (batch // world) * world, (batch // world + 1) * world
+        sugg = f"{lo} or {hi}" if lo else f"{hi}"
+        raise UserError(f"the batch {batch} is the global batch, split across {world} processes, and {world} does "
+                        f"not divide it: give --batch a multiple of {world} (e.g. {sugg})")
+    if device.type == "cuda" and "RANK" not in os.environ and world > torch.cuda.device_count():
+        raise UserError(f"--processes {world} on cuda, but this machine has {torch.cuda.device_count()} CUDA "
+                        "device(s): one process per device at most")
+
+
+def launch(job: DistJob, processes: int) -> dict[str, Any]:
+    """Run :func:`measure_modes` on ``processes`` spawned ranks (torchrun's engine); rank 0's result.
+
+    A rank that fails returns its error line (the result then says ``failed``); a rank
+    that dies (killed, out of memory) fails the launch, which is reported the same way.
+    """
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    why = unsendable(job)
+    if why:
+        return _failed(why)
+    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=f"tune-{uuid.uuid4().hex[:8]}",
+                       rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2,
+                       start_method="spawn")
+    try:
+        out = elastic_launch(cfg, _rank_entry)(job)
+    except Exception as exc:  # a rank died: ChildFailedError names it
+        first = str(exc).strip().splitlines()
+        return _failed(f"the {processes} ranks did not finish: {type(exc).__name__}"
+                       + (f": {first[0]}" if first else ""))
+    result = out.get(0) if isinstance(out, dict) else None
+    if not isinstance(result, dict):
+        return _failed("rank 0 returned no result")
+    return result
+
+
+def unsendable(job: DistJob) -> str:
+    """Why ``job`` cannot be sent to spawned ranks ('' if it can): everything in it must pickle."""
+    import pickle
+
+    try:
+        pickle.dumps(job)
+    except Exception as exc:
+        return (f"the model, batch or loss/optimizer functions cannot be sent to the ranks (they must pickle: define "
+                f"them at module level, or run the tune under torchrun yourself): {_line(exc)}")
+    return ""
+
+
+def _rank_entry(job: DistJob) -> dict[str, Any]:
+    """One spawned rank: join the group, measure, leave; errors come back as a result, not a traceback."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import torch.distributed as dist
+
+    from torch_tricks.train.distributed import cleanup, init_distributed
+
+    try:
+        if job.threads:
+            torch.set_num_threads(job.threads)
+        init_distributed(timeout=max(job.budget_s * 2, 60.0) + 120.0)
+        result = measure_modes(job)
+    except Exception as exc:
+        # no farewell barrier: the others may be inside a collective this rank left; its exit ends theirs
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        return _failed(_line(exc))
+    cleanup()
+    return result
+
+
+def _failed(reason: str) -> dict[str, Any]:
+    return {"status": "failed", "reason": reason, "rows": []}
+
+
+# -- on every rank ----------------------------------------------------------------------------------
+
+class _Lane:
+    """One configuration timed in the rounds: a mode on every rank, or a reference on rank 0 alone."""
+
+    def __init__(self, name: str, mode: str, everyone: bool, batch: Any, threads: int | None) -> None:
+        self.name, self.mode, self.everyone, self.batch, self.threads = name, mode, everyone, batch, threads
+        self.step: Any = None
+        self.row: dict[str, Any] = {"name": name, "status": "pending", "reason": ""}
+        self.times: list[float] = []
+
+    def runs_here(self, rank: int) -> bool:
+        return self.everyone or rank == 0
+
+    def __call__(self) -> torch.Tensor:
+        with _threads(self.threads):
+            return self.step(self.batch)
+
+
+def measure_modes(job: DistJob) -> dict[str, Any]:
+    """Every lane's memory, drift and time, on every rank of the process group; the result (all ranks)."""
+    import torch.distributed as dist
+
+    from torch_tricks import batches as B
+    from torch_tricks.train.distributed import barrier, init_distributed
+
+    t_start = time.perf_counter()
+    info = init_distributed()
+    if not info.initialized:
+        raise UserError("the distributed rows need a process group: run under torchrun or with --processes N")
+    rank, world = info.rank, info.world_size
+    dev = info.device
+    total = B.batch_size(job.batch)
+    check_world(world, total, torch.device("cpu"))
+    per = total // world
+    local = B._map(job.batch, lambda t: t[rank * per:(rank + 1) * per] if t.dim() > 0 else t)
+    cfg = {**job.config, "device": str(dev), "seed": job.seed}
+    cfg.pop("compile", None)  # one compilation per lane and rank would eat the phase: measured eagerly
+    lanes = [_Lane(ONE_PROCESS, "off", False, job.batch, job.one_process_threads),
+             _Lane(ONE_RANK, "off", False, local, job.threads)]
+    lanes += [_Lane(m, m, True, local, job.threads) for m in job.modes]
+    left = (job.deadline - time.time()) if job.deadline else job.budget_s  # rank 0's clock decides
+    deadline = t_start + left
+    build_end = t_start + 0.6 * left
+
+    # 1. build each lane: memory (peak, what the rank holds) and the losses of its first steps
+    for lane in lanes:
+        if _decide(time.perf_counter() > build_end and lane.name not in (ONE_PROCESS, ONE_RANK)):
+            lane.row.update(status="skipped", reason="over the budget of the distributed phase: raise "
+                                                     "--budget-seconds")
+            continue
+        error = ""
+        if lane.runs_here(rank):
+            try:
+                with _threads(lane.threads):
+                    _build(lane, job, {**cfg, "distributed": lane.mode, "batch_size": B.batch_size(lane.batch)})
+            except Exception as exc:
+                error = _line(exc)
+        if lane.everyone:  # every rank knows whether any failed; then every rank drops it
+            errors: list[Any] = [None] * world
+            dist.all_gather_object(errors, (error, lane.row.get("state"), lane.row.get("peak_bytes"),
+                                            lane.row.get("losses")))
+            bad = [f"rank {r}: {e[0]}" for r, e in enumerate(errors) if e[0]]
+            if bad:
+                lane.step = None
+                lane.row.update(status="failed", reason=bad[0])
+            else:
+                states = [e[1] for e in errors]
+                lane.row["state"] = max(states, key=lambda s: s["total"])
+                lane.row["state_per_rank"] = [s["total"] for s in states]
+                lane.row["peak_bytes"] = max(e[2] for e in errors)
+                lane.row["peak_per_rank"] = [e[2] for e in errors]
+                lane.row["status"] = "measured"
+        else:
+            got: list[Any] = [error]
+            dist.broadcast_object_list(got, src=0)
+            if got[0]:
+                lane.step = None
+                lane.row.update(status="failed", reason=got[0])
+            else:
+                lane.row["status"] = "measured"
+        barrier()
+
+    # 2. the rounds: every live lane once per round, a new order each (the same on every rank)
+    live = [lane for lane in lanes if lane.row["status"] == "measured"]
+    rng = random.Random(job.seed)
+    rounds = 0
+    last_round = 0.0
+    while live:
+        now = time.perf_counter()
+        more = rounds < _MIN_ROUNDS or (rounds < _MAX_ROUNDS and now + last_round < deadline)
+        if _decide(not more, src_only=True):  # rank 0's clock says stop
+            break
+        t_round = time.perf_counter()
+        order = list(live)
+        rng.shuffle(order)
+        for lane in order:
+            barrier()
+            t0 = time.perf_counter()
+            if lane.runs_here(rank) and lane.step is not None:
+                lane()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            barrier()
+            lane.times.append(time.perf_counter() - t0)
+        rounds += 1
+        last_round = time.perf_counter() - t_round
+
+    # 3. rank 0's clock is the one that counts; the figures against the references
+    result = {"status": "measured", "reason": "", "processes": world, "backend": dist.get_backend(),
+              "device": dev.type, "global_batch": total, "per_rank_batch": per, "rounds": rounds,
+              "threads_per_rank": job.threads or torch.get_num_threads(),
+              "one_process_threads": job.one_process_threads or torch.get_num_threads(),
+              "changes": dict(job.changes), "config": {k: v for k, v in cfg.items() if k != "device"},
+              "notes": list(job.notes), "seconds": 0.0}
+    rows = [_figures(lane, lanes, per, total, world) for lane in lanes]
+    result["rows"] = rows
+    result["seconds"] = time.perf_counter() - t_start
+    for lane in lanes:
+        lane.step = None
+    return result
+
+
+def _build(lane: _Lane, job: DistJob, cfg: dict[str, Any]) -> None:
+    """The lane's TrainStep on a copy of the model, with its memory and first losses measured."""
+    from torch_tricks.train.distributed import is_dist, reduce_mean
+    from torch_tricks.train.loop import TrainStep
+    from torch_tricks.tuning.measure import _Peak, _device_of
+
+    dev = _device_of(cfg)
+    with _Peak(dev) as pk:
+        step = TrainStep(copy.deepcopy(job.model), loss_fn=job.loss_fn, optimizer=job.optimizer_fn, config=cfg)
+        grads = step.gradients(lane.batch)  # after backward, before a step frees them
+        grad_bytes = sum(_local_bytes(g) for g in grads)
+        del grads
+        losses = []
+        for _ in range(3):
+            loss = step(lane.batch).detach()
+            if lane.everyone and is_dist():
+                loss = reduce_mean(loss)  # equal shares of the global batch: the mean over ranks is its loss
+            losses.append(float(loss))
+    params = sum(_local_bytes(p) for p in step.model.parameters())
+    opt = _optimizer_bytes(step.optimizer)
+    lane.row["state"] = {"params": params, "grads": grad_bytes, "optimizer": opt, "total": params + grad_bytes + opt}
+    lane.row["peak_bytes"] = pk.peak + _nbytes(lane.batch)
+    lane.row["losses"] = losses
+    lane.step = step
+
+
+def _figures(lane: _Lane, lanes: list[_Lane], per: int, total: int, world: int) -> dict[str, Any]:
+    """One row: step time, throughput, against one process and one rank (paired by round), drift."""
+    from torch_tricks.tuning.measure import paired_ratio
+
+    row = dict(lane.row)
+    row["ranks"] = world if lane.everyone else 1
+    row["batch_per_rank"] = mine_batch = per if lane.name != ONE_PROCESS else total
+    if not lane.times:
+        return row
+    one, single = lanes[0], lanes[1]
+    step_s = statistics.median(lane.times)
+    row["step_s"] = step_s
+    row["rounds"] = len(lane.times)
+    samples = total if lane.everyone else mine_batch
+    row["samples_per_s"] = samples / step_s
+    if one.times and lane is not one:
+        # step-time ratio (< 1: a step takes less time than one process's on the global batch), and the
+        # throughput ratio: the share of the global batch this lane trains per step, over that
+        ratio, half = paired_ratio(lane.times, one.times)
+        row["vs_one_process"], row["vs_one_process_half_ci"] = ratio, half
+        share = samples / total
+        if ratio and math.isfinite(ratio):
+            row["throughput_vs_one_process"] = share / ratio
+            row["throughput_vs_one_process_half_ci"] = share * _inv_half(ratio, half)
+    if single.times and lane.everyone:
+        ratio, _ = paired_ratio(lane.times, single.times)  # 1.0: each rank as fast as one rank alone
+        row["scaling_efficiency"] = 1 / ratio if ratio else None
+    base = one.row.get("losses")
+    mine = row.get("losses")
+    if base and mine and lane.everyone and len(base) == len(mine):
+        if all(math.isfinite(x) for x in mine):
+            row["loss_drift"] = max(abs(a - b) for a, b in zip(mine, base)) / max(abs(base[0]), 1e-12)
+        else:
+            row["loss_drift"] = math.inf
+    return row
+
+
+# -- the decision -----------------------------------------------------------------------------------
+
+def recommend(result: dict[str, Any], limit: int, *, local_ranks: int, min_effect: float = 0.02,
+              drift_tolerance: float = 0.05) -> tuple[str | None, str]:
+    """``(the recommended lane, why)``: the fastest that fits and does not drift; a mode only where it
+    beats one process beyond the margin (``min_effect`` or the interval); of modes within that margin
+    of the fastest, the smallest per-rank peak. Each row gets its ``fits`` and ``verdict``.
+
+    The per-rank limit: ``limit`` on a device of its own (CUDA), ``limit / local_ranks`` where
+    the ranks share the host's memory (CPU).
+    """
+    rows = result.get("rows") or []
+    per_rank_limit = limit if result.get("device") == "cuda" else limit // max(local_ranks, 1)
+    result["memory_limit_per_rank"] = per_rank_limit
+    one = next((r for r in rows if r["name"] == ONE_PROCESS), None)
+    modes = [r for r in rows if r["name"] in MODES]
+    for r in rows:
+        r["fits"] = None if r.get("peak_bytes") is None else r["peak_bytes"] <= (
+            limit if r["name"] in (ONE_PROCESS, ONE_RANK) else per_rank_limit)
+    for r in modes:
+        r["verdict"] = _verdict(r, drift_tolerance, min_effect)
+    if one is not None:
+        one["verdict"] = "reference: the global batch in one process" if one.get("step_s") else one["status"]
+    single = next((r for r in rows if r["name"] == ONE_RANK), None)
+    if single is not None:
+        single["verdict"] = ("reference: a rank's share of the batch, alone" if single.get("step_s")
+                             else single["status"])
+    ok = [r for r in modes if r.get("step_s") and r.get("fits") and (r.get("loss_drift") or 0.0) <= drift_tolerance]
+    one_fits = one is not None and bool(one.get("step_s")) and one.get("fits") is not False
+    if not ok:
+        if one_fits:
+            return ONE_PROCESS, "no distributed mode was measured that fits and trains the same: keep one process"
+        return None, "nothing measured fits the memory limit: lower the batch or raise --memory-limit"
+    fastest = min(ok, key=lambda r: r["vs_one_process"] if r.get("vs_one_process") else r["step_s"])
+    margin = max(min_effect, fastest.get("vs_one_process_half_ci") or 0.0)
+    close = [r for r in ok if r.get("vs_one_process") and fastest.get("vs_one_process")
+             and r["vs_one_process"] <= fastest["vs_one_process"] * (1 + margin)]
+    pick = min(close or [fastest], key=lambda r: r.get("peak_bytes") or math.inf)
+    lean = f" (within the margin of {fastest['name']}, the smallest per-rank peak)" if pick is not fastest else ""
+    ratio = pick.get("vs_one_process")
+    if one_fits and ratio is not None and ratio >= 1 - margin:
+        return ONE_PROCESS, (f"no mode is faster than one process beyond the margin here; the fastest, "
+                             f"{fastest['name']}, gives {_times(fastest)} the throughput of one process: keep one "
+                             "process")
+    if not one_fits:
+        return pick["name"], (f"one process does not fit the memory limit; {pick['name']} fits "
+                              f"({_mib(pick.get('peak_bytes'))} per rank) and is the fastest that does{lean}")
+    return pick["name"], (f"{_times(pick)} the throughput of one process, {_mib(pick.get('peak_bytes'))} peak per "
+                          f"rank{lean}")
+
+
+def _times(r: dict[str, Any]) -> str:
+    x, h = r.get("throughput_vs_one_process"), r.get("throughput_vs_one_process_half_ci")
+    if x is None:
+        return "n/a"
+    return f"{x:.2f}x" + (f" (±{h:.2f})" if h is not None and math.isfinite(h) else "")
+
+
+def _verdict(r: dict[str, Any], tol: float, min_effect: float) -> str:
+    if r["status"] != "measured":
+        return f"{r['status']}: {r.get('reason', '')}"
+    if not r.get("step_s"):
+        return "not timed"
+    if (r.get("loss_drift") or 0.0) > tol:
+        return f"trains something else: its loss differs from one process's by {r['loss_drift']:.1%} (> {tol:.0%})"
+    ratio, half = r.get("vs_one_process"), r.get("vs_one_process_half_ci") or 0.0
+    margin = max(min_effect, half)
+    speed = ("n/a" if not ratio else "faster than one process" if ratio < 1 - margin
+             else "slower than one process" if ratio > 1 + margin else "no measurable change against one process")
+    return speed + ("" if r.get("fits") is not False else ", over the per-rank memory limit")
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+class _threads:
+    """Intra-op threads inside (CPU), the previous number after; ``None`` leaves them."""
+
+    def __init__(self, n: int | None) -> None:
+        self.n = n
+
+    def __enter__(self) -> None:
+        self.before = torch.get_num_threads()
+        if self.n and self.n != self.before:
+            torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: Any) -> None:
+        if torch.get_num_threads() != self.before:
+            torch.set_num_threads(self.before)
+
+
+def _decide(flag: bool, src_only: bool = False) -> bool:
+    """One decision for every rank: any rank's flag (or rank 0's, with ``src_only``)."""
+    import torch.distributed as dist
+
+    from torch_tricks.train.distributed import any_rank, is_dist
+
+    if not is_dist():
+        return flag
+    if src_only:
+        got = [flag]
+        dist.broadcast_object_list(got, src=0)
+        return bool(got[0])
+    return any_rank(flag)
+
+
+def _local_bytes(t: Any) -> int:
+    """Bytes this rank holds for ``t``: a DTensor's local shard, else the tensor."""
+    if t is None:
+        return 0
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def _optimizer_bytes(optimizer: Any) -> int:
+    """Bytes of the optimizer state this rank holds (ZeRO: its local optimizer's); step counters left out."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
+    return sum(_local_bytes(v) for per in inner.state.values() for v in per.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def _nbytes(batch: Any) -> int:
+    from torch_tricks.data.prefetch import batch_nbytes
+
+    return batch_nbytes(batch)
+
+
+def _inv_half(ratio: float, half: float) -> float:
+    """Half-width of ``1 / ratio``'s interval from ``ratio``'s (inf when it reaches 0)."""
+    if ratio <= half:
+        return math.inf
+    return (1 / (ratio - half) - 1 / (ratio + half)) / 2
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _mib(n: float | None) -> str:
+    from torch_tricks._format import human_bytes
+
+    return human_bytes(n) if n is not None else "n/a"
