@@ -87,17 +87,23 @@ def test_sharded_fit_on_two_ranks_equals_single_process(tmp_path, mode):
             assert h.final["loss_ema"] == pytest.approx(sharded["final"]["loss_ema"], rel=1e-5)
 
 
-def test_fsdp_with_channels_last_trains_as_ddp_does(tmp_path):
-    """FSDP2 cannot shard channels_last (non-contiguous) weights: under fsdp the inputs alone go channels_last,
-    and the run equals DDP's with channels_last weights (atol 1e-5)."""
+def test_fsdp_with_channels_last_and_with_bf16_batchnorm_trains_as_ddp_does(tmp_path):
+    """Two switches FSDP2 needs wiring for (both found by the tune's distributed rows): channels_last weights
+    are not contiguous, so under fsdp the inputs alone go channels_last; under bf16 BatchNorm's running
+    statistics stay fp32, so BatchNorm is sharded on its own in fp32. Each run equals DDP's (atol 1e-5)."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("this torch build has no gloo backend")
-    _torchrun(Path(__file__).parent / "dist_scripts" / "fsdp_channels_last.py", str(tmp_path / "out.pt"))
+    _torchrun(Path(__file__).parent / "dist_scripts" / "fsdp_vs_ddp.py", str(tmp_path / "out.pt"))
     out = torch.load(tmp_path / "out.pt")
-    assert "channels_last=inputs" in out["fsdp"]["applied"] and "channels_last" in out["ddp"]["applied"]
-    assert out["fsdp"]["losses"] == pytest.approx(out["ddp"]["losses"], rel=1e-5)
-    for k, v in out["ddp"]["params"].items():
-        torch.testing.assert_close(out["fsdp"]["params"][k].contiguous(), v.contiguous(), rtol=0, atol=1e-5, msg=k)
+    assert "channels_last=inputs" in out["channels_last", "fsdp"]["applied"]
+    assert "channels_last" in out["channels_last", "ddp"]["applied"]
+    assert "precision=bf16" in out["bf16-batchnorm", "fsdp"]["applied"]
+    for variant in ("channels_last", "bf16-batchnorm"):
+        ddp, fsdp = out[variant, "ddp"], out[variant, "fsdp"]
+        assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-5), variant
+        for k, v in ddp["params"].items():
+            torch.testing.assert_close(fsdp["params"][k].contiguous(), v.contiguous(), rtol=0, atol=1e-5,
+                                       msg=f"{variant}: {k}")
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero1", "fsdp"])

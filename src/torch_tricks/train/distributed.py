@@ -126,16 +126,38 @@ def init_distributed(
 def cleanup() -> None:
     """Leave the process group (a no-op when there is none); call once at the end, on every rank.
 
-    All ranks meet at a barrier first: a rank that tears gloo down while its peer is still
-    sending (rank 0 saving a checkpoint, say) can make the peer's gloo thread abort the
-    process ("terminate called without an active exception").
+    A rank that tears gloo down while its peer is still inside a collective with it (rank 0
+    saving a checkpoint, say, or the last message of a barrier still on its way) can make
+    the peer's gloo thread abort the process ("terminate called without an active
+    exception"). So all ranks first meet at a barrier (every collective is done), then
+    once more in the job's store, outside gloo (every rank has left that barrier too);
+    only then does any rank close its connections.
     """
     if dist.is_available() and dist.is_initialized():
         try:
             dist.barrier()
+            _store_barrier()
         except Exception:  # a peer already gone: leave anyway
             pass
         dist.destroy_process_group()
+
+
+_LEFT = [0]  # cleanups so far in this process: every rank counts the same, so the key is the same
+
+
+def _store_barrier(timeout_s: float = 60.0) -> None:
+    """Wait until every rank has posted in the job's store (a meeting point outside gloo's connections)."""
+    import time
+
+    store = dist.distributed_c10d._get_default_store()
+    _LEFT[0] += 1
+    key = f"torch_tricks/left/{_LEFT[0]}"
+    world = dist.get_world_size()
+    n = store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while n < world and time.monotonic() < deadline:
+        time.sleep(0.005)
+        n = store.add(key, 0)
 
 
 def is_dist() -> bool:

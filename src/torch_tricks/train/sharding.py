@@ -62,7 +62,8 @@ def shard_fsdp(model: nn.Module, *, mesh: Any = None, precision: str = "fp32", r
     """``fully_shard`` each repeated block of ``model`` (or ``blocks``), then the root; in place, returned.
 
     The model must be on this rank's device already. ``precision`` ``bf16``/``fp16``: the
-    blocks compute in that dtype from fp32 master weights, gradients reduced in fp32.
+    blocks compute in that dtype from fp32 master weights, gradients reduced in fp32;
+    BatchNorm layers are sharded on their own in fp32 (their running statistics are fp32).
     """
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -75,6 +76,11 @@ def shard_fsdp(model: nn.Module, *, mesh: Any = None, precision: str = "fp32", r
     if precision in ("bf16", "fp16"):
         low = torch.bfloat16 if precision == "bf16" else torch.float16
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        # BatchNorm keeps fp32 weights: its running statistics are fp32 buffers (FSDP casts parameters only),
+        # and batch_norm refuses low-precision weights beside them; autocast runs it this way too
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine and any(True for _ in m.parameters()):
+                fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy())
     chosen = blocks if blocks is not None else [m for _, m in repeated_blocks(model)]
     for block in chosen:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
