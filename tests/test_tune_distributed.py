@@ -112,9 +112,12 @@ def test_processes_under_torchrun_is_one_line(capsys, monkeypatch):
     assert err.count("\n") == 1 and "--processes launches the ranks itself" in err, err
 
 
-def test_a_world_under_torchrun_that_does_not_divide_the_batch_is_one_line():
-    with pytest.raises(UserError, match="3 does not divide it"):
-        check_world(3, 32, torch.device("cpu"))
+def test_a_world_under_torchrun_that_does_not_divide_the_batch_is_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun --nproc_per_node 3 sets it: said before any rank waits
+    assert main(TUNE) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "split across 3 processes, and 3 does not divide it" in err, err
     check_world(4, 32, torch.device("cpu"))  # divides: no error
 
 

@@ -221,8 +221,11 @@ class Tricks:
         self._need_prepare()
         if self.dist is not None and self.config.distributed in ("zero1", "fsdp"):
             raise UserError(f"under distributed = {self.config.distributed} the state is sharded across ranks: "
-                            "save it with fit's checkpoint_dir (a DCP checkpoint every rank writes) or "
-                            "torch_tricks.train.sharded_checkpoint.save_sharded, not tricks.state_dict()")
+                            "save it with tricks.save(path) on every rank (fsdp: a DCP folder every rank writes; "
+                            "zero1: one file, rank 0 gathers), not tricks.state_dict()")
+        return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {
             "model": self.unwrapped_model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -263,20 +266,63 @@ class Tricks:
             p.grad = g.to(p.device) if g is not None else None
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """:meth:`state_dict` to ``path``, atomically (a crash mid-write leaves the old file)."""
-        from torch_tricks.train.checkpoint import _atomic_torch_save
+        """:meth:`state_dict` to ``path``, atomically (a crash mid-write leaves the old file).
 
+        Under ``torchrun`` call it on every rank. ``distributed = fsdp``: ``path`` is a folder and
+        every rank writes its shards of a DCP checkpoint there (complete only once all are
+        written; see :mod:`torch_tricks.train.sharded_checkpoint`); ``zero1``: rank 0 gathers
+        the optimizer state and writes the one file; otherwise rank 0 writes it. Either loads on
+        any number of ranks, one plain process included (:meth:`load`).
+        """
         from pathlib import Path
 
-        _atomic_torch_save(self.state_dict(), Path(path))
+        from torch_tricks.train.checkpoint import _atomic_torch_save
+        from torch_tricks.train.distributed import barrier
+
+        self._need_prepare()
+        if self._fsdp_mode():
+            if self._micro:
+                raise UserError("under distributed = fsdp save at a group's end (after tricks.step()): the "
+                                "gradients of a half-done group are sharded and not saved")
+            from torch_tricks.train.sharded_checkpoint import save_sharded
+
+            save_sharded(path, model=self.unwrapped_model, optimizer=self.optimizer, scheduler=self.scheduler,
+                         scaler=self.scaler, ema=self.ema, step=self.step_count,
+                         extra={"tricks": True, "skipped_steps": self.skipped_steps})
+            return
+        if hasattr(self.optimizer, "consolidate_state_dict"):  # zero1: rank 0 gathers the whole state (collective)
+            self.optimizer.consolidate_state_dict(to=0)
+        if self.is_main:
+            _atomic_torch_save(self._state_dict(), Path(path))
+        barrier()
 
     def load(self, path: str | os.PathLike[str]) -> None:
-        """:meth:`load_state_dict` from a file written by :meth:`save` (loaded with weights_only)."""
+        """Restore what :meth:`save` wrote: a file (loaded with weights_only), or a DCP folder of an fsdp run,
+        on any number of ranks (call it on every rank)."""
         from pathlib import Path
 
         p = Path(path)
+        self._need_prepare()
+        if p.is_dir():
+            from torch_tricks.train.sharded_checkpoint import last_sharded, load_sharded
+
+            folder = last_sharded(p)
+            if folder is None:
+                raise UserError(f"{str(p)!r} holds no complete sharded checkpoint: give the folder tricks.save() "
+                                "wrote under distributed = fsdp, or the file it wrote otherwise")
+            meta = load_sharded(folder, model=self.unwrapped_model, optimizer=self.optimizer,
+                                scheduler=self.scheduler, scaler=self.scaler, ema=self.ema)
+            self.step_count = int(meta["step"])
+            self.skipped_steps = int((meta.get("extra") or {}).get("skipped_steps", 0))
+            self._micro = 0
+            self._loss_sum.zero_()
+            return
         if not p.is_file():
-            raise UserError(f"no Tricks state at {str(p)!r}: give the file tricks.save() wrote")
+            raise UserError(f"no Tricks state at {str(p)!r}: give the file (or, under fsdp, the folder) "
+                            "tricks.save() wrote")
+        if self._fsdp_mode():
+            raise UserError(f"{p} is a whole-model file; under distributed = fsdp load the folder tricks.save() "
+                            "wrote under fsdp, or load this file under ddp or in one process")
         try:
             state = torch.load(p, map_location=self.device, weights_only=True)
         except Exception as exc:
