@@ -90,7 +90,8 @@ def test_sharded_fit_on_two_ranks_equals_single_process(tmp_path, mode):
 def test_fsdp_with_channels_last_and_with_bf16_batchnorm_trains_as_ddp_does(tmp_path):
     """Two switches FSDP2 needs wiring for (both found by the tune's distributed rows): channels_last weights
     are not contiguous, so under fsdp the inputs alone go channels_last; under bf16 BatchNorm's running
-    statistics stay fp32, so BatchNorm is sharded on its own in fp32. Each run equals DDP's (atol 1e-5)."""
+    statistics stay fp32, so BatchNorm is sharded on its own in fp32. Each run equals DDP's (atol 1e-5).
+    And the NaN guard's decision is every rank's under fsdp and zero1 as under ddp."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("this torch build has no gloo backend")
     _torchrun(Path(__file__).parent / "dist_scripts" / "fsdp_vs_ddp.py", str(tmp_path / "out.pt"))
@@ -104,6 +105,9 @@ def test_fsdp_with_channels_last_and_with_bf16_batchnorm_trains_as_ddp_does(tmp_
         for k, v in ddp["params"].items():
             torch.testing.assert_close(fsdp["params"][k].contiguous(), v.contiguous(), rtol=0, atol=1e-5,
                                        msg=f"{variant}: {k}")
+    for mode in ("fsdp", "zero1"):  # a NaN loss on rank 1 alone: both ranks stop at step 2, neither hangs
+        assert [s for s, _ in out["nan", mode]] == [2, 2], out["nan", mode]
+        assert all("at step 2" in msg for _, msg in out["nan", mode])
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero1", "fsdp"])
@@ -132,10 +136,10 @@ def _train_losses(h):
 
 @pytest.mark.parametrize("mode", ["fsdp", "zero1"])
 def test_a_checkpoint_of_two_ranks_resumes_on_two_ranks_and_on_one(tmp_path, mode):
-    """fsdp (a DCP checkpoint) or zero1 (the optimizer state consolidated on rank 0, one file)
-    on 2 ranks, stopped mid-epoch, resumes on 2 ranks (rank 0's losses and the parameters of
-    the uninterrupted run) and in one plain process on the same global batches (the losses of
-    a single-process run on them, rel 1e-5; its parameters)."""
+    """fsdp or zero1 on 2 ranks write DCP checkpoints (every rank its shards); killed while saving mid-epoch,
+    the previous one resumes on 2 ranks (rank 0's losses and the parameters of the uninterrupted run) and in
+    one plain process on the same global batches (the losses of a single-process run on them, rel 1e-5; its
+    parameters)."""
     import shutil
 
     from torch_tricks.train import fit
@@ -145,25 +149,20 @@ def test_a_checkpoint_of_two_ranks_resumes_on_two_ranks_and_on_one(tmp_path, mod
         pytest.skip("this torch build has no gloo backend")
     script = Path(__file__).parent / "dist_scripts" / "fit_sharded_resume.py"
     _torchrun(script, "whole", str(tmp_path / "ck_whole"), str(tmp_path / "whole.pt"), mode)
-    if mode == "fsdp":
-        # a checkpoint every step; rank 0 killed (SIGKILL) while saving the next one, after every rank's shards
-        # are written and before the pointer moves to them: the previous checkpoint is the one to load
-        _torchrun(script, "killsave", str(tmp_path / "ck"), str(tmp_path / "stop.pt"), mode, ok=False)
-        folder = last_sharded(tmp_path / "ck")
-        assert folder is not None and folder.name == f"step-{RESUME_STOP:08d}.dcp"
-        assert (tmp_path / "ck" / f"step-{RESUME_STOP + 1:08d}.dcp").is_dir()  # the save it was killed in
-        assert (tmp_path / "ck" / (POINTER + ".tmp")).is_file()  # the pointer it never moved
-        (tmp_path / "ck" / f"step-{RESUME_STOP + 2:08d}.dcp").mkdir()  # and a save killed earlier still:
-        (tmp_path / "ck" / f"step-{RESUME_STOP + 2:08d}.dcp" / "__0_0.distcp").write_bytes(b"half a shard")
-        assert last_sharded(tmp_path / "ck") == folder
-    else:
-        _torchrun(script, "stop", str(tmp_path / "ck"), str(tmp_path / "stop.pt"), mode)
-        assert (tmp_path / "ck" / "last.pt").is_file() and last_sharded(tmp_path / "ck") is None
+    # a checkpoint every step; rank 0 killed (SIGKILL) while saving the next one, after every rank's shards
+    # are written and before the pointer moves to them: the previous checkpoint is the one to load
+    _torchrun(script, "killsave", str(tmp_path / "ck"), str(tmp_path / "stop.pt"), mode, ok=False)
+    folder = last_sharded(tmp_path / "ck")
+    assert folder is not None and folder.name == f"step-{RESUME_STOP:08d}.dcp"
+    assert not (tmp_path / "ck" / "last.pt").exists()  # no rank gathered the whole state
+    assert (tmp_path / "ck" / f"step-{RESUME_STOP + 1:08d}.dcp").is_dir()  # the save it was killed in
+    assert (tmp_path / "ck" / (POINTER + ".tmp")).is_file()  # the pointer it never moved
+    (tmp_path / "ck" / f"step-{RESUME_STOP + 2:08d}.dcp").mkdir()  # and a save killed earlier still:
+    (tmp_path / "ck" / f"step-{RESUME_STOP + 2:08d}.dcp" / "__0_0.distcp").write_bytes(b"half a shard")
+    assert last_sharded(tmp_path / "ck") == folder
     shutil.copytree(tmp_path / "ck", tmp_path / "ck_one")
 
     whole = torch.load(tmp_path / "whole.pt")
-    if mode != "fsdp":  # the killed run wrote nothing
-        assert [s for s, _ in torch.load(tmp_path / "stop.pt")["losses"]] == list(range(1, RESUME_STOP + 1))
     _torchrun(script, "resume", str(tmp_path / "ck"), str(tmp_path / "resume.pt"), mode)
     two = torch.load(tmp_path / "resume.pt")
     assert two["resumed_from"] == RESUME_STOP
@@ -196,19 +195,20 @@ def tricks_batches(steps: int = 6):
 
 @pytest.mark.parametrize("mode", ["fsdp", "zero1"])
 def test_tricks_save_and_load_in_your_own_loop_under_sharding(tmp_path, mode):
-    """tricks.save on every rank mid-run (fsdp: a DCP folder; zero1: one file rank 0 writes), tricks.load in a
-    fresh run on 2 ranks and in one plain process: the remaining global losses are the uninterrupted run's
-    (rel 1e-5) and so are the final parameters (atol 1e-5)."""
+    """tricks.save on every rank mid-run (a DCP folder, every rank its shards), tricks.load in a fresh run on 2
+    ranks and in one plain process: the remaining global losses are the uninterrupted run's (rel 1e-5) and so
+    are the final parameters (atol 1e-5)."""
     import torch.nn.functional as F
 
     from torch_tricks import Tricks
+    from torch_tricks.train.sharded_checkpoint import last_sharded
 
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("this torch build has no gloo backend")
     script = Path(__file__).parent / "dist_scripts" / "tricks_sharded_save.py"
     _torchrun(script, mode, "run", str(tmp_path))
-    ckpt = tmp_path / ("ckpt" if mode == "fsdp" else "ckpt.pt")
-    assert ckpt.is_dir() if mode == "fsdp" else ckpt.is_file()
+    ckpt = tmp_path / "ckpt"
+    assert (last_sharded(ckpt) / ".metadata").is_file()
     _torchrun(script, mode, "resume", str(tmp_path))
     run, resumed = torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "resume.pt")
     assert sorted(run["losses"]) == [1, 2, 3, 4, 5, 6] and sorted(resumed["losses"]) == [4, 5, 6]

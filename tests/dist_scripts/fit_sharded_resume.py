@@ -1,8 +1,7 @@
 """``fit`` under torchrun with distributed = fsdp and a DCP checkpoint_dir.
 
 Usage: torchrun --standalone --nproc_per_node=2 fit_sharded_resume.py PHASE CKPT_DIR OUT_FILE [MODE]
-PHASE: whole (all steps), stop (RESUME_STOP steps, then a checkpoint mid-epoch), resume (from CKPT_DIR),
-killsave (a checkpoint every step; rank 0 is killed with SIGKILL while saving step RESUME_STOP + 1: every
+PHASE: whole (all steps), resume (from CKPT_DIR), killsave (a checkpoint every step; rank 0 is killed with SIGKILL while saving step RESUME_STOP + 1: every
 rank's shards are written, the pointer is not yet moved to them).
 Rank 0 writes OUT_FILE: the full parameters and rank 0's logged train losses.
 """
@@ -24,7 +23,7 @@ from torch_tricks.train.distributed import cleanup  # noqa: E402
 torch.set_num_threads(1)
 phase, ckpt, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 mode = sys.argv[4] if len(sys.argv) > 4 else "fsdp"
-extra = {"max_steps": RESUME_STOP} if phase == "stop" else {"resume": True} if phase == "resume" else {}
+extra = {"resume": True} if phase == "resume" else {}
 if phase == "killsave":
     import os
     import signal

@@ -9,6 +9,7 @@ is sharded on its own in fp32, as autocast runs it under ddp.
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch
@@ -41,6 +42,27 @@ for variant, (switches, bn) in VARIANTS.items():
         params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
                   for k, v in step.model.state_dict().items()}
         out[variant, mode] = {"losses": losses, "params": params, "applied": step.applied}
+# a NaN on one rank only: every rank stops at the same step (one all-reduce decides), none waits for the other
+from torch_tricks.train.tricks import TrainingDiverged  # noqa: E402
+
+for mode in ("fsdp", "zero1"):
+    step = TrainStep(make_model(False), config={"distributed": mode, "optimizer": "adamw", "device": "cpu", "seed": 0})
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
+    stopped = None
+    for i in range(1, 4):
+        xi = x.clone()
+        if i == 2 and dist.get_rank() == 1:
+            xi[0, 0, 0, 0] = float("nan")
+        try:
+            step((xi, y))
+        except TrainingDiverged as exc:
+            stopped = (i, str(exc))
+            break
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, stopped)
+    out["nan", mode] = everyone
 if dist.get_rank() == 0:
     torch.save(out, sys.argv[1])
+del step  # DDP/ZeRO/FSDP hold the process group: gone before it is destroyed
+gc.collect()
 cleanup()

@@ -7,6 +7,7 @@ Rank 0 writes DIR/PHASE.pt: the global losses (the mean over ranks) by step and 
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ mode, phase, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 tricks = Tricks({"distributed": mode, "device": "cpu", "optimizer": "adamw", "lr": 0.01, "seed": 0})
 model, optimizer = tricks.prepare(make_model())
 rank = dist.get_rank()
-ckpt = out / ("ckpt" if mode == "fsdp" else "ckpt.pt")
+ckpt = out / "ckpt"  # a DCP folder: every rank writes its shards
 first = 0
 if phase == "resume":
     tricks.load(ckpt)
@@ -45,4 +46,6 @@ full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone(
         for k, v in tricks.unwrapped_model.state_dict().items()}
 if rank == 0:
     torch.save({"losses": losses, "params": full}, out / f"{phase}.pt")
+del tricks, model, optimizer  # DDP/ZeRO/FSDP hold the process group: gone before it is destroyed
+gc.collect()
 cleanup()

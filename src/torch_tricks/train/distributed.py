@@ -131,7 +131,9 @@ def cleanup() -> None:
     the peer's gloo thread abort the process ("terminate called without an active
     exception"). So all ranks first meet at a barrier (every collective is done), then
     once more in the job's store, outside gloo (every rank has left that barrier too);
-    only then does any rank close its connections.
+    only then does any rank close its connections. Drop what holds the group (a DDP or
+    FSDP model, a ZeRO optimizer, a ``Tricks``) before calling it: one destroyed after the
+    group, at the interpreter's exit, can abort the process the same way.
     """
     if dist.is_available() and dist.is_initialized():
         try:

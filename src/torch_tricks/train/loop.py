@@ -363,7 +363,7 @@ class _Trainer:
         if path is None:
             return
         extra = {"micro_batches": self.micro, "skipped_steps": self.history.skipped_steps}
-        if self.tricks._fsdp_mode():  # no rank holds the whole model: every rank writes its shards
+        if self.tricks._sharded_mode():  # no rank holds the whole model or optimizer: every rank writes its shards
             from torch_tricks.train.sharded_checkpoint import save_sharded
 
             folder = save_sharded(self.cfg.checkpoint_dir, model=self.raw_model, optimizer=self.optimizer,
@@ -372,8 +372,6 @@ class _Trainer:
             self.tricks.last_good = f"{folder} (step {self.step})"
             self.history.checkpoint = str(folder)
             return
-        if hasattr(self.optimizer, "consolidate_state_dict"):  # zero1: rank 0 gathers the whole optimizer state
-            self.optimizer.consolidate_state_dict(to=0)
         from torch_tricks.train.checkpoint import save_checkpoint
 
         save_checkpoint(

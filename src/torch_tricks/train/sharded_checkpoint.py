@@ -1,7 +1,8 @@
-"""Sharded checkpoints for ``distributed = fsdp`` with ``torch.distributed.checkpoint`` (DCP, T20).
+"""Sharded checkpoints for ``distributed = fsdp | zero1`` with ``torch.distributed.checkpoint`` (DCP, T20).
 
-Under FSDP no rank holds the whole model, so no rank can write ``last.pt``: every rank
-writes its shards (``dcp.save``; the coordinator writes ``.metadata`` last, so a folder
+Under FSDP no rank holds the whole model, and under ZeRO-1 none holds the whole optimizer
+state (gathering it on rank 0 to write ``last.pt`` would undo, at every save, the memory
+ZeRO saves), so no rank writes ``last.pt``: every rank writes its shards (``dcp.save``; the coordinator writes ``.metadata`` last, so a folder
 without it is incomplete) into ``step-NNNNNNNN.dcp/`` under ``checkpoint_dir``, and only
 when every rank is done does rank 0 point ``last.dcp.json`` at it (temp file + rename)
 and remove older folders. A run killed while saving leaves the pointer on the previous,
@@ -10,7 +11,9 @@ any number of ranks, one plain process included (``dcp.load`` without a process 
 
 What is saved: the model and optimizer through
 :func:`torch.distributed.checkpoint.state_dict.get_state_dict` (sharded under FSDP, whole
-otherwise), the EMA's weights the same way, and as plain objects the scheduler, scaler,
+otherwise; under ZeRO-1 the replicated model, written once, and each rank's share of the
+optimizer state in the same parameter-name-keyed form, so either loads into the other
+and into a plain optimizer), the EMA's weights the same way, and as plain objects the scheduler, scaler,
 EMA count, every rank's RNG state, the step and the data position (``meta.pt``, written by
 rank 0 beside the shards before the pointer moves).
 """
@@ -64,7 +67,10 @@ def save_sharded(checkpoint_dir: str | os.PathLike[str], *, model: nn.Module, op
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"step-{int(step):08d}.dcp"
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if _is_zero(optimizer):
+        model_sd, optim_sd = model.state_dict(), _zero_optimizer_state(model, optimizer)
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     meta = {"step": int(step), "epoch": int(epoch), "batch_index": int(batch_index),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -108,7 +114,11 @@ def load_sharded(path: str | os.PathLike[str], *, model: nn.Module, optimizer: A
     from torch_tricks.train.checkpoint import restore_rng_state
     from torch_tricks.train.distributed import get_rank
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    zero = _is_zero(optimizer)
+    if zero:  # this rank's share of the state, materialised as the template DCP loads into in place
+        model_sd, optim_sd = model.state_dict(), _zero_optimizer_state(model, optimizer)
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     if ema is not None:
         state["ema"] = get_model_state_dict(ema.module)
@@ -120,7 +130,12 @@ def load_sharded(path: str | os.PathLike[str], *, model: nn.Module, optimizer: A
         first = lines[-1][:200] if lines else type(exc).__name__
         raise UserError(f"the sharded checkpoint {str(path)!r} does not fit this model and optimizer ({first}): "
                         "resume with the model and config that wrote it, or start without resume") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if zero:
+        model.load_state_dict(state["model"])
+        for group, saved in zip(optimizer.param_groups, state["optimizer"]["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})  # lr and the rest (a schedule moved them)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     meta = torch.load(Path(path) / META, weights_only=True)
     if ema is not None and "ema" in state:
         set_model_state_dict(ema.module, state["ema"])
@@ -133,6 +148,33 @@ def load_sharded(path: str | os.PathLike[str], *, model: nn.Module, optimizer: A
     if get_rank() < len(per_rank):
         restore_rng_state(per_rank[get_rank()])
     return meta
+
+
+def _is_zero(optimizer: Any) -> bool:
+    import sys
+
+    # not imported here: torch.distributed.optim's import scripts functions (deprecation warnings); a ZeRO
+    # optimizer exists only once its module was imported
+    mod = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return mod is not None and isinstance(optimizer, mod.ZeroRedundancyOptimizer)
+
+
+def _zero_optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """A ZeroRedundancyOptimizer's state in torch's parameter-name-keyed form: this rank's share of the
+    per-parameter state (its local optimizer's, materialised if it has not stepped), every group whole.
+
+    Written here: ZeRO's own ``state_dict`` gathers everything on one rank, and
+    ``get_state_dict`` does not know it; this is the form ``get_state_dict`` gives a plain
+    optimizer, so one checkpoint loads under zero1, fsdp, ddp or one process alike.
+    """
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer.optim)  # a zero-gradient step at lr 0: the state tensors to load into
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {names[id(p)]: per for p, per in optimizer.optim.state.items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
 
 
 @contextlib.contextmanager

@@ -16,10 +16,11 @@ when the optimizer state or the model itself no longer fits a device, shard it:
   becomes a :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` (bf16 compute and
   communication, fp32 gradient reduction and master weights).
 
-Checkpoints: under ``fsdp`` a DCP checkpoint every rank writes
-(:mod:`torch_tricks.train.sharded_checkpoint`); under ``zero1`` rank 0 gathers the
-optimizer state (``consolidate_state_dict``) and writes the usual single file, which
-``ZeroRedundancyOptimizer`` re-partitions on load, for any number of ranks.
+Checkpoints: under both, a DCP checkpoint every rank writes its shards of
+(:mod:`torch_tricks.train.sharded_checkpoint`; under ``zero1`` each rank its share of the
+optimizer state), which loads on any number of ranks. Under ``fsdp`` with ``bf16``/``fp16``
+BatchNorm is sharded on its own in fp32, and ``channels_last`` converts the inputs only
+(FSDP2 shards contiguous parameters).
 
 Nothing here is a home-made engine: it is the wiring (wrapping granularity, the optimizer
 built on the sharded parameters, gradient sync only on a group's last micro-batch) that
@@ -115,4 +116,10 @@ def zero1_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     takes = inspect.signature(type(optimizer).__init__).parameters  # defaults hold keys __init__ does not take
     groups = [{k: v for k, v in g.items() if k == "params" or k in takes} for g in optimizer.param_groups if g["params"]]
     defaults = {k: v for k, v in optimizer.defaults.items() if k in takes and k != "params"}
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
+    zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
+    # the keys the constructor does not take (a group's "name") are put back: ZeRO passes them to its local
+    # optimizer's groups, and a checkpoint's groups then match those of the plain optimizer it may load into
+    for mine, theirs in zip(zero.param_groups, [g for g in optimizer.param_groups if g["params"]]):
+        for k, v in theirs.items():
+            mine.setdefault(k, v)
+    return zero

@@ -221,8 +221,8 @@ class Tricks:
         self._need_prepare()
         if self.dist is not None and self.config.distributed in ("zero1", "fsdp"):
             raise UserError(f"under distributed = {self.config.distributed} the state is sharded across ranks: "
-                            "save it with tricks.save(path) on every rank (fsdp: a DCP folder every rank writes; "
-                            "zero1: one file, rank 0 gathers), not tricks.state_dict()")
+                            "save it with tricks.save(folder) on every rank (a DCP checkpoint every rank writes its "
+                            "shards of), not tricks.state_dict()")
         return self._state_dict()
 
     def _state_dict(self) -> dict[str, Any]:
@@ -268,11 +268,11 @@ class Tricks:
     def save(self, path: str | os.PathLike[str]) -> None:
         """:meth:`state_dict` to ``path``, atomically (a crash mid-write leaves the old file).
 
-        Under ``torchrun`` call it on every rank. ``distributed = fsdp``: ``path`` is a folder and
-        every rank writes its shards of a DCP checkpoint there (complete only once all are
-        written; see :mod:`torch_tricks.train.sharded_checkpoint`); ``zero1``: rank 0 gathers
-        the optimizer state and writes the one file; otherwise rank 0 writes it. Either loads on
-        any number of ranks, one plain process included (:meth:`load`).
+        Under ``torchrun`` call it on every rank. ``distributed = fsdp | zero1``: ``path`` is a
+        folder and every rank writes its shards of a DCP checkpoint there (complete only once
+        all are written; see :mod:`torch_tricks.train.sharded_checkpoint`); otherwise rank 0
+        writes the one file. Either loads on any number of ranks, one plain process included
+        (:meth:`load`).
         """
         from pathlib import Path
 
@@ -280,18 +280,16 @@ class Tricks:
         from torch_tricks.train.distributed import barrier
 
         self._need_prepare()
-        if self._fsdp_mode():
+        if self._sharded_mode():
             if self._micro:
-                raise UserError("under distributed = fsdp save at a group's end (after tricks.step()): the "
-                                "gradients of a half-done group are sharded and not saved")
+                raise UserError(f"under distributed = {self.config.distributed} save at a group's end (after "
+                                "tricks.step()): the gradients of a half-done group are not saved")
             from torch_tricks.train.sharded_checkpoint import save_sharded
 
             save_sharded(path, model=self.unwrapped_model, optimizer=self.optimizer, scheduler=self.scheduler,
                          scaler=self.scaler, ema=self.ema, step=self.step_count,
                          extra={"tricks": True, "skipped_steps": self.skipped_steps})
             return
-        if hasattr(self.optimizer, "consolidate_state_dict"):  # zero1: rank 0 gathers the whole state (collective)
-            self.optimizer.consolidate_state_dict(to=0)
         if self.is_main:
             _atomic_torch_save(self._state_dict(), Path(path))
         barrier()
@@ -309,7 +307,7 @@ class Tricks:
             folder = last_sharded(p)
             if folder is None:
                 raise UserError(f"{str(p)!r} holds no complete sharded checkpoint: give the folder tricks.save() "
-                                "wrote under distributed = fsdp, or the file it wrote otherwise")
+                                "wrote under distributed = fsdp or zero1, or the file it wrote otherwise")
             meta = load_sharded(folder, model=self.unwrapped_model, optimizer=self.optimizer,
                                 scheduler=self.scheduler, scaler=self.scaler, ema=self.ema)
             self.step_count = int(meta["step"])
@@ -318,7 +316,7 @@ class Tricks:
             self._loss_sum.zero_()
             return
         if not p.is_file():
-            raise UserError(f"no Tricks state at {str(p)!r}: give the file (or, under fsdp, the folder) "
+            raise UserError(f"no Tricks state at {str(p)!r}: give the file (or, under fsdp or zero1, the folder) "
                             "tricks.save() wrote")
         if self._fsdp_mode():
             raise UserError(f"{p} is a whole-model file; under distributed = fsdp load the folder tricks.save() "
@@ -419,6 +417,10 @@ class Tricks:
 
     def _fsdp_mode(self) -> bool:
         return self.dist is not None and self.config.distributed == "fsdp"
+
+    def _sharded_mode(self) -> bool:
+        """fsdp or zero1 under torchrun: no rank holds the whole state (checkpoints are DCP folders)."""
+        return self.dist is not None and self.config.distributed in ("fsdp", "zero1")
 
     def _shard(self, module: nn.Module) -> nn.Module:
         """FSDP2 on ``module`` with this config's precision and resharding (the model, and its EMA alike)."""
