@@ -54,6 +54,7 @@ def worker(name: str, mode: str, steps: int, warmup: int) -> dict[str, Any]:
     from torch_tricks.batches import example_batch
     from torch_tricks.inspect.inputs import make_inputs
     from torch_tricks.models import load_model
+    from torch_tricks.tuning.distributed import local_bytes, optimizer_state_bytes
 
     torch.set_num_threads(1)
     ref, hf_config, spec, batch = MODELS[name]
@@ -76,15 +77,15 @@ def worker(name: str, mode: str, steps: int, warmup: int) -> dict[str, Any]:
             loss = loss_fn(model(*xs), target)
         tricks.backward(loss)
         if i == 0:
-            state["grads"] = sum(_local_bytes(p.grad) for p in tricks.unwrapped_model.parameters()
+            state["grads"] = sum(local_bytes(p.grad) for p in tricks.unwrapped_model.parameters()
                                  if p.grad is not None)
         tricks.step()
         if distributed:
             dist.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    state["params"] = sum(_local_bytes(p) for p in tricks.unwrapped_model.parameters())
-    state["optimizer"] = _optimizer_bytes(optimizer)
+    state["params"] = sum(local_bytes(p) for p in tricks.unwrapped_model.parameters())
+    state["optimizer"] = optimizer_state_bytes(optimizer)
     state["total"] = state["params"] + state["grads"] + state["optimizer"]
     result = {"state": state, "step_s": sorted(times)[len(times) // 2], "applied": list(tricks.applied),
               "loss": float(loss.detach())}
@@ -95,23 +96,6 @@ def worker(name: str, mode: str, steps: int, warmup: int) -> dict[str, Any]:
     largest = max(everyone, key=lambda r: r["state"]["total"])
     return {**largest, "step_s": max(r["step_s"] for r in everyone), "ranks": len(everyone),
             "per_rank": [r["state"] for r in everyone]}
-
-
-def _local_bytes(t: Any) -> int:
-    """Bytes this rank holds for ``t``: a DTensor's local shard, else the tensor."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
-
-
-def _optimizer_bytes(optimizer: Any) -> int:
-    """Bytes of the optimizer state this rank holds (ZeRO: its local optimizer's)."""
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
-    total = 0
-    for per_param in inner.state.values():
-        for v in per_param.values():
-            if hasattr(v, "numel") and v.dim() > 0:  # step counters are scalars: left out
-                total += _local_bytes(v)
-    return total
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -155,10 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         out = worker(*args.worker, args.steps, args.warmup)
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(out), flush=True)
-        import torch.distributed as dist
+        from torch_tricks.train.distributed import cleanup
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        cleanup()  # collects FSDP's reference cycles before the group goes (else an abort at exit, now and then)
         return 0
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODELS]

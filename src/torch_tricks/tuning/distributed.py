@@ -47,7 +47,7 @@ import torch.nn as nn
 from torch_tricks.errors import UserError
 
 __all__ = ["MODES", "DistJob", "launched_world", "check_world", "launch", "unsendable", "measure_modes", "recommend",
-           "usable_cores"]
+           "usable_cores", "local_bytes", "optimizer_state_bytes"]
 
 MODES = ("ddp", "zero1", "fsdp")
 ONE_PROCESS, ONE_RANK = "one process", "one rank"
@@ -164,6 +164,9 @@ def _rank_entry(job: DistJob) -> dict[str, Any]:
     except Exception as exc:
         # no farewell barrier: the others may be inside a collective this rank left; its exit ends theirs
         if dist.is_available() and dist.is_initialized():
+            import gc
+
+            gc.collect()  # what holds the group goes first (see train.distributed.cleanup)
             dist.destroy_process_group()
         return _failed(_line(exc))
     cleanup()
@@ -307,7 +310,7 @@ def _build(lane: _Lane, job: DistJob, cfg: dict[str, Any]) -> None:
     with _Peak(dev) as pk:
         step = TrainStep(copy.deepcopy(job.model), loss_fn=job.loss_fn, optimizer=job.optimizer_fn, config=cfg)
         grads = step.gradients(lane.batch)  # after backward, before a step frees them
-        grad_bytes = sum(_local_bytes(g) for g in grads)
+        grad_bytes = sum(local_bytes(g) for g in grads)
         del grads
         losses = []
         for _ in range(3):
@@ -315,8 +318,8 @@ def _build(lane: _Lane, job: DistJob, cfg: dict[str, Any]) -> None:
             if lane.everyone and is_dist():
                 loss = reduce_mean(loss)  # equal shares of the global batch: the mean over ranks is its loss
             losses.append(float(loss))
-    params = sum(_local_bytes(p) for p in step.model.parameters())
-    opt = _optimizer_bytes(step.optimizer)
+    params = sum(local_bytes(p) for p in step.model.parameters())
+    opt = optimizer_state_bytes(step.optimizer)
     lane.row["state"] = {"params": params, "grads": grad_bytes, "optimizer": opt, "total": params + grad_bytes + opt}
     lane.row["peak_bytes"] = pk.peak + _nbytes(lane.batch)
     lane.row["losses"] = losses
@@ -465,7 +468,7 @@ def _decide(flag: bool, src_only: bool = False) -> bool:
     return any_rank(flag)
 
 
-def _local_bytes(t: Any) -> int:
+def local_bytes(t: Any) -> int:
     """Bytes this rank holds for ``t``: a DTensor's local shard, else the tensor."""
     if t is None:
         return 0
@@ -473,10 +476,10 @@ def _local_bytes(t: Any) -> int:
     return local.numel() * local.element_size()
 
 
-def _optimizer_bytes(optimizer: Any) -> int:
+def optimizer_state_bytes(optimizer: Any) -> int:
     """Bytes of the optimizer state this rank holds (ZeRO: its local optimizer's); step counters left out."""
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
-    return sum(_local_bytes(v) for per in inner.state.values() for v in per.values()
+    return sum(local_bytes(v) for per in inner.state.values() for v in per.values()
                if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 

@@ -513,13 +513,7 @@ class TuneReport:
         noise = "" if math.isnan(self.noise) else f", noise ±{self.noise:.1%}"
         fig.suptitle(f"torch-tricks tune: {self.model}, batch {self.batch}, {self.device}{noise} "
                      "(* = recommended, orange)")
-        fig.tight_layout()
-        p = Path(path)
-        with atomic_path(p) as tmp:
-            fig.savefig(tmp, format="png", dpi=100)
-        plt.close(fig)
-        return p
-
+        return _save_figure(fig, path)
 
     def plot_distributed(self, path: str | Path) -> Path | None:
         """Two panels: throughput against one process (scaling efficiency on each bar), and per-rank state
@@ -564,12 +558,19 @@ class TuneReport:
         axes[0].invert_yaxis()
         fig.suptitle(f"torch-tricks tune: {self.model}, global batch {d.get('global_batch')} on "
                      f"{d.get('processes')} processes ({d.get('backend')}, {d.get('device')}; * = recommended)")
-        fig.tight_layout()
-        p = Path(path)
-        with atomic_path(p) as tmp:
-            fig.savefig(tmp, format="png", dpi=100)
-        plt.close(fig)
-        return p
+        return _save_figure(fig, path)
+
+
+def _save_figure(fig: Any, path: str | Path) -> Path:
+    """``fig`` as a PNG at ``path``, atomically; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    p = Path(path)
+    with atomic_path(p) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    return p
 
 
 # -- formatting --------------------------------------------------------------------------------
