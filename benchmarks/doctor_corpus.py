@@ -64,16 +64,17 @@ def main() -> int:
     torchfix = None if args.no_torchfix else run_torchfix(files)
     print_corpus_table(corpus, torchfix)
     package = None if args.skip_torch else lint_torch_package()
+    clocks = lint_clock_reads()
 
     summary = {"corpus": corpus["per_rule"], "corpus_totals": corpus["totals"],
                "torchfix": torchfix and {k: v for k, v in torchfix.items() if k != "findings"},
-               "torch_package": package}
+               "torch_package": package, "clock_reads": clocks}
     text = json.dumps(summary, indent=2, ensure_ascii=False)
     print("\nJSON summary")
     print(text)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
-    failed = corpus["totals"]["missed"] or corpus["totals"]["false_positives"]
+    failed = corpus["totals"]["missed"] or corpus["totals"]["false_positives"] or not clocks["pass"]
     if package is not None:
         assert package["crashes"] == 0, f"the linter crashed on {package['crashes']} file(s)"
     return 1 if failed else 0
@@ -240,6 +241,34 @@ def lint_torch_package() -> dict:
             "findings_by_rule": by_rule, "unparseable": len(result.errors),
             "unparseable_files": [[str(Path(p).relative_to(root.parent)), r] for p, r in result.errors],
             "seconds": round(seconds, 1), "crashes": crashes}
+
+
+# --------------------------------------------------------------------------- many clock reads in one function
+
+CLOCK_READS, CLOCK_TARGET_S = 30_000, 10.0
+
+
+def clock_function(reads: int) -> str:
+    """One function timing ``reads`` CUDA forwards: what TT112 pairs clock reads in (every pair a finding)."""
+    lines = ["import time", "import torch", "", "net = torch.nn.Linear(4, 4).cuda()", "", "def bench(x):",
+             "    x = x.cuda()"]
+    for i in range(reads):
+        lines += [f"    t{i} = time.perf_counter()", "    y = net(x)"]
+    return "\n".join(lines + ["    return y", ""])
+
+
+def lint_clock_reads(reads: int = CLOCK_READS) -> dict:
+    """Lint time of one function with ``reads`` clock reads (TT112's analysis was quadratic in them)."""
+    from torch_tricks.doctor.static import lint_source
+
+    source = clock_function(reads)
+    started = time.perf_counter()
+    findings = lint_source(source, "clocks.py")
+    seconds = time.perf_counter() - started
+    ok = seconds < CLOCK_TARGET_S
+    print(f"\none function with {reads:,} clock reads: {seconds:.1f} s, {len(findings):,} findings "
+          f"({'PASS' if ok else 'FAIL'}: target < {CLOCK_TARGET_S:.0f} s)")
+    return {"reads": reads, "seconds": round(seconds, 2), "findings": len(findings), "pass": ok}
 
 
 if __name__ == "__main__":

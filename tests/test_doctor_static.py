@@ -277,3 +277,35 @@ def test_exit_code_fails_at_or_above_the_threshold():
     assert exit_code([error], "error") == 1
     with pytest.raises(UserError):
         exit_code([error], "fatal")
+
+
+def test_clock_reads_lint_in_time_linear_in_their_number():
+    """TT112 pairs consecutive clock reads; its analysis was quadratic in them (30,000 reads in one function:
+    over 10 minutes). Four times the reads must take well under the 16 times a quadratic analysis takes
+    (a ratio measured side by side, best of three each); benchmarks/doctor_corpus.py times the 30,000."""
+    import sys
+    import time
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from doctor_corpus import clock_function
+
+    def best(reads: int) -> tuple[float, int]:
+        import gc
+
+        source, times = clock_function(reads), []
+        for _ in range(3):
+            gc.collect()
+            gc.disable()  # the collector's passes over a large tree are not the analysis's own cost
+            try:
+                t0 = time.perf_counter()
+                n = len(lint_source(source, "clocks.py", select=["TT112"]))
+                times.append(time.perf_counter() - t0)
+            finally:
+                gc.enable()
+        return min(times), n
+
+    small, n_small = best(1000)
+    large, n_large = best(4000)
+    assert (n_small, n_large) == (999, 3999)  # every consecutive pair times launches only: each one found
+    assert large / small < 8, (small, large)

@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from torch_tricks.outputs import LOSSES
+    from torch_tricks._losses import LOSSES
 
     p = argparse.ArgumentParser(
         prog="torch-tricks",
@@ -651,6 +651,8 @@ def _doctor_paths(args: argparse.Namespace, fmt: str, select, ignore) -> int:
         files += result.files
         seconds += result.seconds
         code = max(code, exit_code(result.findings, args.fail_on or config.fail_on))
+        if result.errors:  # a file that cannot be read or parsed was not checked: an error under any --fail-on
+            code = 1
     fail_on = sorted({args.fail_on or c.fail_on for c, _ in groups.values()})
     if fmt == "sarif":
         print(json.dumps(to_sarif(findings, static_rules(), unreadable), indent=2, ensure_ascii=False))

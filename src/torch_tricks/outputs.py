@@ -34,7 +34,7 @@ from torch_tricks.errors import UserError
 
 __all__ = ["LOSSES", "primary_output", "output_loss", "get_loss", "describe_output"]
 
-LOSSES = ("auto", "ce", "nll", "mse", "bce-with-logits", "none")
+from torch_tricks._losses import LOSSES  # noqa: E402  (one definition, torch-free for the CLI)
 
 
 def primary_output(out: Any) -> torch.Tensor:

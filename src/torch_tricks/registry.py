@@ -88,7 +88,10 @@ def _load_all() -> None:
 
     for pkg in ("torch_tricks.train", "torch_tricks.data", "torch_tricks.deploy"):
         try:
-            importlib.import_module(pkg)
+            module = importlib.import_module(pkg)
         except ModuleNotFoundError as exc:
             if exc.name != pkg:  # a real missing dependency inside the package
                 raise
+            continue
+        if hasattr(module, "register_all"):  # a package that imports its modules on first use
+            module.register_all()

@@ -75,8 +75,8 @@ def register_rule(rule: Rule) -> Rule:
 
 
 def _load_all() -> None:
-    # Importing the checkers registers their rules.
-    import torch_tricks.doctor.runtime  # noqa: F401
+    # Importing the declarations registers the rules (the runtime checker, which imports torch, is not needed).
+    import torch_tricks.doctor.runtime_rules  # noqa: F401
     import torch_tricks.doctor.static  # noqa: F401
 
 

@@ -22,6 +22,7 @@ and, re-exported from the sibling modules, :func:`load_config` / :class:`DoctorC
 from __future__ import annotations
 
 import ast
+import bisect
 import io
 import os
 import re
@@ -1691,10 +1692,12 @@ def _timing_without_sync(f: _File):
             clocks[f.function_scope(call)].append(call)
     for scope, reads in clocks.items():
         reads.sort(key=_pos)
+        calls = f.calls_in(scope)  # in source order: each region is a slice (linear in the calls, not reads x calls)
+        keys = [_pos(c) for c in calls]
         for start, stop in zip(reads, reads[1:]):
             if not isinstance(f.parent.get(start), (ast.Assign, ast.AnnAssign)):
                 continue
-            region = [c for c in f.calls_in(scope) if _pos(start) < _pos(c) < _pos(stop)]
+            region = calls[bisect.bisect_right(keys, _pos(start)):bisect.bisect_left(keys, _pos(stop))]
             work = next((c for c in region if _device_work(f, c)), None)
             if work is None or any(_syncs(f, c) or _opaque(f, c) for c in region):
                 continue

@@ -1,25 +1,43 @@
 """Training: one loop (:func:`fit`) where every trick is a switch, and the tricks themselves.
 
-Each trick module can be used alone on a plain model / optimizer; importing this package
-registers them all with :mod:`torch_tricks.registry`.
+Each trick module can be used alone on a plain model / optimizer. The names below are
+imported on first use (PEP 562 ``__getattr__``), so that ``torch_tricks.train.config``
+(the CLI's flags, a static ``doctor`` lint) does not import torch; :func:`register_all`
+imports every module that registers a trick (the registry calls it).
 """
 
 from __future__ import annotations
 
-from torch_tricks.train import (  # noqa: F401  (imported to register their tricks)
-    checkpoint,
-    distributed,
-    ema,
-    memory,
-    optim,
-    precision,
-    schedule,
-    seed,
-    speed,
-    syncbn,
-)
-from torch_tricks.train.config import TrainConfig, load_config
-from torch_tricks.train.loop import History, TrainingDiverged, fit
-from torch_tricks.train.tricks import Tricks
+import importlib
+from typing import Any
 
-__all__ = ["fit", "History", "TrainConfig", "TrainingDiverged", "Tricks", "load_config"]
+# the modules whose import registers their tricks with torch_tricks.registry
+TRICK_MODULES = ("checkpoint", "distributed", "ema", "loop", "memory", "optim", "precision", "schedule", "seed",
+                 "sharding", "speed", "syncbn")
+
+_EXPORTS = {
+    "fit": "loop", "History": "loop", "TrainingDiverged": "tricks", "Tricks": "tricks",
+    "TrainConfig": "config", "load_config": "config",
+}
+
+__all__ = ["fit", "History", "TrainConfig", "TrainingDiverged", "Tricks", "load_config", "register_all"]
+
+
+def register_all() -> None:
+    """Import every module that registers a trick (idempotent)."""
+    for name in TRICK_MODULES:
+        importlib.import_module(f"{__name__}.{name}")
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
