@@ -182,11 +182,16 @@ _rule("TT102", "functional-dropout-always-on", "error",
       "module's train/eval mode.")
 _rule("TT103", "tensor-data-attribute", "warning",
       "X (.data instead of .detach()); seeds/003 Tensor的操作 §6 (data和detach()的区别)",
-      "`.data` hides changes from autograd: read with .detach(), write under torch.no_grad()",
+      "`.data` hides changes from autograd: a write before backward, or a read in forward, breaks gradients",
       "x.data gives the tensor's values with autograd's checks cut off: an in-place change through it "
       "is not recorded, so a backward pass that needs the old values computes wrong gradients instead "
-      "of raising. Fix: read with x.detach() (same memory, but in-place changes are checked), and "
-      "update parameters in place inside `with torch.no_grad():` (p.mul_(...), p.copy_(...)).")
+      "of raising; and a module's own parameter read through .data in forward gets no gradient from "
+      "that use. Fix: update parameters in place inside `with torch.no_grad():` (p.mul_(...), "
+      "p.copy_(...)), and use the parameter itself in forward (x.detach() where no gradient is meant). "
+      "Quiet where .data changes nothing: reads outside forward (p.grad.data.norm(), outputs.data for "
+      "an argmax), writes under no_grad, writes with no backward after them in the function (a manual "
+      "SGD step, a conversion that swaps a parameter's tensor), and weight initialisation (__init__, "
+      "init_weights, reset_parameters, a function given to module.apply), before any graph exists.")
 _rule("TT104", "inplace-on-expanded-view", "error",
       "X (expand() then in-place write); seeds/003 Pytorch 使用陷阱 §1 (expand, expand_as是共享内存的)",
       "in-place write to an expand()/expand_as() view, whose elements share memory: .clone() it first",
@@ -1390,6 +1395,12 @@ def _functional_dropout(f: _File):
 
 @_check("TT103")
 def _data_attribute(f: _File):
+    """Only where ``.data`` changes what is computed: a write through it (in place, or replacing it) with
+    autograd on and a ``.backward()`` after it in the same function, whose graph may hold the old values;
+    or a read of a module's own tensor inside its ``forward`` that feeds the output (the parameter then
+    gets no gradient through it). Reads elsewhere (``p.grad.data.norm()``, ``outputs.data`` for an
+    argmax), writes under ``torch.no_grad()``, in init code or with no backward to follow (a manual SGD
+    step after backward, a conversion that swaps a parameter's tensor) change nothing: quiet."""
     for node in f.nodes[ast.Attribute]:
         if node.attr != "data":
             continue
@@ -1402,10 +1413,60 @@ def _data_attribute(f: _File):
             and isinstance(f.parent.get(parent), ast.Call)) or (
             isinstance(parent, ast.Subscript) and isinstance(parent.ctx, ast.Store)) or (
             isinstance(parent, ast.AugAssign) and parent.target is node)
+        func = _enclosing_function(f, node)
         if writes:
-            yield node, "writing through `.data` hides the change from autograd: update in place under torch.no_grad()"
-        else:
-            yield node, "`.data` reads the tensor without autograd's checks: use .detach()"
+            if f.no_grad(node) or _init_code(f, func) or not _backward_after(f, node):
+                continue
+            yield node, ("writing through `.data` before the backward of a graph that may use it: autograd does not see "
+                         "the change and computes wrong gradients; change it after backward, under torch.no_grad()")
+        elif _own_tensor_in_forward(f, node, func):
+            yield node, (f"`{ast.unparse(node)}` in forward cuts the gradient: `{ast.unparse(node.value)}` is not "
+                         "trained through this use (use it directly, or .detach() if that is meant)")
+
+
+def _backward_after(f: _File, node: ast.AST) -> bool:
+    """A ``.backward()`` (or ``torch.autograd.backward``) runs after ``node`` in its function's frame."""
+    here = _pos(node)
+    return any(_pos(c) > here and ((isinstance(c.func, ast.Attribute) and c.func.attr == "backward")
+                                   or f.qualname(c.func) == "torch.autograd.backward")
+               for c in f.calls_in(f.function_scope(node)))
+
+
+def _enclosing_function(f: _File, node: ast.AST) -> ast.AST | None:
+    for anc in f.ancestors(node):
+        if isinstance(anc, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return anc
+    return None
+
+
+_INIT_NAME = re.compile(r"(^|_)(init|initialize|initialise|reset)(_|$)|^__init__$|_init$|^init", re.IGNORECASE)
+
+
+def _init_code(f: _File, func: ast.AST | None) -> bool:
+    """A function that builds or (re)initialises weights (``__init__``, ``init_weights``, ``_init_weights``,
+    ``reset_parameters`` ...), or one passed to ``module.apply``: no autograd graph holds them yet."""
+    if func is None:
+        return False
+    if _INIT_NAME.search(func.name):
+        return True
+    return any(isinstance(c.func, ast.Attribute) and c.func.attr == "apply" and any(
+        isinstance(a, ast.Name) and a.id == func.name for a in c.args) for c in f.nodes[ast.Call])
+
+
+def _own_tensor_in_forward(f: _File, node: ast.Attribute, func: ast.AST | None) -> bool:
+    """``self.<name>.data`` read in the ``forward`` of an nn.Module class, not under no_grad, and not
+    only to be detached, copied or inspected (``.clone()``, ``.shape`` ...)."""
+    if func is None or func.name != "forward" or f.no_grad(node):
+        return False
+    owner = f.parent.get(func)
+    if not (isinstance(owner, ast.ClassDef) and f.is_module_class(owner)):
+        return False
+    value = node.value
+    if not (isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and value.value.id == "self"):
+        return False
+    parent = f.parent.get(node)
+    return not (isinstance(parent, ast.Attribute) and parent.attr in (
+        "shape", "size", "dtype", "device", "clone", "cpu", "numpy", "tolist", "item", "norm", "dim", "numel"))
 
 
 def _guarded(f: _File, node: ast.AST, test_ok: Callable[[ast.AST], bool]) -> bool:

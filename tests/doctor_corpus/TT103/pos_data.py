@@ -2,30 +2,39 @@ import torch
 import torch.nn as nn
 
 
-def init_weights(m):
-    if isinstance(m, nn.Conv2d):
-        m.weight.data.normal_(0, 0.02)  # expect: TT103
-        m.bias.data.zero_()  # expect: TT103
-
-
-def sgd_step(model, lr):
-    for p in model.parameters():
-        p.data -= lr * p.grad.data  # expect: TT103
-
-
-w = torch.randn(3, requires_grad=True)
-w.data.clamp_(min=0)  # expect: TT103
-snapshot = w.data.clone()  # expect: TT103
-
-
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(1))
+        self.scale.data.fill_(0.5)  # init: no graph yet (quiet)
 
     def forward(self, x):
         return x * self.scale.data  # expect: TT103
 
 
-for name, param in Scaled().named_parameters():
-    print(name, param.data.norm())  # expect: TT103
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        g = torch.sigmoid(self.gate.data)  # expect: TT103
+        return x * g
+
+
+def train_step(model, opt, x, y):
+    loss = (model(x) - y).pow(2).mean()
+    for p in model.parameters():
+        p.data.clamp_(-1, 1)  # expect: TT103
+    loss.backward()
+    opt.step()
+
+
+def train(model, loader, opt, mask):
+    for x, y in loader:
+        out = model(x)
+        model.weight.data *= mask  # expect: TT103
+        model.bias.data = model.bias.data.clamp(0, 1)  # expect: TT103
+        torch.nn.functional.cross_entropy(out, y).backward()
+        opt.step()
+        opt.zero_grad()
