@@ -257,7 +257,10 @@ _rule("TT111", "torch-load-without-weights-only", "warning",
       "code an untrusted checkpoint carries; from 2.6 the default is True and checkpoints that hold "
       "other Python objects fail to load. Saying it explicitly makes the load safe and the same on "
       "every version. Fix: torch.load(f, map_location='cpu', weights_only=True); weights_only=False "
-      "only for files you trust.")
+      "only for files you trust. Quiet where the code already chose weights_only loading: inside "
+      "torch.serialization.safe_globals(...), in a file that calls add_safe_globals, and in the "
+      "fallback of a load that passes weights_only (an except after it, the other branch of a version "
+      "check).")
 _rule("TT112", "timing-without-synchronize", "warning",
       "X (time.time() around device work without synchronize); P4; "
       "seeds/003 测试阶段 §1 (正确的测试时间计时代码)",
@@ -1396,7 +1399,8 @@ def _functional_dropout(f: _File):
 @_check("TT103")
 def _data_attribute(f: _File):
     """Only where ``.data`` changes what is computed: a write through it (in place, or replacing it) with
-    autograd on and a ``.backward()`` after it in the same function, whose graph may hold the old values;
+    autograd on between a forward (a module or loss called) and a ``.backward()`` in the same function,
+    whose graph may hold the old values;
     or a read of a module's own tensor inside its ``forward`` that feeds the output (the parameter then
     gets no gradient through it). Reads elsewhere (``p.grad.data.norm()``, ``outputs.data`` for an
     argmax), writes under ``torch.no_grad()``, in init code or with no backward to follow (a manual SGD
@@ -1415,13 +1419,29 @@ def _data_attribute(f: _File):
             isinstance(parent, ast.AugAssign) and parent.target is node)
         func = _enclosing_function(f, node)
         if writes:
-            if f.no_grad(node) or _init_code(f, func) or not _backward_after(f, node):
+            if f.no_grad(node) or _init_code(f, func) or not (_forward_before(f, node) and _backward_after(f, node)):
                 continue
             yield node, ("writing through `.data` before the backward of a graph that may use it: autograd does not see "
                          "the change and computes wrong gradients; change it after backward, under torch.no_grad()")
         elif _own_tensor_in_forward(f, node, func):
             yield node, (f"`{ast.unparse(node)}` in forward cuts the gradient: `{ast.unparse(node.value)}` is not "
                          "trained through this use (use it directly, or .detach() if that is meant)")
+
+
+def _forward_before(f: _File, node: ast.AST) -> bool:
+    """A module or loss is called before ``node`` in its function's frame (a graph may exist): a module
+    of this file or torch.nn, or a callable passed in as a parameter (a model given to a train step)."""
+    here = _pos(node)
+    for c in f.calls_in(f.function_scope(node)):
+        if _pos(c) >= here:
+            return False
+        k = f.kind(c.func)
+        if k is not None and (k.cat in ("module", "lossfn") or (k.cat == "self" and f.is_module_class(k.ref))):
+            return True
+        b = f.lookup(c.func) if isinstance(c.func, ast.Name) else None
+        if b is not None and b[1] == "param":
+            return True
+    return False
 
 
 def _backward_after(f: _File, node: ast.AST) -> bool:
@@ -1738,9 +1758,33 @@ def _load_without_map_location(f: _File):
 
 @_check("TT111")
 def _load_without_weights_only(f: _File):
+    allowlist = any(f.qualname(c.func) == "torch.serialization.add_safe_globals" for c in f.nodes[ast.Call])
     for call in _torch_loads(f):
-        if _kwarg(call, "weights_only") is None:
+        if _kwarg(call, "weights_only") is None and not allowlist and not _weights_only_meant(f, call):
             yield call, _RULES["TT111"].message
+
+
+def _weights_only_meant(f: _File, call: ast.Call) -> bool:
+    """The code around ``call`` already chose weights_only loading: it runs inside ``with
+    torch.serialization.safe_globals(...)`` (which only serves weights_only=True, the default since torch
+    2.6), or it is the fallback of one that passes weights_only (an ``except`` after a ``try`` that does, or
+    the other branch of an ``if`` on the version): a shim for an older torch that has no such argument."""
+    def passes_it(nodes: list[ast.AST]) -> bool:
+        return any(isinstance(n, ast.Call) and f.qualname(n.func) == "torch.load" and _kwarg(n, "weights_only")
+                   is not None for stmt in nodes for n in ast.walk(stmt))
+
+    child: ast.AST = call
+    for anc in f.local_ancestors(call):
+        if isinstance(anc, (ast.With, ast.AsyncWith)) and any(
+                isinstance(item.context_expr, ast.Call)
+                and f.qualname(item.context_expr.func) == "torch.serialization.safe_globals" for item in anc.items):
+            return True
+        if isinstance(anc, ast.Try) and child in anc.handlers and passes_it(anc.body):
+            return True
+        if isinstance(anc, ast.If) and child is not anc.test and passes_it(anc.orelse if child in anc.body else anc.body):
+            return True
+        child = anc
+    return False
 
 
 @_check("TT112")

@@ -78,3 +78,11 @@ def fuse(conv, bn):  # a conversion swaps a parameter's tensor: no training in i
 
 w = torch.randn(3, requires_grad=True)
 w.data.clamp_(min=0)
+
+
+model = Block(8)  # a script: the embedding is filled before any forward, the loop's backward comes later
+model.fc.weight.data.copy_(torch.randn(8, 8))
+criterion = nn.MSELoss()
+for x in torch.randn(3, 2, 8):
+    loss = criterion(model(x), x)
+    loss.backward()

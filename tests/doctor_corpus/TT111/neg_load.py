@@ -15,3 +15,20 @@ with open("meta.json") as f:
 with open("cache.pkl", "rb") as f:
     cache = pickle.load(f)
 arr = np.load("a.npy")
+
+with torch.serialization.safe_globals([np.dtype]):  # serves weights_only=True, the default since torch 2.6
+    arrays = torch.load("arrays.pt", map_location="cpu")
+
+
+def load_compat(path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except TypeError:  # torch < 1.13 has no weights_only: the shim for it
+        return torch.load(path, map_location="cpu")
+
+
+def load_versioned(path):
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (1, 13):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    else:
+        return torch.load(path, map_location="cpu")
