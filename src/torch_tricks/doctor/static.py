@@ -1752,8 +1752,23 @@ def _torch_loads(f: _File) -> Iterator[ast.Call]:
 @_check("TT110")
 def _load_without_map_location(f: _File):
     for call in _torch_loads(f):
-        if _kwarg(call, "map_location", 1) is None:
+        if _kwarg(call, "map_location", 1) is None and not _holds_numpy(f, call):
             yield call, _RULES["TT110"].message
+
+
+def _holds_numpy(f: _File, call: ast.Call) -> bool:
+    """What ``call`` loads is used as a NumPy array (handed to ``torch.from_numpy`` or a ``numpy``
+    function, whole or indexed): the file holds no device tensors, so there is no device to map."""
+    target = f.parent.get(call)
+    if not (isinstance(target, ast.Assign) and len(target.targets) == 1 and isinstance(target.targets[0], ast.Name)):
+        return False
+    name = target.targets[0].id
+    for c in f.calls_in(f.function_scope(call)):
+        q = f.qualname(c.func) or ""
+        if _pos(c) > _pos(call) and (q == "torch.from_numpy" or q.startswith("numpy.")) and any(
+                isinstance(n, ast.Name) and n.id == name for a in c.args for n in ast.walk(a)):
+            return True
+    return False
 
 
 @_check("TT111")
