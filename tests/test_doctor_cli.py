@@ -405,3 +405,26 @@ def test_static_linting_list_and_explain_do_not_import_torch(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["[1,", "0,", "0,", "0]", "False"], r.stdout
+
+
+def test_pre_commit_hooks_run_the_doctor_as_pre_commit_would(tmp_path):
+    """Each hook of .pre-commit-hooks.yaml is what pre-commit runs: its entry, split on spaces, plus the
+    staged file names; a finding at the hook's level fails it, clean files pass."""
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    import yaml
+
+    hooks = {h["id"]: h for h in yaml.safe_load((Path(__file__).parent.parent / ".pre-commit-hooks.yaml").read_text())}
+    assert set(hooks) == {"torch-tricks-doctor", "torch-tricks-doctor-errors"}
+    exe = shutil.which("torch-tricks") or str(Path(sys.executable).parent / "torch-tricks")
+    bad, fine = write(tmp_path, "bad.py", ERROR), write(tmp_path, "fine.py", "x = 1\n")
+    for hook in hooks.values():
+        assert hook["language"] == "system" and hook["types"] == ["python"]
+        argv = shlex.split(hook["entry"])
+        assert argv[0] == "torch-tricks"
+        run_ = lambda *files: subprocess.run([exe, *argv[1:], *map(str, files)], capture_output=True, text=True)
+        assert run_(bad, fine).returncode == 1  # TT113 is an error: both hooks fail
+        assert run_(fine).returncode == 0
