@@ -1641,7 +1641,7 @@ def _sqrt_of_sum_of_squares(f: _File):
         if isinstance(binop.op, ast.Pow) and _number(binop.right) == 0.5:
             candidates.append((binop, binop.left, False))
     for node, arg, torch_op in candidates:
-        if not sum_of_squares(arg) or _detached(f, arg):
+        if not sum_of_squares(arg) or _detached(f, arg) or _constant_tensor(f, arg):
             continue
         if not torch_op:  # `** 0.5` also works on floats and numpy arrays: ask for a tensor
             base = arg.func.value if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) else arg
@@ -1655,6 +1655,63 @@ def _sqrt_of_sum_of_squares(f: _File):
         if f.no_grad(node):
             continue
         yield node, _RULES["TT105"].message
+
+
+_CONSTANT_MAKERS = frozenset(f"torch.{n}" for n in (
+    "arange linspace logspace meshgrid zeros ones full eye tensor as_tensor from_numpy zeros_like ones_like "
+    "full_like empty").split())
+
+
+def _constant_tensor(f: _File, expr: ast.AST, depth: int = 0) -> bool:
+    """``expr`` is built only from numbers and tensor constructors (``torch.arange`` grids and the like,
+    without ``requires_grad=True``), through operators and methods of such values: no gradient flows
+    through it, so a sqrt at zero cannot give a NaN gradient (a distance grid, as in timm's convit)."""
+    if depth > 6:  # variables followed back through six assignments at most
+        return False
+    if isinstance(expr, ast.Constant):
+        return isinstance(expr.value, (int, float))
+    if isinstance(expr, ast.Name):
+        value = f.binding_value(expr)
+        return value is not None and _constant_tensor(f, value, depth + 1)
+    if isinstance(expr, ast.BinOp):
+        return _constant_tensor(f, expr.left, depth) and _constant_tensor(f, expr.right, depth)
+    if isinstance(expr, ast.UnaryOp):
+        return _constant_tensor(f, expr.operand, depth)
+    if isinstance(expr, ast.Subscript):
+        return _constant_tensor(f, expr.value, depth)
+    if isinstance(expr, ast.Call):
+        if any(kw.arg == "requires_grad" and not (isinstance(kw.value, ast.Constant) and kw.value.value is False)
+               for kw in expr.keywords):
+            return False
+        q = f.qualname(expr.func)
+        if q in _CONSTANT_MAKERS:
+            return True
+        if q is None and isinstance(expr.func, ast.Attribute):  # a method of a constant, with constant arguments
+            args = list(expr.args) + [kw.value for kw in expr.keywords]
+            shape_only = expr.func.attr in _SHAPE_METHODS  # sizes and dims: any argument that is not a tensor
+
+            def fine(a: ast.AST) -> bool:
+                if _constant_tensor(f, a, depth) or _harmless_arg(a):
+                    return True
+                k = f.kind(a)
+                return shape_only and (k is None or k.cat != "tensor")
+            return _constant_tensor(f, expr.func.value, depth) and all(fine(a) for a in args)
+    return False
+
+
+_SHAPE_METHODS = frozenset("""view reshape repeat repeat_interleave expand permute transpose flatten unsqueeze squeeze
+    contiguous float double half to t""".split())
+
+
+def _harmless_arg(node: ast.AST) -> bool:
+    """A method argument that carries no tensor: a dtype, a memory format, a string, a tuple of numbers."""
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
+        return True  # torch.float32, torch.channels_last ...
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return all(_harmless_arg(e) for e in node.elts)
+    return isinstance(node, ast.Name) and node.id.isupper()
 
 
 def _detached(f: _File, expr: ast.AST, depth: int = 0) -> bool:
@@ -1911,8 +1968,19 @@ def _move_not_assigned(f: _File):
 @_check("TT114")
 def _data_parallel(f: _File):
     for call in f.nodes[ast.Call]:
-        if f.qualname(call.func) in ("torch.nn.DataParallel", "torch.nn.parallel.data_parallel"):
+        if f.qualname(call.func) in ("torch.nn.DataParallel", "torch.nn.parallel.data_parallel") \
+                and not _implements_data_parallel(f, call):
             yield call, _RULES["TT114"].message
+
+
+_DP_IMPLEMENTER = re.compile(r"(Strategy|Plugin|Accelerator|DataParallel)$|data_?parallel", re.IGNORECASE)
+
+
+def _implements_data_parallel(f: _File, call: ast.Call) -> bool:
+    """``call`` sits in code that offers DataParallel as one option among others (a framework's
+    ``DataParallelStrategy``, a ``wrap_data_parallel`` helper): the choice is its user's, not this code's."""
+    return any(isinstance(anc, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and _DP_IMPLEMENTER.search(anc.name)
+               for anc in f.ancestors(call))
 
 
 @_check("TT115")

@@ -29,3 +29,13 @@ def pow_half(v):
 
 x = torch.randn(5, requires_grad=True)
 n = (x ** 2).sum() ** 0.5  # expect: TT105
+
+
+def learned_radius(offset):  # a grid shifted by a learned offset: the gradient flows, NaN at zero
+    grid = torch.arange(8, dtype=torch.float32)
+    shifted = grid - offset
+    return torch.sqrt(shifted ** 2 + shifted ** 2)  # expect: TT105
+
+
+grid_param = torch.zeros(4, requires_grad=True)  # a constructor asked for a gradient: not a constant
+r = torch.sqrt(grid_param ** 2 + grid_param ** 2)  # expect: TT105
