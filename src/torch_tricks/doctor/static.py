@@ -345,6 +345,17 @@ _rule("TT121", "loader-without-workers", "info",
       "(torch-tricks' loader tuner measures the best k). Keep 0 for data already in memory, or to "
       "debug.")
 
+_rule("TT122", "scheduler-step-before-optimizer-step", "warning",
+      "T21; seeds/003 Pytorch 使用陷阱 (学习率调度); PyTorch 1.1 release notes (the order of step())",
+      "lr_scheduler.step() before optimizer.step() in the loop: the first value of the schedule is skipped; "
+      "call it after optimizer.step()",
+      "Since PyTorch 1.1 a scheduler's step() is meant to follow the optimizer's: called first (the "
+      "older order), it moves the learning rate before the first update, so the schedule's first "
+      "value is never used and every later change comes one step (or epoch) early; PyTorch warns at "
+      "run time. Fix: in each iteration, optimizer.step() (or scaler.step(optimizer)) first, then "
+      "scheduler.step(). Quiet when the scheduler step is guarded by an if in the loop (if epoch > 0: "
+      "..., a warm-up switch) or comes after the optimizer's in the loop's order.")
+
 
 def _check(rule_id: str):
     def register(fn):
@@ -565,7 +576,8 @@ def _canon(q: str | None) -> str | None:
         return "torch.nn." + parts[-1]
     if q.startswith("torch.utils.data.") and parts[-1] == "DataLoader":
         return _DATALOADER
-    if q.startswith("torch.optim.") and len(parts) == 4 and parts[-1][:1].isupper():
+    if q.startswith("torch.optim.") and len(parts) == 4 and parts[-1][:1].isupper() \
+            and parts[2] not in ("lr_scheduler", "swa_utils"):  # torch.optim.adamw.AdamW; a scheduler keeps its module
         return "torch.optim." + parts[-1]
     return _RENAMED.get(q, q)
 
@@ -648,7 +660,8 @@ _RECORDED = frozenset({ast.Name, ast.Call, ast.Assign, ast.AnnAssign, ast.AugAss
 class _Kind:
     """What an expression evaluates to, as far as the file shows."""
 
-    # tensor | batch | module | lossfn | loader | device | optimizer | params | named_params | self | class | func
+    # tensor | batch | module | lossfn | loader | device | optimizer | scheduler | params | named_params | self | class
+    # | func
     cat: str
     # tensor: log_softmax, softmax, sigmoid, loss, param, batch, expanded; module/lossfn: qualname or "local"
     detail: str | None = None
@@ -1121,6 +1134,8 @@ class _File:
             return _Kind("device", None, node)
         if q.startswith("torch.optim.") and q.count(".") == 2 and last[:1].isupper():
             return _Kind("optimizer", q, node)
+        if q.startswith("torch.optim.lr_scheduler.") and last[:1].isupper():
+            return _Kind("scheduler", q, node)
         if q.startswith("torchvision.models.") and last[:1].islower():
             return _Kind("module", q, node)
         if q == "torch.broadcast_to":
@@ -2370,6 +2385,40 @@ def _loader_without_workers(f: _File):
         if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
                for loop in loops for n in _walk_local(loop)):
             yield call, _RULES["TT121"].message
+
+
+@_check("TT122")
+def _scheduler_before_optimizer(f: _File):
+    for loop in (n for t in _LOOPS for n in f.nodes[t]):
+        if any(isinstance(a, _LOOPS) for a in f.local_ancestors(loop)):
+            continue  # judged from the outermost loop, which sees the inner loops' steps in its order
+        steps = sorted((c for c in _walk_local(loop) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                        and c.func.attr == "step"), key=_pos)
+        first_opt = next((c for c in steps if _optimizer_step(f, c)), None)
+        if first_opt is None:
+            continue
+        for c in steps:
+            if _pos(c) >= _pos(first_opt):
+                break
+            k = f.kind(c.func.value)
+            if k is not None and k.cat == "scheduler" and not any(
+                    isinstance(a, ast.If) for a in _ancestors_until(f, c, loop)):
+                yield c, _RULES["TT122"].message
+
+
+def _optimizer_step(f: _File, call: ast.Call) -> bool:
+    """``optimizer.step()`` or ``scaler.step(optimizer)``."""
+    k = f.kind(call.func.value)
+    if k is not None and k.cat == "optimizer":
+        return True
+    return bool(call.args) and (f.kind(call.args[0]) or _Kind("?")).cat == "optimizer"
+
+
+def _ancestors_until(f: _File, node: ast.AST, stop: ast.AST) -> Iterator[ast.AST]:
+    for anc in f.ancestors(node):
+        if anc is stop:
+            return
+        yield anc
 
 
 assert set(_CHECKS) == set(_RULES), "every static rule needs a check"
