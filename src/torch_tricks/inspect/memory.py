@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from torch_tricks.inspect.inputs import input_tensors
@@ -375,9 +375,7 @@ def _patch_resize(on: bool) -> None:
 
 def _storages(t: torch.Tensor) -> list[Any]:
     """The storages ``t`` owns: its own, or a wrapper subclass's inner tensors' (a DTensor's local shard)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if is_traceable_wrapper_subclass(t):
+    if type(t) is not torch.Tensor and type(t) is not nn.Parameter and is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         return [st for a in attrs for st in _storages(getattr(t, a))]
     try:
