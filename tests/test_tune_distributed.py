@@ -81,6 +81,7 @@ def test_tune_processes_2_writes_rows_for_ddp_zero1_fsdp(tmp_path, capsys):
 def test_tune_under_torchrun_uses_the_ranks_it_was_given(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                            "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"  # what torchrun sets for each rank when it is not set already
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "torch_tricks.cli", *TUNE, "--out", str(tmp_path)]
     r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=240)
@@ -89,7 +90,7 @@ def test_tune_under_torchrun_uses_the_ranks_it_was_given(tmp_path):
     d = json.loads((tmp_path / "report.json").read_text())["distributed"]
     _check_rows(d)
     assert d["launched_by"] == "torchrun"
-    assert d["threads_per_rank"] == 1  # torchrun's OMP_NUM_THREADS=1 for each rank ...
+    assert d["threads_per_rank"] == 1  # the launcher's OMP_NUM_THREADS=1 for each rank ...
     assert d["one_process_threads"] == len(os.sched_getaffinity(0))  # ... one process gets the whole host
 
 
