@@ -355,6 +355,16 @@ _rule("TT122", "scheduler-step-before-optimizer-step", "warning",
       "run time. Fix: in each iteration, optimizer.step() (or scaler.step(optimizer)) first, then "
       "scheduler.step(). Quiet when the scheduler step is guarded by an if in the loop (if epoch > 0: "
       "..., a warm-up switch) or comes after the optimizer's in the loop's order.")
+_rule("TT123", "distributed-sampler-without-set-epoch", "warning",
+      "T18; seeds/001 (DistributedSampler); torch.utils.data.distributed.DistributedSampler's documentation",
+      "DistributedSampler without set_epoch(epoch): every epoch shuffles in the same order; call "
+      "sampler.set_epoch(epoch) before each epoch",
+      "A DistributedSampler shuffles with a generator seeded by seed + epoch, and its epoch only "
+      "changes through set_epoch(). Without it every epoch visits the samples in the same order on "
+      "every rank: the shuffling is done once, and the model sees the same batches each epoch. "
+      "Fix: `sampler.set_epoch(epoch)` at the start of each epoch (before iterating the loader). "
+      "Quiet with shuffle=False, when the file calls set_epoch anywhere, and where no training loop "
+      "is in sight.")
 
 
 def _check(rule_id: str):
@@ -2419,6 +2429,25 @@ def _ancestors_until(f: _File, node: ast.AST, stop: ast.AST) -> Iterator[ast.AST
         if anc is stop:
             return
         yield anc
+
+
+_DIST_SAMPLERS = ("torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler")
+
+
+@_check("TT123")
+def _sampler_without_set_epoch(f: _File):
+    samplers = [c for c in f.nodes[ast.Call] if f.qualname(c.func) in _DIST_SAMPLERS]
+    if not samplers or any(isinstance(c.func, ast.Attribute) and c.func.attr == "set_epoch" for c in f.nodes[ast.Call]):
+        return
+    if not any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
+               for t in _LOOPS for loop in f.nodes[t] for n in _walk_local(loop)):
+        return  # no training loop (a backward in a loop) in this file: the epochs run elsewhere
+    for call in samplers:
+        shuffle = _kwarg(call, "shuffle", 3)
+        if any(kw.arg is None for kw in call.keywords) or (shuffle is not None and _number(shuffle) == 0) or (
+                isinstance(shuffle, ast.Constant) and shuffle.value is False):
+            continue
+        yield call, _RULES["TT123"].message
 
 
 assert set(_CHECKS) == set(_RULES), "every static rule needs a check"
