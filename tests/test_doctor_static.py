@@ -309,3 +309,17 @@ def test_clock_reads_lint_in_time_linear_in_their_number():
     large, n_large = best(4000)
     assert (n_small, n_large) == (999, 3999)  # every consecutive pair times launches only: each one found
     assert large / small < 8, (small, large)
+
+
+def test_no_top_level_name_of_the_static_doctor_is_defined_twice():
+    """A second ``def`` of a helper silently replaces the first for every rule that calls it (a new rule's
+    ``_is_module`` once turned TT101's negatives into findings)."""
+    import ast
+    from collections import Counter
+
+    import torch_tricks.doctor.static as static
+
+    tree = ast.parse(Path(static.__file__).read_text(encoding="utf-8"))
+    names = Counter(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
+    names.update(t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name))
+    assert [name for name, count in names.items() if count > 1] == []

@@ -365,6 +365,17 @@ _rule("TT123", "distributed-sampler-without-set-epoch", "warning",
       "Fix: `sampler.set_epoch(epoch)` at the start of each epoch (before iterating the loader). "
       "Quiet with shuffle=False, when the file calls set_epoch anywhere, and where no training loop "
       "is in sight.")
+_rule("TT124", "eval-without-train", "warning",
+      "X (eval() without train() again); T13; seeds/003 测试阶段 §2 (model.eval() 与 model.train())",
+      "model.eval() inside the training loop and no model.train() in it: after the first evaluation the "
+      "model trains in eval mode (dropout off, BatchNorm statistics frozen); call model.train() again",
+      "eval() switches dropout off and makes BatchNorm use (and stop updating) its running statistics, "
+      "for every later forward until train() switches them back. An evaluation inside the epoch loop "
+      "(directly, or in a helper the loop calls) with no train() anywhere in that loop leaves every "
+      "following epoch training in eval mode: no regularisation from dropout, no statistics update, "
+      "silently. Fix: model.train() at the start of each epoch (or at the end of the evaluation). "
+      "Quiet when the loop calls train() anywhere, when the helper restores it itself, and in loops "
+      "that do not train (no backward in them).")
 
 
 def _check(rule_id: str):
@@ -2448,6 +2459,42 @@ def _sampler_without_set_epoch(f: _File):
                 isinstance(shuffle, ast.Constant) and shuffle.value is False):
             continue
         yield call, _RULES["TT123"].message
+
+
+@_check("TT124")
+def _eval_without_train(f: _File):
+    for t in _LOOPS:
+        for loop in f.nodes[t]:
+            if any(isinstance(a, _LOOPS) for a in f.local_ancestors(loop)):
+                continue  # the outermost loop: an epoch loop sees its inner step loop's backward
+            calls = [n for n in _walk_local(loop) if isinstance(n, ast.Call)]
+            if not any(isinstance(c.func, ast.Attribute) and c.func.attr == "backward" for c in calls):
+                continue
+            if any(isinstance(c.func, ast.Attribute) and c.func.attr == "train" for c in calls):
+                continue
+            for c in calls:
+                if isinstance(c.func, ast.Attribute) and c.func.attr == "eval" and not c.args and _looks_like_model(f, c.func.value):
+                    yield c, _RULES["TT124"].message
+                elif isinstance(c.func, ast.Name) and _helper_leaves_eval(f, c.func.id):
+                    yield c, (f"`{c.func.id}()` switches the model to eval() and nothing in this training loop calls "
+                              "train() again: the following epochs train in eval mode; call model.train() after it")
+
+
+def _looks_like_model(f: _File, node: ast.AST) -> bool:
+    k = f.kind(node)
+    if k is not None:
+        return k.cat == "module" or (k.cat == "self" and f.is_module_class(k.ref))
+    b = f.lookup(node) if isinstance(node, ast.Name) else None  # a model passed in, or a name that says so
+    return (b is not None and b[1] == "param") or (isinstance(node, ast.Name) and "model" in node.id.lower())
+
+
+def _helper_leaves_eval(f: _File, name: str) -> bool:
+    """A function of this file that calls ``.eval()`` on something and never ``.train()``."""
+    defs = f.plain_functions.get(name)
+    if not defs or len(defs) != 1 or name in f.aliases:
+        return False
+    calls = [n for n in _walk_local(defs[0]) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    return any(c.func.attr == "eval" and not c.args for c in calls) and not any(c.func.attr == "train" for c in calls)
 
 
 assert set(_CHECKS) == set(_RULES), "every static rule needs a check"
