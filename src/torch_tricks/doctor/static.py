@@ -376,6 +376,16 @@ _rule("TT124", "eval-without-train", "warning",
       "silently. Fix: model.train() at the start of each epoch (or at the end of the evaluation). "
       "Quiet when the loop calls train() anywhere, when the helper restores it itself, and in loops "
       "that do not train (no backward in them).")
+_rule("TT125", "backward-under-no-grad", "error",
+      "X (backward with autograd off); seeds/003 测试阶段 §2b (torch.no_grad)",
+      "backward() where autograd is off (under torch.no_grad() / inference_mode / a decorated function): the "
+      "loss has no graph and backward raises; compute the loss with autograd on",
+      "Under torch.no_grad() (or inference_mode, or in a function decorated with either) no graph is "
+      "recorded, so a loss computed there has no grad_fn and loss.backward() raises 'element 0 of "
+      "tensors does not require grad' (inference_mode: a tensor created in inference mode cannot be "
+      "saved for backward). It usually means a training step was put inside an evaluation block, or a "
+      "whole function was decorated. Fix: compute the loss and call backward outside no_grad, or "
+      "inside `with torch.enable_grad():`.")
 
 
 def _check(rule_id: str):
@@ -2495,6 +2505,13 @@ def _helper_leaves_eval(f: _File, name: str) -> bool:
         return False
     calls = [n for n in _walk_local(defs[0]) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
     return any(c.func.attr == "eval" and not c.args for c in calls) and not any(c.func.attr == "train" for c in calls)
+
+
+@_check("TT125")
+def _backward_under_no_grad(f: _File):
+    for call in f.nodes[ast.Call]:
+        if isinstance(call.func, ast.Attribute) and call.func.attr == "backward" and f.no_grad(call):
+            yield call, _RULES["TT125"].message
 
 
 assert set(_CHECKS) == set(_RULES), "every static rule needs a check"
