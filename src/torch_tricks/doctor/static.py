@@ -1307,7 +1307,7 @@ class _File:
         expression that uses ``name``, directly or through a variable assigned from it."""
         for call in self.calls_in(scope):
             q = self.qualname(call.func)
-            if isinstance(call.func, ast.Attribute) and call.func.attr == "backward":
+            if _is_backward(call):
                 exprs = [call.func.value]
             elif q in ("torch.autograd.backward", "torch.autograd.grad"):
                 exprs = list(call.args[:1])
@@ -1493,8 +1493,7 @@ def _forward_before(f: _File, node: ast.AST) -> bool:
 def _backward_after(f: _File, node: ast.AST) -> bool:
     """A ``.backward()`` (or ``torch.autograd.backward``) runs after ``node`` in its function's frame."""
     here = _pos(node)
-    return any(_pos(c) > here and ((isinstance(c.func, ast.Attribute) and c.func.attr == "backward")
-                                   or f.qualname(c.func) == "torch.autograd.backward")
+    return any(_pos(c) > here and (_is_backward(c) or f.qualname(c.func) == "torch.autograd.backward")
                for c in f.calls_in(f.function_scope(node)))
 
 
@@ -2054,6 +2053,11 @@ def _rate_limited(test: ast.AST) -> bool:
     return False
 
 
+def _is_backward(node: ast.AST) -> bool:
+    """``x.backward(...)``: a call of a method named backward (a loss's, a tensor's)."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward"
+
+
 def _is_step_loop(f: _File, loop: ast.AST) -> bool:
     """A loop whose iterations are training steps: it iterates a loader, or its own body
     (not a nested loop) calls backward() or optimizer.step()."""
@@ -2061,7 +2065,7 @@ def _is_step_loop(f: _File, loop: ast.AST) -> bool:
         if _element_is_batch(f, loop):
             return True
     for node in _walk_local(loop, into_loops=False):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward":
+        if _is_backward(node):
             return True
     return False
 
@@ -2110,8 +2114,7 @@ def _eval_without_no_grad(f: _File):
         uncovered = [c for c in forwards if not f.no_grad(c)]
         if not uncovered or (scope, model) in reported:
             continue
-        if any((isinstance(c.func, ast.Attribute) and c.func.attr == "backward")
-               or f.qualname(c.func) in ("torch.autograd.grad", "torch.autograd.backward") for c in calls):
+        if any(_is_backward(c) or f.qualname(c.func) in ("torch.autograd.grad", "torch.autograd.backward") for c in calls):
             continue  # gradients wanted (saliency, adversarial examples): no_grad would be wrong
         if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and _called_without_grad(f, scope):
             continue
@@ -2196,8 +2199,7 @@ def _loss_accumulated(f: _File):
         k = f.kind(name)
         if k is not None and k.cat == "tensor" and k.detail == "loss":
             return True
-        return any(isinstance(c.func, ast.Attribute) and c.func.attr == "backward"
-                   and isinstance(c.func.value, ast.Name) and c.func.value.id == name.id
+        return any(_is_backward(c) and isinstance(c.func.value, ast.Name) and c.func.value.id == name.id
                    and _pos(c) > b[0] and f.lookup(c.func.value) is b for c in f.calls_in(scope))
 
     def accumulates_across(acc: ast.Name, node: ast.AST, loop: ast.AST) -> bool:
@@ -2413,8 +2415,7 @@ def _loader_without_workers(f: _File):
         workers = _kwarg(call, "num_workers", 5)
         if (workers is not None and _number(workers) != 0) or _in_memory_dataset(f, call):
             continue
-        if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
-               for loop in loops for n in _walk_local(loop)):
+        if any(_is_backward(n) for loop in loops for n in _walk_local(loop)):
             yield call, _RULES["TT121"].message
 
 
@@ -2460,8 +2461,7 @@ def _sampler_without_set_epoch(f: _File):
     samplers = [c for c in f.nodes[ast.Call] if f.qualname(c.func) in _DIST_SAMPLERS]
     if not samplers or any(isinstance(c.func, ast.Attribute) and c.func.attr == "set_epoch" for c in f.nodes[ast.Call]):
         return
-    if not any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
-               for t in _LOOPS for loop in f.nodes[t] for n in _walk_local(loop)):
+    if not any(_is_backward(n) for t in _LOOPS for loop in f.nodes[t] for n in _walk_local(loop)):
         return  # no training loop (a backward in a loop) in this file: the epochs run elsewhere
     for call in samplers:
         shuffle = _kwarg(call, "shuffle", 3)
@@ -2478,7 +2478,7 @@ def _eval_without_train(f: _File):
             if any(isinstance(a, _LOOPS) for a in f.local_ancestors(loop)):
                 continue  # the outermost loop: an epoch loop sees its inner step loop's backward
             calls = [n for n in _walk_local(loop) if isinstance(n, ast.Call)]
-            if not any(isinstance(c.func, ast.Attribute) and c.func.attr == "backward" for c in calls):
+            if not any(_is_backward(c) for c in calls):
                 continue
             if any(isinstance(c.func, ast.Attribute) and c.func.attr == "train" for c in calls):
                 continue
@@ -2510,7 +2510,7 @@ def _helper_leaves_eval(f: _File, name: str) -> bool:
 @_check("TT125")
 def _backward_under_no_grad(f: _File):
     for call in f.nodes[ast.Call]:
-        if isinstance(call.func, ast.Attribute) and call.func.attr == "backward" and f.no_grad(call):
+        if _is_backward(call) and f.no_grad(call):
             yield call, _RULES["TT125"].message
 
 

@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from torch_tricks.errors import UserError
+from torch_tricks.tuning.measure import error_line
 
 __all__ = ["MODES", "DistJob", "launched_world", "check_world", "launch", "unsendable", "measure_modes", "recommend",
            "usable_cores", "local_bytes", "optimizer_state_bytes"]
@@ -143,7 +144,7 @@ def unsendable(job: DistJob) -> str:
         pickle.dumps(job)
     except Exception as exc:
         return (f"the model, batch or loss/optimizer functions cannot be sent to the ranks (they must pickle: define "
-                f"them at module level, or run the tune under torchrun yourself): {_line(exc)}")
+                f"them at module level, or run the tune under torchrun yourself): {error_line(exc)}")
     return ""
 
 
@@ -168,7 +169,7 @@ def _rank_entry(job: DistJob) -> dict[str, Any]:
 
             gc.collect()  # what holds the group goes first (see train.distributed.cleanup)
             dist.destroy_process_group()
-        return _failed(_line(exc))
+        return _failed(error_line(exc))
     cleanup()
     return result
 
@@ -234,7 +235,7 @@ def measure_modes(job: DistJob) -> dict[str, Any]:
                 with _threads(lane.threads):
                     _build(lane, job, {**cfg, "distributed": lane.mode, "batch_size": B.batch_size(lane.batch)})
             except Exception as exc:
-                error = _line(exc)
+                error = error_line(exc)
         if lane.everyone:  # every rank knows whether any failed; then every rank drops it
             errors: list[Any] = [None] * world
             dist.all_gather_object(errors, (error, lane.row.get("state"), lane.row.get("peak_bytes"),
@@ -494,11 +495,6 @@ def _inv_half(ratio: float, half: float) -> float:
     if ratio <= half:
         return math.inf
     return (1 / (ratio - half) - 1 / (ratio + half)) / 2
-
-
-def _line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _mib(n: float | None) -> str:
