@@ -11,7 +11,7 @@ import pytest
 
 from torch_tricks.doctor import list_rules
 from torch_tricks.doctor.config import DoctorConfig, load_config
-from torch_tricks.doctor.rules import Finding
+from torch_tricks.doctor.registry import Finding
 from torch_tricks.doctor.static import (LintResult, check_rule_codes, exit_code, format_text, lint_paths,
                                         lint_source, static_rules, to_sarif)
 from torch_tricks.errors import UserError
@@ -313,13 +313,33 @@ def test_clock_reads_lint_in_time_linear_in_their_number():
 
 def test_no_top_level_name_of_the_static_doctor_is_defined_twice():
     """A second ``def`` of a helper silently replaces the first for every rule that calls it (a new rule's
-    ``_is_module`` once turned TT101's negatives into findings)."""
+    ``_is_module`` once turned TT101's negatives into findings); a helper named like one it imports from the
+    analysis hides the shared one. Checked in the analysis, the driver and every rule module."""
     import ast
     from collections import Counter
 
+    import torch_tricks.doctor.analysis as analysis
     import torch_tricks.doctor.static as static
 
-    tree = ast.parse(Path(static.__file__).read_text(encoding="utf-8"))
-    names = Counter(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
-    names.update(t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name))
-    assert [name for name, count in names.items() if count > 1] == []
+    files = [Path(analysis.__file__), Path(static.__file__), *sorted((Path(analysis.__file__).parent / "rules").glob("*.py"))]
+    assert len(files) >= 9
+    for file in files:
+        tree = ast.parse(file.read_text(encoding="utf-8"))
+        names = Counter(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
+        names.update(t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name))
+        names.update(a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names)
+        assert [name for name, count in names.items() if count > 1] == [], file.name
+
+
+def test_every_static_rule_is_one_registered_class_in_a_family_module():
+    """The rules live in ``doctor/rules/<family>.py``, one :class:`StaticRule` subclass each, registered once."""
+    import inspect
+
+    from torch_tricks.doctor.registry import StaticRule, static_checks
+
+    checks = static_checks()
+    assert sorted(checks) == [r.id for r in list_rules("static")]
+    families = {rid: inspect.getmodule(type(c)).__name__ for rid, c in checks.items()}
+    assert all(isinstance(c, StaticRule) for c in checks.values())
+    assert all(m.startswith("torch_tricks.doctor.rules.") for m in families.values()), families
+    assert len(set(families.values())) >= 6

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_tricks.doctor.rules import SEVERITIES
+from torch_tricks.doctor.registry import SEVERITIES, check_rule_codes
 from torch_tricks.errors import UserError
 
 __all__ = ["DoctorConfig", "load_config", "TABLE"]
@@ -77,8 +77,6 @@ def _parse(pyproject: Path) -> DoctorConfig:
     unknown = sorted(set(table) - set(_KEYS))
     if unknown:
         raise UserError(f"unknown key {unknown[0]!r} in {where}: use {', '.join(_KEYS)}")
-
-    from torch_tricks.doctor.static import check_rule_codes  # the static rules must be registered
 
     select = table.get("select")
     if select is not None:

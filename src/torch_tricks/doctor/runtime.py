@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torch_tricks.doctor.rules import Finding, Rule, severity_rank
-from torch_tricks.doctor.runtime_rules import (  # noqa: F401  (declared apart: no torch needed to list them)
+from torch_tricks.doctor.registry import Finding, Rule, severity_rank
+from torch_tricks.doctor.rules.runtime import (  # noqa: F401  (declared apart: no torch needed to list them)
     MIN_BN_BATCH, UNUSED_PARAMS, DECAY_ON_NO_DECAY, UNREGISTERED, BN_SMALL_BATCH, INPLACE, DIMS, LOSS_PAIRING,
     MODE_MISMATCH, RANDOM_IN_EVAL, NON_FINITE, MEMORY_GROWTH, COUPLED_L2, NOT_OPTIMIZED, RULES,
 )

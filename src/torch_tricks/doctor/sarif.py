@@ -7,7 +7,7 @@ from pathlib import PurePath, PurePosixPath, PureWindowsPath
 from typing import Iterable
 from urllib.parse import quote
 
-from torch_tricks.doctor.rules import Finding, Rule, get_rule
+from torch_tricks.doctor.registry import Finding, Rule, get_rule
 
 __all__ = ["to_sarif", "SARIF_SCHEMA_URI"]
 

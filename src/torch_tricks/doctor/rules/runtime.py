@@ -7,7 +7,7 @@ work without importing torch (a static lint never needs it).
 
 from __future__ import annotations
 
-from torch_tricks.doctor.rules import Rule, register_rule
+from torch_tricks.doctor.registry import Rule, register_rule
 
 __all__ = ["MIN_BN_BATCH", "RULES", "UNUSED_PARAMS", "DECAY_ON_NO_DECAY", "UNREGISTERED", "BN_SMALL_BATCH", "INPLACE",
            "DIMS", "LOSS_PAIRING", "MODE_MISMATCH", "RANDOM_IN_EVAL", "NON_FINITE", "MEMORY_GROWTH", "COUPLED_L2",

@@ -4,15 +4,22 @@ Static rules (``TT1xx``) are found by reading source with :mod:`ast`; runtime ru
 (``TT2xx``) by running one training step of a live model. Both kinds live in one
 registry so ``torch-tricks doctor --list`` and ``--explain`` cover everything, and so a
 ``# noqa: TT101`` or a ``[tool.torch-tricks.doctor]`` ignore names the same ids.
+
+The rules themselves live in :mod:`torch_tricks.doctor.rules`, one module per family; a
+static rule is a :class:`StaticRule` subclass registered once by :func:`static_rule`. This
+module imports none of them (the package ``torch_tricks.doctor`` loads them), so there is
+no import circle between the registry and the rules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable, Iterator
 
 from torch_tricks.errors import UserError
 
-__all__ = ["Rule", "Finding", "SEVERITIES", "register_rule", "get_rule", "list_rules", "severity_rank"]
+__all__ = ["Rule", "Finding", "SEVERITIES", "StaticRule", "static_rule", "static_checks", "register_rule", "get_rule",
+           "list_rules", "check_rule_codes", "severity_rank"]
 
 SEVERITIES = ("info", "warning", "error")  # ascending
 
@@ -74,15 +81,8 @@ def register_rule(rule: Rule) -> Rule:
     return rule
 
 
-def _load_all() -> None:
-    # Importing the declarations registers the rules (the runtime checker, which imports torch, is not needed).
-    import torch_tricks.doctor.runtime_rules  # noqa: F401
-    import torch_tricks.doctor.static  # noqa: F401
-
-
 def get_rule(rule_id: str) -> Rule:
     """The rule ``rule_id`` (case-insensitive); a :class:`UserError` naming the choices if unknown."""
-    _load_all()
     try:
         return _RULES[rule_id.upper()]
     except KeyError:
@@ -92,5 +92,58 @@ def get_rule(rule_id: str) -> Rule:
 
 def list_rules(kind: str | None = None) -> list[Rule]:
     """Every rule (of ``kind``), sorted by id."""
-    _load_all()
     return sorted((r for r in _RULES.values() if kind is None or r.kind == kind), key=lambda r: r.id)
+
+
+def check_rule_codes(codes: Iterable[str], where: str = "the rule list") -> tuple[str, ...]:
+    """``codes`` upper-cased, each checked to name a rule or be a prefix of rule ids.
+
+    An unknown code is a :class:`UserError` (``where`` says where it was written), so a
+    typo in ``--select`` or a config never silently disables a check.
+    """
+    if isinstance(codes, str):
+        codes = [codes]
+    out = []
+    for code in codes:
+        c = code.strip().upper()
+        if not c or not any(rid.startswith(c) for rid in _RULES):
+            raise UserError(f"unknown doctor rule {code!r} in {where}: use ids such as TT101 or a "
+                            f"prefix such as TT1 (`torch-tricks doctor --list` shows them)")
+        out.append(c)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- static rules
+
+
+class StaticRule:
+    """A pitfall found by reading code: the class attributes describe it (they become its
+    :class:`Rule`), :meth:`check` finds it in one analysed file."""
+
+    id: ClassVar[str]
+    name: ClassVar[str]
+    severity: ClassVar[str]
+    source: ClassVar[str]
+    message: ClassVar[str]
+    explanation: ClassVar[str]
+
+    def check(self, f: Any) -> Iterator[tuple[Any, str]]:
+        """Yield ``(ast node, message)`` for each occurrence in ``f``, a
+        :class:`torch_tricks.doctor.analysis.FileAnalysis`."""
+        raise NotImplementedError
+
+
+_STATIC: dict[str, StaticRule] = {}
+
+
+def static_rule(cls: type[StaticRule]) -> type[StaticRule]:
+    """Class decorator: register ``cls`` (its :class:`Rule` and one instance as its checker)."""
+    register_rule(Rule(id=cls.id, name=cls.name, message=cls.message, explanation=cls.explanation,
+                       severity=cls.severity, source=cls.source, kind="static"))
+    _STATIC[cls.id] = cls()
+    return cls
+
+
+def static_checks() -> dict[str, StaticRule]:
+    """Rule id -> checker of every registered static rule."""
+    return dict(_STATIC)

@@ -1,0 +1,12 @@
+"""Every rule the doctor knows, one module per family; importing this package registers them.
+
+Static families (read with :mod:`ast`, no torch): :mod:`.modules` (how a model is written),
+:mod:`.losses`, :mod:`.serialization`, :mod:`.devices` (devices and timing),
+:mod:`.determinism`, :mod:`.data` (feeding the loop), :mod:`.loop` (the training loop).
+:mod:`.runtime` declares the ``TT2xx`` rules that :mod:`torch_tricks.doctor.runtime` finds by
+running a model; it is declared apart so that listing them needs no torch.
+"""
+
+from torch_tricks.doctor.rules import data, determinism, devices, loop, losses, modules, runtime, serialization
+
+__all__ = ["data", "determinism", "devices", "loop", "losses", "modules", "runtime", "serialization"]

@@ -1,0 +1,297 @@
+"""Rules about losses and their numerics: activations paired with the wrong loss
+(log_softmax into cross-entropy, sigmoid into BCELoss, an activation applied twice), the
+legacy ``size_average``/``reduce`` arguments, and a square root whose gradient is NaN at zero.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Iterator
+
+from torch_tricks.doctor.analysis import ACTS, FileAnalysis, is_loss, kwarg, number
+from torch_tricks.doctor.registry import StaticRule, static_rule
+
+
+@static_rule
+class SqrtOfSumOfSquares(StaticRule):
+    id = "TT105"
+    name = "sqrt-of-sum-of-squares"
+    severity = "warning"
+    source = "X (sqrt of a sum of squares); seeds/003 Pytorch 使用陷阱 §7 (torch.sqrt()在0处的左导数没有定义)"
+    message = "sqrt of a sum of squares has a NaN gradient at zero: use torch.linalg.vector_norm, or add an eps"
+    explanation = ("The derivative of sqrt(s) is 1/(2*sqrt(s)), infinite at s = 0, and the chain rule multiplies it "
+                   "by ds/dx = 2x = 0: the gradient is inf*0 = NaN, which then spreads to every weight. It happens "
+                   "whenever the vector is exactly zero (identical points, padding, a zero residual). Fix: "
+                   "torch.linalg.vector_norm(x, dim=...) (or x.norm()), whose gradient at 0 is defined as 0, or "
+                   "torch.sqrt(s + eps).")
+
+    def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
+        def binding(node, depth):
+            value = f.binding_value(node) if depth < 4 else None
+            return value
+
+        def square(e, depth=0) -> bool:
+            if isinstance(e, ast.Name):
+                value = binding(e, depth)
+                return value is not None and square(value, depth + 1)
+            if isinstance(e, ast.BinOp):
+                if isinstance(e.op, ast.Pow):
+                    return number(e.right) == 2
+                if isinstance(e.op, ast.Mult):
+                    return ast.dump(e.left) == ast.dump(e.right)
+                return False
+            if isinstance(e, ast.Call):
+                q = f.qualname(e.func)
+                if q == "torch.pow" and len(e.args) == 2:
+                    return number(e.args[1]) == 2
+                if q == "torch.square":
+                    return True
+                if isinstance(e.func, ast.Attribute) and q is None:
+                    if e.func.attr == "pow" and len(e.args) == 1:
+                        return number(e.args[0]) == 2
+                    return e.func.attr == "square" and not e.args
+            return False
+
+        def sum_of_squares(e, depth=0) -> bool:
+            if isinstance(e, ast.Name):
+                value = binding(e, depth)
+                return value is not None and sum_of_squares(value, depth + 1)
+            if isinstance(e, ast.Call):
+                q = f.qualname(e.func)
+                if q in ("torch.sum", "torch.mean", "torch.nansum") and e.args:
+                    return square(e.args[0], depth)
+                if q is None and isinstance(e.func, ast.Attribute) and e.func.attr in ("sum", "mean", "nansum"):
+                    return square(e.func.value, depth)
+                return False
+            if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add):
+                terms, stack = [], [e]
+                while stack:
+                    t = stack.pop()
+                    if isinstance(t, ast.BinOp) and isinstance(t.op, ast.Add):
+                        stack += [t.left, t.right]
+                    else:
+                        terms.append(t)
+                return all(square(t, depth) for t in terms)
+            return False
+
+        candidates = []
+        for call in f.nodes[ast.Call]:
+            q = f.qualname(call.func)
+            if q == "torch.sqrt" and len(call.args) == 1:
+                candidates.append((call, call.args[0], True))
+            elif q == "torch.pow" and len(call.args) == 2 and number(call.args[1]) == 0.5:
+                candidates.append((call, call.args[0], True))
+            elif q is None and isinstance(call.func, ast.Attribute):
+                if call.func.attr == "sqrt" and not call.args and not call.keywords:
+                    candidates.append((call, call.func.value, True))
+                elif call.func.attr == "pow" and len(call.args) == 1 and number(call.args[0]) == 0.5:
+                    candidates.append((call, call.func.value, False))
+        for binop in f.nodes[ast.BinOp]:
+            if isinstance(binop.op, ast.Pow) and number(binop.right) == 0.5:
+                candidates.append((binop, binop.left, False))
+        for node, arg, torch_op in candidates:
+            if not sum_of_squares(arg) or _detached(f, arg) or _constant_tensor(f, arg):
+                continue
+            if not torch_op:  # `** 0.5` also works on floats and numpy arrays: ask for a tensor
+                base = arg.func.value if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) else arg
+                k = f.kind(base)
+                if k is None or k.cat != "tensor":
+                    continue
+            parent = f.parent.get(node)
+            if (isinstance(parent, ast.Attribute) and parent.attr in ("item", "tolist")) or (
+                    isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and parent.func.id == "float"):
+                continue  # a number for a metric, not a value to differentiate
+            if f.no_grad(node):
+                continue
+            yield node, self.message
+
+
+_CONSTANT_MAKERS = frozenset(f"torch.{n}" for n in (
+    "arange linspace logspace meshgrid zeros ones full eye tensor as_tensor from_numpy zeros_like ones_like "
+    "full_like empty").split())
+
+
+def _constant_tensor(f: FileAnalysis, expr: ast.AST, depth: int = 0) -> bool:
+    """``expr`` is built only from numbers and tensor constructors (``torch.arange`` grids and the like,
+    without ``requires_grad=True``), through operators and methods of such values: no gradient flows
+    through it, so a sqrt at zero cannot give a NaN gradient (a distance grid, as in timm's convit)."""
+    if depth > 6:  # variables followed back through six assignments at most
+        return False
+    if isinstance(expr, ast.Constant):
+        return isinstance(expr.value, (int, float))
+    if isinstance(expr, ast.Name):
+        value = f.binding_value(expr)
+        return value is not None and _constant_tensor(f, value, depth + 1)
+    if isinstance(expr, ast.BinOp):
+        return _constant_tensor(f, expr.left, depth) and _constant_tensor(f, expr.right, depth)
+    if isinstance(expr, ast.UnaryOp):
+        return _constant_tensor(f, expr.operand, depth)
+    if isinstance(expr, ast.Subscript):
+        return _constant_tensor(f, expr.value, depth)
+    if isinstance(expr, ast.Call):
+        if any(kw.arg == "requires_grad" and not (isinstance(kw.value, ast.Constant) and kw.value.value is False)
+               for kw in expr.keywords):
+            return False
+        q = f.qualname(expr.func)
+        if q in _CONSTANT_MAKERS:
+            return True
+        if q is None and isinstance(expr.func, ast.Attribute):  # a method of a constant, with constant arguments
+            args = list(expr.args) + [kw.value for kw in expr.keywords]
+            shape_only = expr.func.attr in _SHAPE_METHODS  # sizes and dims: any argument that is not a tensor
+
+            def fine(a: ast.AST) -> bool:
+                if _constant_tensor(f, a, depth) or _harmless_arg(a):
+                    return True
+                k = f.kind(a)
+                return shape_only and (k is None or k.cat != "tensor")
+            return _constant_tensor(f, expr.func.value, depth) and all(fine(a) for a in args)
+    return False
+
+
+_SHAPE_METHODS = frozenset("""view reshape repeat repeat_interleave expand permute transpose flatten unsqueeze squeeze
+    contiguous float double half to t""".split())
+
+
+def _harmless_arg(node: ast.AST) -> bool:
+    """A method argument that carries no tensor: a dtype, a memory format, a string, a tuple of numbers."""
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
+        return True  # torch.float32, torch.channels_last ...
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return all(_harmless_arg(e) for e in node.elts)
+    return isinstance(node, ast.Name) and node.id.isupper()
+
+
+def _detached(f: FileAnalysis, expr: ast.AST, depth: int = 0) -> bool:
+    """``expr`` is computed from ``.detach()``/``.data``/numpy values: no gradient flows
+    through it (also through the variables it reads, two assignments deep)."""
+    for n in ast.walk(expr):
+        if isinstance(n, ast.Attribute) and n.attr in ("detach", "data", "numpy", "item"):
+            return True
+        if isinstance(n, ast.Name) and depth < 2:
+            value = f.binding_value(n)
+            if value is not None and _detached(f, value, depth + 1):
+                return True
+    return False
+
+
+def _activation_losses(f: FileAnalysis) -> list[tuple[ast.Call, str, str]]:
+    """(loss call, loss type, activation of its input) for every cross-entropy / BCE call
+    whose input is known to be a softmax, log_softmax or sigmoid output."""
+    if "act_losses" in f._memo:
+        return f._memo["act_losses"]
+    types = {"torch.nn.functional.cross_entropy": "ce", "torch.nn.CrossEntropyLoss": "ce",
+             "torch.nn.functional.binary_cross_entropy": "bce", "torch.nn.BCELoss": "bce",
+             "torch.nn.functional.binary_cross_entropy_with_logits": "bce_logits",
+             "torch.nn.BCEWithLogitsLoss": "bce_logits"}
+    out = []
+    for call in f.nodes[ast.Call]:
+        q = f.qualname(call.func)
+        if q is None:
+            k = f.kind(call.func)
+            q = k.detail if k is not None and k.cat == "lossfn" else None
+        loss = types.get(q)
+        if loss is None:
+            continue
+        inp = kwarg(call, "input", 0)
+        k = f.kind(inp) if inp is not None else None
+        if k is not None and k.cat == "tensor" and k.detail in ACTS:
+            out.append((call, loss, k.detail))
+    f._memo["act_losses"] = out
+    return out
+
+
+_LOSS_NAMES = {"ce": "cross-entropy", "bce": "BCELoss", "bce_logits": "BCEWithLogitsLoss"}
+
+
+@static_rule
+class LogSoftmaxIntoCrossEntropy(StaticRule):
+    id = "TT106"
+    name = "log-softmax-into-cross-entropy"
+    severity = "warning"
+    source = ("X (log-softmax output fed to CrossEntropyLoss); seeds/003 网络结构可视化 §2 (a Net whose "
+              "forward returns F.log_softmax)")
+    message = "log_softmax output fed to cross-entropy, which applies log_softmax itself: use nll_loss, or pass the logits"
+    explanation = ("nn.CrossEntropyLoss and F.cross_entropy take raw logits and apply log_softmax internally. Given "
+                   "log-probabilities they apply it a second time: the value happens to be the same (log_softmax is "
+                   "idempotent), but it costs an extra pass and contradicts what the model claims to output. Fix: "
+                   "keep log_softmax and use nn.NLLLoss / F.nll_loss, or drop the log_softmax and keep "
+                   "cross-entropy.")
+
+    def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
+        for call, loss, act in _activation_losses(f):
+            if loss == "ce" and act == "log_softmax":
+                yield call, ("log_softmax output fed to cross-entropy, which applies log_softmax itself: use nll_loss, "
+                             "or pass the logits")
+
+
+@static_rule
+class ActivationAppliedTwice(StaticRule):
+    id = "TT107"
+    name = "activation-applied-twice"
+    severity = "error"
+    source = "X (log-softmax output fed to CrossEntropyLoss, and the other output/loss pairings)"
+    message = "probabilities fed to a loss that expects logits: the activation is applied twice"
+    explanation = ("F.cross_entropy / nn.CrossEntropyLoss apply log_softmax to their input and "
+                   "BCEWithLogitsLoss applies sigmoid. Fed probabilities (softmax or sigmoid output), they squash "
+                   "them a second time: the loss can no longer approach 0, gradients shrink, and training is slow "
+                   "or stalls, with no error. Fix: pass the logits (the output before softmax/sigmoid) to the "
+                   "loss; apply softmax/sigmoid only to make predictions.")
+
+    def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
+        for call, loss, act in _activation_losses(f):
+            if (loss, act) in (("ce", "softmax"), ("bce_logits", "sigmoid")):
+                yield call, (f"{act} output fed to {_LOSS_NAMES[loss]}, which applies "
+                             f"{'log_softmax' if loss == 'ce' else 'sigmoid'} itself: pass the logits")
+
+
+@static_rule
+class SigmoidIntoBceLoss(StaticRule):
+    id = "TT108"
+    name = "sigmoid-into-bce-loss"
+    severity = "warning"
+    source = "X (the other output/loss pairings); T1 (losses unsafe in float16)"
+    message = "sigmoid output fed to BCELoss: use BCEWithLogitsLoss on the logits (stable, and allowed under autocast)"
+    explanation = ("sigmoid followed by BCELoss computes log(sigmoid(x)), which saturates for large |x| (BCELoss "
+                   "clamps the log at -100, so confidently wrong outputs get no gradient), and torch.autocast "
+                   "refuses BCELoss in float16. BCEWithLogitsLoss fuses the two with the log-sum-exp trick. Fix: "
+                   "drop the sigmoid from the output and use nn.BCEWithLogitsLoss / "
+                   "F.binary_cross_entropy_with_logits; apply torch.sigmoid only to make predictions.")
+
+    def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
+        for call, loss, act in _activation_losses(f):
+            if loss == "bce" and act == "sigmoid":
+                yield call, self.message
+
+
+@static_rule
+class LegacyLossReductionArgs(StaticRule):
+    id = "TT109"
+    name = "legacy-loss-reduction-args"
+    severity = "warning"
+    source = "X (deprecated size_average/reduce); seeds/003 Tensor的操作 §7 (reduce,size_average参数说明)"
+    message = "size_average= / reduce= are deprecated: use reduction='mean' | 'sum' | 'none'"
+    explanation = ("The size_average and reduce flags of the loss functions were merged into one argument, "
+                   "reduction. They still work with a deprecation warning, and their interplay is easy to get wrong "
+                   "(reduce=False ignores size_average). Map: reduce=False -> reduction='none'; "
+                   "size_average=False -> 'sum'; otherwise 'mean'.")
+
+    def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
+        for call in f.nodes[ast.Call]:
+            q = f.qualname(call.func)
+            if not is_loss(q):
+                continue
+            given = {kw.arg: kw.value for kw in call.keywords if kw.arg in ("size_average", "reduce")
+                     and isinstance(kw.value, ast.Constant) and kw.value.value is not None}
+            if not given:
+                continue  # none given, or a wrapper passing its caller's values through
+            reduce_, size_average = given.get("reduce"), given.get("size_average")
+            if isinstance(reduce_, ast.Constant) and reduce_.value is False:
+                suggestion = "reduction='none'"
+            elif isinstance(size_average, ast.Constant) and size_average.value is False:
+                suggestion = "reduction='sum'"
+            else:
+                suggestion = "reduction='mean'"
+            names = " and ".join(f"{k}=" for k in given)
+            yield call, f"{names} deprecated in {q.rsplit('.', 1)[-1]}: use {suggestion}"

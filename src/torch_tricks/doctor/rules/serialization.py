@@ -1,0 +1,98 @@
+"""Rules about reading checkpoints: ``torch.load`` without ``map_location`` or ``weights_only``.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Iterator
+
+from torch_tricks.doctor.analysis import FileAnalysis, kwarg, pos
+from torch_tricks.doctor.registry import StaticRule, static_rule
+
+
+def _torch_loads(f: FileAnalysis) -> Iterator[ast.Call]:
+    for call in f.nodes[ast.Call]:
+        if f.qualname(call.func) == "torch.load" and not any(kw.arg is None for kw in call.keywords):
+            yield call
+
+
+@static_rule
+class TorchLoadWithoutMapLocation(StaticRule):
+    id = "TT110"
+    name = "torch-load-without-map-location"
+    severity = "info"
+    source = ("X (torch.load without map_location); T20, T26; "
+              "seeds/003 训练阶段 §6 (载入模型权重GPU内存被额外占用); "
+              "seeds/002 问题 §1")
+    message = "torch.load without map_location restores tensors to the device they were saved from: pass map_location"
+    explanation = ("Without map_location, tensors saved from cuda:0 are loaded back onto cuda:0: on a machine "
+                   "without that GPU the load fails, and under DDP every process allocates memory on GPU 0 (the "
+                   "extra processes seen in nvidia-smi). Fix: torch.load(f, map_location='cpu') and then "
+                   "load_state_dict / .to(device), or map_location=f'cuda:{local_rank}'.")
+
+    def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
+        for call in _torch_loads(f):
+            if kwarg(call, "map_location", 1) is None and not _holds_numpy(f, call):
+                yield call, self.message
+
+
+def _holds_numpy(f: FileAnalysis, call: ast.Call) -> bool:
+    """What ``call`` loads is used as a NumPy array (handed to ``torch.from_numpy`` or a ``numpy``
+    function, whole or indexed): the file holds no device tensors, so there is no device to map."""
+    target = f.parent.get(call)
+    if not (isinstance(target, ast.Assign) and len(target.targets) == 1 and isinstance(target.targets[0], ast.Name)):
+        return False
+    name = target.targets[0].id
+    for c in f.calls_in(f.function_scope(call)):
+        q = f.qualname(c.func) or ""
+        if pos(c) > pos(call) and (q == "torch.from_numpy" or q.startswith("numpy.")) and any(
+                isinstance(n, ast.Name) and n.id == name for a in c.args for n in ast.walk(a)):
+            return True
+    return False
+
+
+@static_rule
+class TorchLoadWithoutWeightsOnly(StaticRule):
+    id = "TT111"
+    name = "torch-load-without-weights-only"
+    severity = "warning"
+    source = "X (torch.load without weights_only); T26"
+    message = ("torch.load without weights_only (its default changed in torch 2.6): pass weights_only=True, "
+               "or False only for trusted files")
+    explanation = ("torch.load unpickles the file. Before torch 2.6 the default, weights_only=False, runs any "
+                   "code an untrusted checkpoint carries; from 2.6 the default is True and checkpoints that hold "
+                   "other Python objects fail to load. Saying it explicitly makes the load safe and the same on "
+                   "every version. Fix: torch.load(f, map_location='cpu', weights_only=True); weights_only=False "
+                   "only for files you trust. Quiet where the code already chose weights_only loading: inside "
+                   "torch.serialization.safe_globals(...), in a file that calls add_safe_globals, and in the "
+                   "fallback of a load that passes weights_only (an except after it, the other branch of a version "
+                   "check).")
+
+    def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
+        allowlist = any(f.qualname(c.func) == "torch.serialization.add_safe_globals" for c in f.nodes[ast.Call])
+        for call in _torch_loads(f):
+            if kwarg(call, "weights_only") is None and not allowlist and not _weights_only_meant(f, call):
+                yield call, self.message
+
+
+def _weights_only_meant(f: FileAnalysis, call: ast.Call) -> bool:
+    """The code around ``call`` already chose weights_only loading: it runs inside ``with
+    torch.serialization.safe_globals(...)`` (which only serves weights_only=True, the default since torch
+    2.6), or it is the fallback of one that passes weights_only (an ``except`` after a ``try`` that does, or
+    the other branch of an ``if`` on the version): a shim for an older torch that has no such argument."""
+    def passes_it(nodes: list[ast.AST]) -> bool:
+        return any(isinstance(n, ast.Call) and f.qualname(n.func) == "torch.load" and kwarg(n, "weights_only")
+                   is not None for stmt in nodes for n in ast.walk(stmt))
+
+    child: ast.AST = call
+    for anc in f.local_ancestors(call):
+        if isinstance(anc, (ast.With, ast.AsyncWith)) and any(
+                isinstance(item.context_expr, ast.Call)
+                and f.qualname(item.context_expr.func) == "torch.serialization.safe_globals" for item in anc.items):
+            return True
+        if isinstance(anc, ast.Try) and child in anc.handlers and passes_it(anc.body):
+            return True
+        if isinstance(anc, ast.If) and child is not anc.test and passes_it(anc.orelse if child in anc.body else anc.body):
+            return True
+        child = anc
+    return False
