@@ -54,6 +54,10 @@ VIEW_METHODS = frozenset("""view reshape flatten squeeze unsqueeze permute trans
     half bfloat16 to cuda cpu type_as view_as reshape_as narrow""".split())
 MODULE_SELF_METHODS = frozenset("""to cuda cpu half float double bfloat16 train eval requires_grad_
     share_memory apply type to_empty xpu ipu mtia""".split())
+SHAPE_METHODS = frozenset("view reshape unsqueeze squeeze permute transpose size dim numel contiguous flatten"
+                          .split())
+MODULE_ONLY_METHODS = frozenset("""eval parameters named_parameters modules named_modules children named_children
+    buffers named_buffers register_forward_hook register_forward_pre_hook register_full_backward_hook""".split())
 MOVE_METHODS = frozenset("cuda cpu to half float double bfloat16 long int short byte char bool pin_memory type"
                          .split())
 STATELESS_MODULES = frozenset("torch.nn." + n for n in """ReLU ReLU6 LeakyReLU GELU SiLU Mish ELU CELU SELU
@@ -228,7 +232,7 @@ class FileAnalysis:
         self._kinds: dict[ast.AST, Kind | None] = {}
         self._qualnames: dict[ast.AST, str | None] = {}
         self._busy: set = set()
-        self._memo: dict = {}
+        self.memo: dict = {}
         self._index()
 
     # ---- indexing
@@ -259,7 +263,7 @@ class FileAnalysis:
 
     def _record(self, node: ast.AST, scope: ast.AST | None) -> None:
         if isinstance(node, ast.Name):
-            self.uses[self._function_scope(scope)][node.id].append(node)
+            self.uses[self.frame_of(scope)][node.id].append(node)
         elif isinstance(node, ast.Call):
             if isinstance(node.func, ast.Name):
                 self.calls_by_name[node.func.id].append(node)
@@ -355,14 +359,16 @@ class FileAnalysis:
             return node.col_offset + 1
         return len(line.encode("utf-8")[:node.col_offset].decode("utf-8", "replace")) + 1
 
-    def _function_scope(self, scope):
+    def frame_of(self, scope):
+        """The function (or module) whose frame runs code of ``scope``: comprehensions and class
+        bodies run in the enclosing one."""
         while isinstance(scope, COMPS + (ast.ClassDef,)) and scope is not None:
             scope = self.scope_of.get(scope)
         return scope
 
     def function_scope(self, node: ast.AST):
         """The function (or module) whose frame runs ``node``: comprehensions run inline."""
-        return self._function_scope(self.scope_of.get(node))
+        return self.frame_of(self.scope_of.get(node))
 
     def ancestors(self, node: ast.AST) -> Iterator[ast.AST]:
         node = self.parent.get(node)
@@ -405,10 +411,10 @@ class FileAnalysis:
     @property
     def mentions_cuda(self) -> bool:
         """The file uses CUDA somewhere (``.cuda``, ``torch.cuda``, a ``"cuda..."`` device)."""
-        if "cuda" not in self._memo:
-            self._memo["cuda"] = any(n.attr == "cuda" for n in self.nodes[ast.Attribute]) or any(
+        if "cuda" not in self.memo:
+            self.memo["cuda"] = any(n.attr == "cuda" for n in self.nodes[ast.Attribute]) or any(
                 isinstance(n.value, str) and n.value.startswith("cuda") for n in self.nodes[ast.Constant])
-        return self._memo["cuda"]
+        return self.memo["cuda"]
 
     # ---- names
 
@@ -540,7 +546,9 @@ class FileAnalysis:
 
     def _param_kind(self, func: ast.AST, name: str) -> Kind | None:
         """A parameter's kind: ``self`` in a method; for a plain function, the kind every
-        call in this file passes (when they all agree)."""
+        call in this file passes (when they all agree); failing that, what the function
+        itself shows (:meth:`module_by_use`): a model passed in from another file is a module
+        when it is annotated as one or the function calls ``.eval()``/``.parameters()`` on it."""
         if isinstance(func, ast.Lambda):
             return None
         positional = func.args.posonlyargs + func.args.args
@@ -549,9 +557,9 @@ class FileAnalysis:
             decorators = {dotted(d) for d in func.decorator_list}
             if positional and positional[0].arg == name and not decorators & {"staticmethod", "classmethod"}:
                 return Kind("self", ref=cls)
-            return None
+            return self.module_by_use(func, name)
         if len(self.plain_functions.get(func.name, ())) != 1:
-            return None
+            return self.module_by_use(func, name)
         index = next((i for i, a in enumerate(positional) if a.arg == name), None)
         kinds = []
         for call in self.calls_by_name.get(func.name, ()):
@@ -560,12 +568,69 @@ class FileAnalysis:
                 return None
             kinds.append(self.kind(arg))
         if not kinds or any(k is None for k in kinds):
-            return None
+            return self.module_by_use(func, name) if all(k is None for k in kinds) else None
         if all(k.key() == kinds[0].key() for k in kinds):
             return kinds[0]
         if all((k.cat, k.detail) == (kinds[0].cat, kinds[0].detail) for k in kinds):
             return Kind(kinds[0].cat, kinds[0].detail)
         return None
+
+    def tensor_by_use(self, node: ast.Name) -> bool:
+        """The value ``node`` reads (a name whose kind is unknown: a parameter, an element
+        unpacked from a batch passed in) is used as a tensor in its function: ``.shape`` /
+        ``.ndim`` read, a shape method called (``.view``, ``.unsqueeze``, ``.size()`` ...), or
+        handed to a ``torch.*`` tensor function, through the same binding. Batch objects with an
+        in-place ``.to()`` (PyG's ``Batch``, ``BatchEncoding``) have none of these."""
+        binding = self.lookup(node)
+        if binding is None or binding[1] not in ("value", "for", "param"):
+            return False
+        key = ("tensor_by_use", id(binding[2]), node.id, binding[0])
+        if key in self.memo:
+            return self.memo[key]
+        found = False
+        for use in self.uses.get(self.function_scope(node), {}).get(node.id, ()):
+            if self.lookup(use) is not binding:
+                continue
+            parent = self.parent.get(use)
+            if isinstance(parent, ast.Attribute) and parent.value is use:
+                call = self.parent.get(parent)
+                if parent.attr in ("shape", "ndim") or (parent.attr in SHAPE_METHODS and isinstance(call, ast.Call)
+                                                         and call.func is parent):
+                    found = True
+            elif isinstance(parent, ast.Call) and use in parent.args:
+                q = self.qualname(parent.func)
+                found = q is not None and ((q.startswith("torch.") and q.count(".") == 1
+                                            and q.rsplit(".", 1)[-1] in TENSOR_FUNCS)
+                                           or q.startswith("torch.nn.functional."))
+            if found:
+                break
+        self.memo[key] = found
+        return found
+
+    def module_by_use(self, func: ast.AST, name: str) -> Kind | None:
+        """``Kind("module")`` if parameter ``name`` of ``func`` is shown to be an nn.Module by
+        the function itself: annotated ``nn.Module`` (or an nn class), or the receiver of a
+        method only modules have (``.eval()``, ``.parameters()``, ``.named_modules()`` ...)
+        while the name is never rebound. None otherwise."""
+        key = ("module_by_use", func, name)
+        if key in self.memo:
+            return self.memo[key]
+        found = None
+        args = func.args.posonlyargs + func.args.args + func.args.kwonlyargs
+        arg = next((a for a in args if a.arg == name), None)
+        if arg is not None:
+            q = self.qualname(arg.annotation) if arg.annotation is not None else None
+            if q is not None and is_torch_nn_class(q) and not q.endswith("Loss") and q != "torch.nn.Parameter":
+                found = Kind("module", q)
+            elif not any(b[1] != "param" for b in self.bindings.get(func, {}).get(name, ())):
+                for node in walk_local(func):
+                    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                            and node.func.attr in MODULE_ONLY_METHODS and isinstance(node.func.value, ast.Name)
+                            and node.func.value.id == name):
+                        found = Kind("module")
+                        break
+        self.memo[key] = found
+        return found
 
     def _attribute_kind(self, node: ast.Attribute) -> Kind | None:
         if self.qualname(node) is not None:
@@ -605,7 +670,7 @@ class FileAnalysis:
         func = node.func
         q = self.qualname(func)
         if q is not None:
-            return self._constructor_kind(q, node)
+            return self.constructor_kind(q, node)
         if isinstance(func, ast.Attribute):
             m = func.attr
             if m in ACT_METHODS:
@@ -642,7 +707,7 @@ class FileAnalysis:
             return Kind("tensor", self.output_activation(fk))
         return None
 
-    def _constructor_kind(self, q: str, node: ast.Call) -> Kind | None:
+    def constructor_kind(self, q: str, node: ast.Call) -> Kind | None:
         last = q.rsplit(".", 1)[-1]
         if q in WRAPPERS and node.args:  # DataParallel(model), DDP(model), torch.compile(model) call model
             k = self.kind(node.args[0])
@@ -689,8 +754,8 @@ class FileAnalysis:
         if not isinstance(cls, ast.ClassDef):
             return None
         key = ("fwd", cls)
-        if key not in self._memo:
-            self._memo[key] = None
+        if key not in self.memo:
+            self.memo[key] = None
             forward = self.method(cls, "forward")
             acts = set()
             if forward is not None:
@@ -699,8 +764,8 @@ class FileAnalysis:
                         k = self.kind(node.value) if node.value is not None else None
                         acts.add(k.detail if k is not None and k.cat == "tensor" else None)
             if len(acts) == 1 and next(iter(acts)) in ACTS:
-                self._memo[key] = acts.pop()
-        return self._memo[key]
+                self.memo[key] = acts.pop()
+        return self.memo[key]
 
     def method(self, cls: ast.ClassDef, name: str, seen=None):
         for stmt in cls.body:
@@ -724,8 +789,8 @@ class FileAnalysis:
         if not isinstance(cls, ast.ClassDef):
             return False
         key = ("module", cls)
-        if key not in self._memo:
-            self._memo[key] = False
+        if key not in self.memo:
+            self.memo[key] = False
             found = False
             for base in cls.bases:
                 q = self.qualname(base)
@@ -733,8 +798,8 @@ class FileAnalysis:
                                       or q.rsplit(".", 1)[-1] == "LightningModule"):
                     found = True
             found = found or any(self.is_module_class(b) for b in self.local_bases(cls))
-            self._memo[key] = found
-        return self._memo[key]
+            self.memo[key] = found
+        return self.memo[key]
 
     # ---- gradient mode
 
@@ -789,14 +854,14 @@ class FileAnalysis:
 
     def calls_in(self, scope: ast.AST) -> list[ast.Call]:
         """The calls that run in ``scope``'s frame, in source order."""
-        if "by_frame" not in self._memo:
+        if "by_frame" not in self.memo:
             groups = defaultdict(list)
             for call in self.nodes[ast.Call]:
                 groups[self.function_scope(call)].append(call)
             for calls in groups.values():
                 calls.sort(key=pos)
-            self._memo["by_frame"] = groups
-        return self._memo["by_frame"].get(scope, [])
+            self.memo["by_frame"] = groups
+        return self.memo["by_frame"].get(scope, [])
 
     def backward_mentions(self, scope: ast.AST, name: str) -> bool:
         """A ``.backward()`` (or autograd.backward/grad) in ``scope`` is called on an
@@ -932,8 +997,8 @@ def version_guarded(f: FileAnalysis, node: ast.AST) -> bool:
 def dataloaders(f: FileAnalysis) -> list[tuple[ast.Call, list[ast.AST]]]:
     """Every DataLoader(...) call with the loops that iterate it: by the loader object the
     loop's iterable is known to be, or by the same variable / attribute name."""
-    if "loaders" in f._memo:
-        return f._memo["loaders"]
+    if "loaders" in f.memo:
+        return f.memo["loaders"]
     loops = f.nodes[ast.For] + f.nodes[ast.AsyncFor]
     out = []
     for call in f.nodes[ast.Call]:
@@ -950,7 +1015,7 @@ def dataloaders(f: FileAnalysis) -> list[tuple[ast.Call, list[ast.AST]]]:
             if it is call or (k is not None and k.cat == "loader" and k.ref is call) or dotted(it) in names:
                 found.append(loop)
         out.append((call, found))
-    f._memo["loaders"] = out
+    f.memo["loaders"] = out
     return out
 
 

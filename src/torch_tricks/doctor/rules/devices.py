@@ -58,7 +58,7 @@ def _device_work(f: FileAnalysis, call: ast.Call) -> bool:
     func = call.func
     q = f.qualname(func)
     if q is not None:
-        k = f._constructor_kind(q, call) if q.startswith("torch.") else None
+        k = f.constructor_kind(q, call) if q.startswith("torch.") else None
         return k is not None and k.cat == "tensor"
     if isinstance(func, ast.Attribute):
         if func.attr == "backward":
@@ -139,8 +139,9 @@ class DeviceMoveNotAssigned(StaticRule):
             m = call.func.attr
             if m not in MOVE_METHODS or (m == "type" and not call.args):
                 continue
-            k = f.kind(call.func.value)
-            if k is not None and k.cat == "tensor":
+            recv = call.func.value
+            k = f.kind(recv)
+            if (k is not None and k.cat == "tensor") or (k is None and isinstance(recv, ast.Name) and f.tensor_by_use(recv)):
                 recv = ast.unparse(call.func.value)
                 recv = recv if len(recv) <= 30 else "x"
                 yield call, (f"`{recv}.{m}()` returns a new tensor and the result is discarded: "

@@ -52,7 +52,15 @@ class EvalWithoutNoGrad(StaticRule):
                 lambda c: True)
             forwards = [c for c in calls if pos(call) < pos(c) < stop and ast.dump(c.func) == model and same(c)]
             uncovered = [c for c in forwards if not f.no_grad(c)]
-            if not uncovered or (scope, model) in reported:
+            if not uncovered and (scope, model) not in reported:
+                helper = _forward_in_helper(f, calls, call, stop, func.value)
+                if helper is not None:
+                    reported.add((scope, model))
+                    forward, name = helper
+                    yield forward, (f"forward pass in {name}() of the model that line {call.lineno} put in eval() "
+                                    f"mode, outside torch.no_grad()/inference_mode(): autograd still records the graph")
+                continue
+            if (scope, model) in reported:
                 continue
             if any(is_backward(c) or f.qualname(c.func) in ("torch.autograd.grad", "torch.autograd.backward") for c in calls):
                 continue  # gradients wanted (saliency, adversarial examples): no_grad would be wrong
@@ -64,6 +72,40 @@ class EvalWithoutNoGrad(StaticRule):
             name = ast.unparse(func.value)
             yield uncovered[0], (f"forward pass of `{name}` after {name}.eval() outside torch.no_grad()/inference_mode(): "
                                  f"autograd still records the graph")
+
+
+def _forward_in_helper(f: FileAnalysis, calls: list[ast.Call], eval_call: ast.Call, stop: tuple[int, int],
+                       model: ast.AST) -> tuple[ast.Call, str] | None:
+    """After ``model.eval()`` (and before ``stop``), a call of a plain function of this file
+    that is handed the model and runs its forward outside no_grad, with no backward and no
+    ``train()`` of its own: (that forward, the function's name). The call itself must not be
+    under no_grad either."""
+    spelled = ast.dump(model)
+    for c in calls:
+        if not (pos(eval_call) < pos(c) < stop and isinstance(c.func, ast.Name)) or f.no_grad(c):
+            continue
+        defs = f.plain_functions.get(c.func.id, [])
+        if len(defs) != 1 or c.func.id in f.aliases or not isinstance(defs[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        helper = defs[0]
+        params = [a.arg for a in helper.args.posonlyargs + helper.args.args]
+        given = [(params[i] if i < len(params) else None) for i, a in enumerate(c.args) if ast.dump(a) == spelled]
+        given += [kw.arg for kw in c.keywords if kw.arg is not None and ast.dump(kw.value) == spelled]
+        name = next((g for g in given if g is not None), None)
+        if name is None:
+            continue
+        inner = f.calls_in(helper)
+        if any(is_backward(x) or f.qualname(x.func) in ("torch.autograd.grad", "torch.autograd.backward")
+               or (isinstance(x.func, ast.Attribute) and x.func.attr == "train" and isinstance(x.func.value, ast.Name)
+                   and x.func.value.id == name) for x in inner):
+            continue
+        if any(b[1] != "param" for b in f.bindings.get(helper, {}).get(name, ())):
+            continue  # the name is rebound: not provably the model
+        forward = next((x for x in inner if isinstance(x.func, ast.Name) and x.func.id == name and not f.no_grad(x)),
+                       None)
+        if forward is not None and not _frozen(f, helper, ast.dump(ast.Name(id=name, ctx=ast.Load())), pos(forward)):
+            return forward, helper.name
+    return None
 
 
 def _frozen(f: FileAnalysis, scope: ast.AST, model: str, before: tuple[int, int]) -> bool:

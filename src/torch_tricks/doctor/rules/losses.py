@@ -177,14 +177,15 @@ def _detached(f: FileAnalysis, expr: ast.AST, depth: int = 0) -> bool:
 
 
 def _activation_losses(f: FileAnalysis) -> list[tuple[ast.Call, str, str]]:
-    """(loss call, loss type, activation of its input) for every cross-entropy / BCE call
+    """(loss call, loss type, activation of its input) for every cross-entropy / NLL / BCE call
     whose input is known to be a softmax, log_softmax or sigmoid output."""
-    if "act_losses" in f._memo:
-        return f._memo["act_losses"]
+    if "act_losses" in f.memo:
+        return f.memo["act_losses"]
     types = {"torch.nn.functional.cross_entropy": "ce", "torch.nn.CrossEntropyLoss": "ce",
              "torch.nn.functional.binary_cross_entropy": "bce", "torch.nn.BCELoss": "bce",
              "torch.nn.functional.binary_cross_entropy_with_logits": "bce_logits",
-             "torch.nn.BCEWithLogitsLoss": "bce_logits"}
+             "torch.nn.BCEWithLogitsLoss": "bce_logits",
+             "torch.nn.functional.nll_loss": "nll", "torch.nn.NLLLoss": "nll"}
     out = []
     for call in f.nodes[ast.Call]:
         q = f.qualname(call.func)
@@ -198,11 +199,11 @@ def _activation_losses(f: FileAnalysis) -> list[tuple[ast.Call, str, str]]:
         k = f.kind(inp) if inp is not None else None
         if k is not None and k.cat == "tensor" and k.detail in ACTS:
             out.append((call, loss, k.detail))
-    f._memo["act_losses"] = out
+    f.memo["act_losses"] = out
     return out
 
 
-_LOSS_NAMES = {"ce": "cross-entropy", "bce": "BCELoss", "bce_logits": "BCEWithLogitsLoss"}
+_LOSS_NAMES = {"ce": "cross-entropy", "bce": "BCELoss", "bce_logits": "BCEWithLogitsLoss", "nll": "NLLLoss"}
 
 
 @static_rule
@@ -232,18 +233,24 @@ class ActivationAppliedTwice(StaticRule):
     name = "activation-applied-twice"
     severity = "error"
     source = "X (log-softmax output fed to CrossEntropyLoss, and the other output/loss pairings)"
-    message = "probabilities fed to a loss that expects logits: the activation is applied twice"
+    message = "probabilities fed to a loss that expects logits (or log-probabilities): the activation is wrong"
     explanation = ("F.cross_entropy / nn.CrossEntropyLoss apply log_softmax to their input and "
                    "BCEWithLogitsLoss applies sigmoid. Fed probabilities (softmax or sigmoid output), they squash "
                    "them a second time: the loss can no longer approach 0, gradients shrink, and training is slow "
-                   "or stalls, with no error. Fix: pass the logits (the output before softmax/sigmoid) to the "
-                   "loss; apply softmax/sigmoid only to make predictions.")
+                   "or stalls, with no error. NLLLoss / F.nll_loss expect log-probabilities: fed softmax output, "
+                   "they minimise -p instead of -log p, a different and much weaker objective, again with no "
+                   "error. Fix: pass the logits (the output before softmax/sigmoid) to cross-entropy or "
+                   "BCEWithLogitsLoss, or use log_softmax before NLLLoss; apply softmax/sigmoid only to make "
+                   "predictions.")
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for call, loss, act in _activation_losses(f):
             if (loss, act) in (("ce", "softmax"), ("bce_logits", "sigmoid")):
                 yield call, (f"{act} output fed to {_LOSS_NAMES[loss]}, which applies "
                              f"{'log_softmax' if loss == 'ce' else 'sigmoid'} itself: pass the logits")
+            elif (loss, act) == ("nll", "softmax"):
+                yield call, ("softmax output fed to NLLLoss, which expects log-probabilities: use log_softmax, or "
+                             "cross-entropy on the logits")
 
 
 @static_rule

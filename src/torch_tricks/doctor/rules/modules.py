@@ -310,7 +310,7 @@ class InplaceOnExpandedView(StaticRule):
             return None
 
         for scope, table in f.bindings.items():
-            frame = f._function_scope(scope)
+            frame = f.frame_of(scope)
             for name, binds in table.items():
                 for i, b in enumerate(binds):
                     if b[1] != "value" or b[3] or not is_expand(b[2]):
