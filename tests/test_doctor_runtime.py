@@ -99,7 +99,7 @@ IMG = lambda n=8: torch.randn(n, 3, 8, 8)  # noqa: E731
 
 def test_rules_are_registered_with_sources_and_fixes():
     ids = [r.id for r in runtime.RULES]
-    assert ids == [f"TT2{i:02d}" for i in range(1, 14)]
+    assert ids == [f"TT2{i:02d}" for i in range(1, 15)]
     for r in runtime.RULES:
         assert r.kind == "runtime"
         assert re.match(r"^[A-Z]\d*", r.source) and "seeds/" in r.source, r.id
@@ -686,3 +686,45 @@ def test_a_transformers_model_with_named_inputs():
     assert report.completed and report.loss_fn == "cross-entropy"
     assert report.outputs.startswith("(8, 12, 100) float32")
     assert rules_of(report, "TT207") == [] and rules_of(report, "TT210") == []
+
+
+# -- target broadcasting (TT214) ------------------------------------------------------------------
+
+class Regressor(nn.Module):
+    """One output per sample: (N, 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_a_target_that_broadcasts_against_the_prediction_is_reported():
+    report = check(Regressor(), X16(), "mse", target=torch.randn(8))
+    found = rules_of(report, "TT214")
+    assert [f.path for f in found] == ["(loss)"] and found[0].severity == "error"
+    assert found[0].extra == {"prediction": [8, 1], "target": [8], "broadcast": [8, 8]}
+    assert "(8, 8)" in found[0].message
+    assert report.completed
+
+
+def test_a_target_of_the_prediction_shape_is_not_reported():
+    assert rules_of(check(Regressor(), X16(), "mse", target=torch.randn(8, 1)), "TT214") == []
+    assert rules_of(check(Regressor(), X16(), nn.L1Loss(), target=torch.randn(8, 1)), "TT214") == []
+    assert rules_of(check(MLP(), X16(), nn.MSELoss()), "TT214") == []  # generated target: the output's shape
+
+
+def test_target_broadcast_seen_through_a_loss_function_and_other_warnings_pass_through():
+    def loss_fn(out, target):
+        warnings.warn("a warning of the caller's own", UserWarning)
+        return F.smooth_l1_loss(out, target)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = check(Regressor(), X16(), loss_fn, target=torch.randn(8))
+    assert [f.path for f in rules_of(report, "TT214")] == ["(loss)"]
+    messages = [str(w.message) for w in caught]
+    assert "a warning of the caller's own" in messages
+    assert not any("target size" in m for m in messages)  # reported as a finding instead

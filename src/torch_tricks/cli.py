@@ -177,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--format", dest="fmt", choices=["text", "json", "sarif"], default="text",
                     help="text (default), json, or sarif (SARIF 2.1.0, for code scanning in CI)")
     sp.add_argument("--json", action="store_true", help="same as --format json")
+    sp.add_argument("--fix", action="store_true",
+                    help="rewrite the findings whose fix is mechanical (TT102, TT108-TT111, TT113, TT118) in place, "
+                         "then report what is left")
+    sp.add_argument("--diff", action="store_true",
+                    help="print the unified diff --fix would apply and write nothing (exit 1 if there is "
+                         "anything to fix)")
     g = sp.add_argument_group("runtime check (--model)")
     g.add_argument("--model", help="built-in model name or package.module:factory: run training steps on it "
                                    "instead of linting files")
@@ -591,6 +597,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.json and args.fmt == "sarif":
         raise UserError("--json and --format sarif: choose one")
     select, ignore = _rule_codes(args.select, "--select"), _rule_codes(args.ignore, "--ignore")
+    if args.fix or args.diff:
+        flag = "--fix" if args.fix else "--diff"
+        if args.fix and args.diff:
+            raise UserError("--fix and --diff: choose one (--diff shows what --fix would write)")
+        if args.model or fmt == "sarif":
+            raise UserError(f"{flag} works on the files given as PATH...: not with "
+                            f"{'--model' if args.model else '--format sarif'}")
     if args.list or args.explain:
         if args.paths or args.model or (args.list and args.explain):
             raise UserError("--list and --explain ID stand alone: run them without PATH or --model")
@@ -643,7 +656,24 @@ def _doctor_paths(args: argparse.Namespace, fmt: str, select, ignore) -> int:
     for p in args.paths:
         config = load_config(p)
         groups.setdefault(config.path, (config, []))[1].append(p)
-    findings, unreadable, files, seconds, code = [], [], 0, 0.0, 0
+    failed: list = []  # files --fix could not write
+    if args.fix or args.diff:
+        from torch_tricks.doctor.fix import fix_paths
+
+        fixed = [ff for config, paths in groups.values()
+                 for ff in fix_paths(paths, select=select, ignore=ignore, config=config, write=args.fix)]
+        if args.diff:
+            return _doctor_diff(fixed, fmt)
+        failed = [ff for ff in fixed if ff.error and not ff.unreadable]
+        for ff in fixed:  # a file that cannot be read or parsed is reported by the lint below
+            if ff in failed:
+                print(f"{ff.path}: not fixed: {ff.error}", file=sys.stderr)
+            elif ff.fixed or ff.unfixed:
+                print(f"{ff.path}: {_fixes_count(ff.fixed)} applied"
+                      + (f", {len(ff.unfixed)} not fixable there" if ff.unfixed else ""), file=sys.stderr)
+        print(f"{_fixes_count(sum(ff.fixed for ff in fixed if ff.written))} applied to "
+              f"{sum(ff.written for ff in fixed)} file(s)", file=sys.stderr)
+    findings, unreadable, files, seconds, code = [], [], 0, 0.0, int(bool(failed))
     for config, paths in groups.values():
         result = lint_paths(paths, select=select, ignore=ignore, config=config)
         findings += result.findings
@@ -669,6 +699,29 @@ def _doctor_paths(args: argparse.Namespace, fmt: str, select, ignore) -> int:
             print(f"{path}: not linted: {reason}", file=sys.stderr)
         print(f"{_findings_count(findings) or 'no findings'} in {files} file(s), {seconds:.2f} s"
               + (f"; {len(unreadable)} file(s) could not be read or parsed" if unreadable else ""), file=sys.stderr)
+    return code
+
+
+def _fixes_count(n: int) -> str:
+    return f"{n} fix{'es' if n != 1 else ''}"
+
+
+def _doctor_diff(fixed: list, fmt: str) -> int:
+    """--diff: what --fix would change, written nowhere. Exit 1 if anything would change or a file
+    could not be fixed (read, parsed), else 0."""
+    code = int(any(ff.diff or ff.error for ff in fixed))
+    if fmt == "json":
+        print(json.dumps({"files": [ff.as_dict() for ff in fixed], "fixes": sum(ff.fixed for ff in fixed),
+                          "exit_code": code}, indent=2, ensure_ascii=False))
+        return code
+    for ff in fixed:
+        sys.stdout.write(ff.diff)
+    for ff in fixed:
+        if ff.error:
+            print(f"{ff.path}: not fixed: {ff.error}", file=sys.stderr)
+    changed = sum(bool(ff.diff) for ff in fixed)
+    print(f"{_fixes_count(sum(ff.fixed for ff in fixed))} would be applied to {changed} file(s)"
+          if changed else "nothing to fix", file=sys.stderr)
     return code
 
 

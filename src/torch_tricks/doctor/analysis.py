@@ -67,6 +67,11 @@ STATELESS_MODULES = frozenset("torch.nn." + n for n in """ReLU ReLU6 LeakyReLU G
     AdaptiveMaxPool1d AdaptiveMaxPool2d AdaptiveMaxPool3d LPPool1d LPPool2d Upsample UpsamplingNearest2d
     UpsamplingBilinear2d PixelShuffle PixelUnshuffle ChannelShuffle ZeroPad2d ConstantPad1d ConstantPad2d
     ConstantPad3d ReflectionPad1d ReflectionPad2d ReplicationPad1d ReplicationPad2d""".split())
+PARAMETER_FREE_MODULES = STATELESS_MODULES | frozenset("torch.nn." + n for n in """Dropout Dropout1d Dropout2d
+    Dropout3d AlphaDropout FeatureAlphaDropout""".split())
+# Layers of other libraries that hold no parameters, recognised by their class name (timm's DropPath and
+# DropBlock2d, torchvision's StochasticDepth): calling one records no graph worth a no_grad.
+PARAMETER_FREE_NAME = re.compile(r"^(Drop\w*|\w*Dropout\w*|StochasticDepth|Identity)$")
 RNN_MODULES = frozenset({"torch.nn.RNN", "torch.nn.LSTM", "torch.nn.GRU"})
 CONTAINERS = frozenset({"torch.nn.ModuleList", "torch.nn.ModuleDict", "torch.nn.Sequential",
                         "torch.nn.ParameterList", "torch.nn.ParameterDict"})
@@ -816,6 +821,13 @@ class FileAnalysis:
             flag = kwarg(call, "mode", 0)
             if isinstance(flag, ast.Constant) and isinstance(flag.value, bool):
                 return "on" if flag.value else "off"
+        if q is None or not q.startswith("torch."):
+            # A project's own wrapper (YOLOv5's @smart_inference_mode(), a no_grad_if_eval helper) says
+            # what it does in its name; the rules would otherwise see a training forward.
+            spelled = dotted(call.func if call is not None else expr)
+            last = spelled.rsplit(".", 1)[-1].lower() if spelled else ""
+            if "inference_mode" in last or "no_grad" in last:
+                return "off"
         return None
 
     def no_grad(self, node: ast.AST) -> bool:
@@ -1069,3 +1081,38 @@ def looks_like_model(f: FileAnalysis, node: ast.AST) -> bool:
         return k.cat == "module" or (k.cat == "self" and f.is_module_class(k.ref))
     b = f.lookup(node) if isinstance(node, ast.Name) else None  # a model passed in, or a name that says so
     return (b is not None and b[1] == "param") or (isinstance(node, ast.Name) and "model" in node.id.lower())
+
+
+# ---- evidence for the step rules (TT126-TT132)
+
+
+def _branch_label(anc: ast.AST, child: ast.AST) -> object:
+    """Which branch of the ``if``/``try`` ``anc`` holds ``child``: "body", "orelse", a handler;
+    "test" or "final" for parts that run whichever branch is taken."""
+    if isinstance(anc, (ast.If, ast.IfExp)):
+        if child is anc.test:
+            return "test"
+        if child is anc.body or (isinstance(anc.body, list) and child in anc.body):
+            return "body"
+        return "orelse"
+    if child in anc.finalbody:
+        return "final"
+    if child in anc.handlers:
+        return anc.handlers.index(child)
+    return "body"  # the try body and its else run together
+
+
+def exclusive_branches(f: FileAnalysis, a: ast.AST, b: ast.AST) -> bool:
+    """``a`` and ``b`` never run in the same pass: they lie in different branches of one ``if``
+    (or conditional expression), or in a ``try`` body and one of its handlers (or two handlers)."""
+    def labels(node: ast.AST) -> dict:
+        out, child = {}, node
+        for anc in f.ancestors(node):
+            if isinstance(anc, (ast.If, ast.IfExp, ast.Try, getattr(ast, "TryStar", ast.Try))):
+                out[anc] = _branch_label(anc, child)
+            child = anc
+        return out
+
+    la, lb = labels(a), labels(b)
+    return any(anc in lb and label not in ("test", "final") and lb[anc] not in ("test", "final") and label != lb[anc]
+               for anc, label in la.items())

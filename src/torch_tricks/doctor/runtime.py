@@ -33,6 +33,8 @@ import copy
 import functools
 import inspect
 import math
+import re
+import warnings
 from collections import deque
 from dataclasses import dataclass, field, fields
 from itertools import chain
@@ -47,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch_tricks.doctor.registry import Finding, Rule, severity_rank
 from torch_tricks.doctor.rules.runtime import (  # noqa: F401  (declared apart: no torch needed to list them)
     MIN_BN_BATCH, UNUSED_PARAMS, DECAY_ON_NO_DECAY, UNREGISTERED, BN_SMALL_BATCH, INPLACE, DIMS, LOSS_PAIRING,
-    MODE_MISMATCH, RANDOM_IN_EVAL, NON_FINITE, MEMORY_GROWTH, COUPLED_L2, NOT_OPTIMIZED, RULES,
+    MODE_MISMATCH, RANDOM_IN_EVAL, NON_FINITE, MEMORY_GROWTH, COUPLED_L2, NOT_OPTIMIZED, TARGET_BROADCAST, RULES,
 )
 from torch_tricks.errors import UserError
 from torch_tricks.inspect.inputs import call_model, describe_inputs, input_tensors, normalize_inputs
@@ -329,8 +331,11 @@ class _Checker:
             takes_target = _takes_target(fn)
             if takes_target and self.target is None and first:
                 self.target, self.target_note = _make_target(fn, out)
+            caught: list[warnings.WarningMessage] = []
             try:
-                loss = fn(out, self.target) if takes_target else fn(out)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    loss = fn(out, self.target) if takes_target else fn(out)
             except (_LossAbort, UserError):
                 raise
             except Exception as exc:
@@ -340,6 +345,8 @@ class _Checker:
                     f"loss_fn failed on output {describe_inputs(_tensors(out))} and target {given} "
                     f"({self.target_note or 'none'}): {_first_line(exc)}; {hint}"
                 ) from None
+            finally:
+                self._loss_warnings(caught, first)
         if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
             raise UserError(
                 f"loss_fn returned {type(loss).__name__}, not a floating-point tensor: return the loss tensor"
@@ -349,6 +356,27 @@ class _Checker:
                 self.report.notes.append(f"loss_fn returned shape {tuple(loss.shape)}: the check used its mean")
             loss = loss.mean()
         return loss.reshape(())
+
+    def _loss_warnings(self, caught: list[warnings.WarningMessage], first: bool) -> None:
+        """Turn torch's "target size different to the input size" warning into a TT214 finding (the
+        first step's, once); re-issue every other warning the loss call raised to the caller's filters."""
+        for w in caught:
+            shapes = _broadcast_shapes(str(w.message))
+            reported = any(f.rule == TARGET_BROADCAST.id for f in self.findings)
+            if shapes is None or (not reported and not (first and shapes[2] not in (None, shapes[0]))):
+                # not ours, or a target repeated along the prediction's dims (or not broadcastable): torch's word
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+                continue
+            prediction, target, broadcast = shapes
+            if reported:
+                continue  # said once, as a finding
+            self.findings.append(_finding(
+                TARGET_BROADCAST, "(loss)",
+                f"{self.report.loss_fn or 'the loss'} compares a prediction of shape {prediction} with a target of "
+                f"shape {target}: they broadcast to {broadcast}, so each prediction is compared with every "
+                f"target; make the shapes equal (output.squeeze(-1) or target.view_as(output))",
+                prediction=list(prediction), target=list(target), broadcast=list(broadcast),
+            ))
 
     def _named_loss(self, out: Any) -> Callable[..., torch.Tensor] | None:
         """The torch loss of ``self.loss_kind`` for this output (see :data:`LOSS_KINDS`); makes
@@ -1175,6 +1203,24 @@ class _forked_rng:
 _CLASS_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss, nn.MultiMarginLoss, F.cross_entropy, F.nll_loss)
 _BINARY_LOSSES = (nn.BCELoss, nn.BCEWithLogitsLoss, nn.MultiLabelSoftMarginLoss,
                   F.binary_cross_entropy, F.binary_cross_entropy_with_logits)
+
+
+_SIZES = re.compile(r"target size \(torch\.Size\(\[([\d, ]*)\]\)\) that is different to the input size "
+                    r"\(torch\.Size\(\[([\d, ]*)\]\)\)")
+
+
+def _broadcast_shapes(message: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...] | None] | None:
+    """(prediction, target, broadcast shape or None) from torch's "Using a target size ... that is
+    different to the input size ..." warning of the elementwise losses; None for any other message."""
+    m = _SIZES.search(message)
+    if m is None:
+        return None
+    target, prediction = (tuple(int(d) for d in g.split(",") if d.strip()) for g in m.groups())
+    try:
+        broadcast = tuple(torch.broadcast_shapes(prediction, target))
+    except RuntimeError:
+        broadcast = None  # not broadcastable: the loss raises, its error says so
+    return prediction, target, broadcast
 
 
 def _loss_kind(fn: Any) -> str | None:

@@ -25,4 +25,4 @@ def fit(model, dataset):
     for epoch in range(3):
         for x, y in make_loader(dataset):
             model(x).sum().backward()
-            opt.step()
+            opt.step()  # expect: TT126

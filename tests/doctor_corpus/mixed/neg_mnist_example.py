@@ -27,7 +27,7 @@ class Net(nn.Module):
 def train(model, device, train_loader, optimizer):
     model.train()
     criterion = nn.CrossEntropyLoss()
-    epoch_loss = 0.0
+    epoch_loss = torch.zeros((), device=device)
     for batch_idx, (data, target) in enumerate(train_loader):
         data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
         optimizer.zero_grad()
@@ -35,8 +35,8 @@ def train(model, device, train_loader, optimizer):
         loss = criterion(output, target)
         loss.backward()
         optimizer.step()
-        epoch_loss += loss.item()
-    return epoch_loss
+        epoch_loss += loss.detach()  # summed on the device: no host sync per step
+    return epoch_loss.item()
 
 
 @torch.no_grad()

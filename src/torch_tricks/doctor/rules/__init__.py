@@ -1,12 +1,16 @@
 """Every rule the doctor knows, one module per family; importing this package registers them.
 
 Static families (read with :mod:`ast`, no torch): :mod:`.modules` (how a model is written),
-:mod:`.losses`, :mod:`.serialization`, :mod:`.devices` (devices and timing),
-:mod:`.determinism`, :mod:`.data` (feeding the loop), :mod:`.loop` (the training loop).
+:mod:`.losses`, :mod:`.serialization` (saving and loading), :mod:`.devices` (devices and timing),
+:mod:`.determinism`, :mod:`.data` (feeding the loop), :mod:`.loop` (the training loop),
+:mod:`.steps` (the optimizer step: zero_grad, clipping, per-step syncs), :mod:`.export`
+(tracing and exporting a model).
 :mod:`.runtime` declares the ``TT2xx`` rules that :mod:`torch_tricks.doctor.runtime` finds by
 running a model; it is declared apart so that listing them needs no torch.
 """
 
-from torch_tricks.doctor.rules import data, determinism, devices, loop, losses, modules, runtime, serialization
+from torch_tricks.doctor.rules import (data, determinism, devices, export, loop, losses, modules, runtime,
+                                       serialization, steps)
 
-__all__ = ["data", "determinism", "devices", "loop", "losses", "modules", "runtime", "serialization"]
+__all__ = ["data", "determinism", "devices", "export", "loop", "losses", "modules", "runtime", "serialization",
+           "steps"]

@@ -1,5 +1,6 @@
 """Rules about feeding the loop: DataLoader without pinned memory or workers where the
-file shows they would help, a DistributedSampler that never hears the epoch.
+file shows they would help, a DistributedSampler that never hears the epoch, a Dataset
+that does CUDA work in the loader's worker processes.
 """
 
 from __future__ import annotations
@@ -7,8 +8,8 @@ from __future__ import annotations
 import ast
 from typing import Iterator
 
-from torch_tricks.doctor.analysis import (FileAnalysis, LOOPS, dataloaders, is_backward, kwarg, moves_batch_to_cuda,
-                                          number, walk_local)
+from torch_tricks.doctor.analysis import (FileAnalysis, LOOPS, dataloaders, is_backward, is_cuda_device, kwarg,
+                                          moves_batch_to_cuda, number, walk_local)
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 
@@ -117,3 +118,104 @@ class DistributedSamplerWithoutSetEpoch(StaticRule):
                     isinstance(shuffle, ast.Constant) and shuffle.value is False):
                 continue
             yield call, self.message
+
+
+_DATASET_BASES = frozenset({"torch.utils.data.Dataset", "torch.utils.data.IterableDataset",
+                            "torch.utils.data.dataset.Dataset", "torch.utils.data.dataset.IterableDataset"})
+_SAMPLE_METHODS = ("__getitem__", "__getitems__", "__iter__")
+
+
+def _is_dataset_class(f: FileAnalysis, cls: ast.ClassDef, seen: frozenset = frozenset()) -> bool:
+    if any(f.qualname(b) in _DATASET_BASES for b in cls.bases):
+        return True
+    return any(base not in seen and _is_dataset_class(f, base, seen | {cls}) for base in f.local_bases(cls))
+
+
+def _self_device_is_cuda(f: FileAnalysis, cls: ast.ClassDef, node: ast.AST) -> bool | None:
+    """For ``self.<attr>`` in a method of ``cls``: True/False when the values the class assigns to that
+    attribute spell a device (``"cuda"``, ``"cpu"``); None when they do not say."""
+    if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+        return None
+    strings = [n.value for value, _, _ in f.self_attrs.get(cls, {}).get(node.attr, ())
+               for n in ast.walk(value) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    return any(s.startswith("cuda") for s in strings) if strings else None
+
+
+def _cuda_work(f: FileAnalysis, cls: ast.ClassDef, method: ast.AST) -> ast.Call | None:
+    """The first call in ``method`` that puts data on a CUDA device: ``.cuda()``, ``.to(<cuda device>)``,
+    a torch factory with ``device=<cuda device>``, a ``torch.cuda.*Tensor``."""
+    def cuda_device(node: ast.AST) -> bool:
+        said = _self_device_is_cuda(f, cls, node)
+        return said if said is not None else is_cuda_device(f, node)
+
+    for node in walk_local(method):
+        if not isinstance(node, ast.Call):
+            continue
+        func, q = node.func, f.qualname(node.func) or ""
+        if q.startswith("torch.cuda.") and q.rsplit(".", 1)[-1].endswith("Tensor"):
+            return node
+        if isinstance(func, ast.Attribute) and not q:
+            if func.attr == "cuda":
+                return node
+            if func.attr == "to":
+                device = kwarg(node, "device", 0)
+                if device is not None and cuda_device(device):
+                    return node
+        if q.startswith("torch."):
+            device = kwarg(node, "device")
+            if device is not None and cuda_device(device):
+                return node
+    return None
+
+
+def _loader_of(f: FileAnalysis, cls: ast.ClassDef) -> ast.Call | None:
+    """A DataLoader of this file over an instance of ``cls`` with worker processes (num_workers a
+    positive literal or a value the file does not fix)."""
+    for call, _ in dataloaders(f):
+        if any(kw.arg is None for kw in call.keywords):
+            continue
+        workers = kwarg(call, "num_workers", 5)
+        if workers is None or number(workers) == 0 or (isinstance(workers, ast.Constant) and not workers.value):
+            continue
+        for expr in _dataset_exprs(f, call):
+            if isinstance(expr, ast.Call):
+                k = f.kind(expr.func)
+                if k is not None and k.cat == "class" and k.ref is cls:
+                    return call
+    return None
+
+
+@static_rule
+class CudaInDatasetGetitem(StaticRule):
+    id = "TT129"
+    name = "cuda-in-dataset-getitem"
+    severity = "error"
+    source = ("D8, T5; seeds/003 pytorch训练数据准备 §1 (DataLoader, num_workers) and §4 "
+              "(如何加速训练数据准备并载入GPU训练); seeds/001 0x02 读取数据并行操作")
+    message = ("CUDA work in a Dataset's __getitem__/__iter__ that a DataLoader runs in worker processes: "
+               "'Cannot re-initialize CUDA in forked subprocess', or one CUDA context per worker")
+    explanation = ("With num_workers > 0 the DataLoader calls __getitem__ (or __iter__) in worker processes. "
+                   "Under the default fork start method, a worker that touches CUDA after the parent has "
+                   "initialised it raises 'Cannot re-initialize CUDA in forked subprocess'; under spawn each "
+                   "worker creates its own CUDA context (hundreds of MB of GPU memory each) and sends CUDA "
+                   "tensors back through IPC, which PyTorch advises against. Fix: return CPU tensors from the "
+                   "dataset, DataLoader(..., pin_memory=True), and move the batch in the training loop with "
+                   "batch.to(device, non_blocking=True); GPU augmentation belongs on the batch, after the loader.")
+
+    def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
+        for cls in f.classes.values():
+            if not _is_dataset_class(f, cls):
+                continue
+            for name in _SAMPLE_METHODS:
+                method = f.method(cls, name)
+                work = _cuda_work(f, cls, method) if method is not None else None
+                if work is None:
+                    continue
+                loader = _loader_of(f, cls)
+                if loader is not None:
+                    workers = ast.unparse(kwarg(loader, "num_workers", 5))
+                    yield work, (f"`{ast.unparse(work)}` in {cls.name}.{name}, which the DataLoader on line "
+                                 f"{loader.lineno} runs in worker processes (num_workers={workers}): CUDA in a forked "
+                                 f"worker fails ('Cannot re-initialize CUDA in forked subprocess'); return CPU tensors "
+                                 f"and move the batch in the loop")
+                break

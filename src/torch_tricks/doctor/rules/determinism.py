@@ -1,4 +1,5 @@
-"""Rules about reproducibility: the removed ``torch.set_deterministic`` and its relatives.
+"""Rules about reproducibility: the removed ``torch.set_deterministic`` and its relatives,
+``cudnn.benchmark`` switched on next to a request for determinism.
 """
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import ast
 from typing import Iterator
 
-from torch_tricks.doctor.analysis import FileAnalysis, version_guarded
+from torch_tricks.doctor.analysis import FileAnalysis, exclusive_branches, kwarg, pos, version_guarded
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 
@@ -35,3 +36,64 @@ class SetDeterministicRemoved(StaticRule):
                     if f"torch.{alias.name}" in removed:
                         new = removed["torch." + alias.name]
                         yield node, f"torch.{alias.name} no longer exists (ImportError): use {new}"
+
+
+_BENCHMARK = "torch.backends.cudnn.benchmark"
+
+
+def _literal(node: ast.AST | None, value: bool) -> bool:
+    return isinstance(node, ast.Constant) and node.value is value
+
+
+def _flag_sets(f: FileAnalysis, name: str) -> list[ast.Assign]:
+    return [a for a in f.nodes[ast.Assign] if any(f.qualname(t) == name for t in a.targets)]
+
+
+def _anchors(f: FileAnalysis, node: ast.AST) -> list[tuple[ast.AST, ast.AST]]:
+    """(frame, node in that frame) where ``node`` runs: its own frame, and the frames that call its
+    function by name (one level up), at the call."""
+    frame = f.function_scope(node)
+    out = [(frame, node)]
+    if isinstance(frame, (ast.FunctionDef, ast.AsyncFunctionDef)) and not isinstance(f.parent.get(frame), ast.ClassDef):
+        out += [(f.function_scope(c), c) for c in f.calls_by_name.get(frame.name, [])]
+    return out
+
+
+@static_rule
+class CudnnBenchmarkWithDeterminism(StaticRule):
+    id = "TT132"
+    name = "cudnn-benchmark-with-determinism"
+    severity = "warning"
+    source = ("T2, T17; seeds/000 其他技巧·重现 设置随机数种子 (torch.backends.cudnn.benchmark = False 与 "
+              "deterministic = True 一起); seeds/002 其他技巧·重现; seeds/000 代码层面 (cudnn.benchmark = True)")
+    message = ("torch.backends.cudnn.benchmark = True where the code also asks for determinism: benchmarking picks "
+               "convolution algorithms by timing, so runs differ; set benchmark = False for reproducible runs")
+    explanation = ("With cudnn.benchmark = True, cuDNN times several convolution algorithms on the first batch of "
+                   "each shape and keeps the fastest. Which one wins depends on timing noise and the GPU's load, "
+                   "so two runs can use different algorithms and get different floating-point results, even with "
+                   "cudnn.deterministic = True or torch.use_deterministic_algorithms(True) (those only exclude "
+                   "nondeterministic algorithms). Asking for both is a contradiction, usually a seeding helper "
+                   "copied next to a speed tip. Fix: for reproducible runs set "
+                   "torch.backends.cudnn.benchmark = False (the seeds' seed_torch does); keep benchmark = True only "
+                   "where determinism is not wanted, e.g. `benchmark = not args.deterministic`.")
+
+    def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
+        benchmarks = _flag_sets(f, _BENCHMARK)
+        switched_on = [a for a in benchmarks if _literal(a.value, True)]
+        if not switched_on:
+            return
+        wants = [a for a in _flag_sets(f, "torch.backends.cudnn.deterministic") if _literal(a.value, True)]
+        wants += [c for c in f.nodes[ast.Call] if f.qualname(c.func) == "torch.use_deterministic_algorithms"
+                  and _literal(kwarg(c, "mode", 0), True)]
+        for on in switched_on:
+            frame = f.function_scope(on)
+            if any(a is not on and pos(a) > pos(on) and f.function_scope(a) is frame and not _literal(a.value, True)
+                   and not exclusive_branches(f, a, on) for a in benchmarks):
+                continue  # switched off again after
+            for want in wants:
+                if any(fb is fd and not exclusive_branches(f, nb, nd)
+                       for fb, nb in _anchors(f, on) for fd, nd in _anchors(f, want)):
+                    yield on, (f"cudnn.benchmark = True while line {want.lineno} asks for determinism: benchmarking "
+                               f"picks algorithms by timing, so runs differ; set benchmark = False for reproducible "
+                               f"runs")
+                    break

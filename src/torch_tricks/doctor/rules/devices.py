@@ -64,7 +64,10 @@ def _device_work(f: FileAnalysis, call: ast.Call) -> bool:
         if func.attr == "backward":
             return True
         k = f.kind(func.value)
-        return k is not None and k.cat == "tensor" and func.attr not in NON_TENSOR_METHODS
+        # A copy or conversion of the batch (.to(device), .cuda(), .contiguous(memory_format=...)) is data
+        # preparation, not the timed work; a blocking copy waits for the stream anyway.
+        return (k is not None and k.cat == "tensor" and func.attr not in NON_TENSOR_METHODS
+                and func.attr not in MOVE_METHODS and func.attr != "contiguous")
     k = f.kind(func)
     return k is not None and (k.cat in ("module", "lossfn") or (k.cat == "self" and f.is_module_class(k.ref)))
 

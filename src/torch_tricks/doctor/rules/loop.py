@@ -8,8 +8,9 @@ from __future__ import annotations
 import ast
 from typing import Iterator
 
-from torch_tricks.doctor.analysis import (FileAnalysis, LOOPS, NOWHERE, ancestors_until, dotted, is_backward,
-                                          kwarg, looks_like_model, number, optimizer_step, pos, walk_local)
+from torch_tricks.doctor.analysis import (LOOPS, NOWHERE, PARAMETER_FREE_MODULES, PARAMETER_FREE_NAME, FileAnalysis,
+                                          ancestors_until, dotted, is_backward, kwarg, looks_like_model, number,
+                                          optimizer_step, pos, walk_local)
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 
@@ -41,6 +42,8 @@ class EvalWithoutNoGrad(StaticRule):
             k = f.kind(func.value)
             if k is not None and not (k.cat == "module" or (k.cat == "self" and f.is_module_class(k.ref))):
                 continue
+            if _parameter_free(f, func.value, k):
+                continue  # Dropout, DropPath, an activation: no parameter, so autograd records nothing
             scope = f.function_scope(call)
             model = ast.dump(func.value)
             calls = f.calls_in(scope)
@@ -72,6 +75,18 @@ class EvalWithoutNoGrad(StaticRule):
             name = ast.unparse(func.value)
             yield uncovered[0], (f"forward pass of `{name}` after {name}.eval() outside torch.no_grad()/inference_mode(): "
                                  f"autograd still records the graph")
+
+
+def _parameter_free(f: FileAnalysis, model: ast.AST, k) -> bool:
+    """``model`` is a layer without parameters: a torch one by its kind, another library's by the name
+    of the class it was built from (``drop = DropPath(0.1)``)."""
+    if k is not None:
+        return k.cat == "module" and k.detail in PARAMETER_FREE_MODULES
+    value = f.binding_value(model) if isinstance(model, ast.Name) else None
+    if isinstance(value, ast.Call):
+        callee = dotted(value.func)
+        return callee is not None and PARAMETER_FREE_NAME.match(callee.rsplit(".", 1)[-1]) is not None
+    return False
 
 
 def _forward_in_helper(f: FileAnalysis, calls: list[ast.Call], eval_call: ast.Call, stop: tuple[int, int],

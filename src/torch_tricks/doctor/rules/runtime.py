@@ -11,7 +11,7 @@ from torch_tricks.doctor.registry import Rule, register_rule
 
 __all__ = ["MIN_BN_BATCH", "RULES", "UNUSED_PARAMS", "DECAY_ON_NO_DECAY", "UNREGISTERED", "BN_SMALL_BATCH", "INPLACE",
            "DIMS", "LOSS_PAIRING", "MODE_MISMATCH", "RANDOM_IN_EVAL", "NON_FINITE", "MEMORY_GROWTH", "COUPLED_L2",
-           "NOT_OPTIMIZED"]
+           "NOT_OPTIMIZED", "TARGET_BROADCAST"]
 
 #: Per-device batch below which BatchNorm statistics are too noisy (seeds/001).
 MIN_BN_BATCH = 8
@@ -170,8 +170,21 @@ NOT_OPTIMIZED = _rule(
     "T14; seeds/003 Pytorch 使用陷阱 4 (暂时不需要更新的权值,一定不要传递给Optimizer)",
 )
 
+TARGET_BROADCAST = _rule(
+    "TT214", "target-broadcast", "error",
+    "the loss's target has a different shape from the prediction and broadcasts against it",
+    "Elementwise losses (MSELoss, L1Loss, SmoothL1Loss, HuberLoss, BCELoss ...) compare prediction "
+    "and target element by element after broadcasting them to one shape. A prediction of shape "
+    "(N, 1) against a target of shape (N,) broadcasts to (N, N): every prediction is compared with "
+    "every target, the loss is a number but a meaningless one, and the model learns to predict the "
+    "mean. torch only warns ('Using a target size ... that is different to the input size'). Fix: "
+    "make the shapes equal: output.squeeze(-1) or target.unsqueeze(-1) (or target.view_as(output)).",
+    "X; seeds/003 Tensor的操作 7 (损失函数: 输入和target的大小都是NxCxWxH, the loss is taken element by "
+    "element); seeds/004 模型设计 激活函数和损失函数 (输出层与损失函数需要配套)",
+)
+
 #: Every runtime rule, by id.
 RULES: tuple[Rule, ...] = (
     UNUSED_PARAMS, DECAY_ON_NO_DECAY, UNREGISTERED, BN_SMALL_BATCH, INPLACE, DIMS, LOSS_PAIRING,
-    MODE_MISMATCH, RANDOM_IN_EVAL, NON_FINITE, MEMORY_GROWTH, COUPLED_L2, NOT_OPTIMIZED,
+    MODE_MISMATCH, RANDOM_IN_EVAL, NON_FINITE, MEMORY_GROWTH, COUPLED_L2, NOT_OPTIMIZED, TARGET_BROADCAST,
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from typing import Iterator
 
-from torch_tricks.doctor.analysis import FileAnalysis, kwarg, pos
+from torch_tricks.doctor.analysis import MODULE_ONLY_METHODS, FileAnalysis, kwarg, pos
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 
@@ -32,8 +32,17 @@ class TorchLoadWithoutMapLocation(StaticRule):
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for call in _torch_loads(f):
-            if kwarg(call, "map_location", 1) is None and not _holds_numpy(f, call):
+            if kwarg(call, "map_location", 1) is None and not _holds_numpy(f, call) and not _in_memory(f, call):
                 yield call, self.message
+
+
+def _in_memory(f: FileAnalysis, call: ast.Call) -> bool:
+    """``torch.load`` reads an ``io.BytesIO`` buffer (a broadcast object, bytes from a worker): written by
+    ``torch.save`` in the same job, whose devices are kept on purpose; no file moves between machines."""
+    src = kwarg(call, "f", 0)
+    if isinstance(src, ast.Name):
+        src = f.binding_value(src)
+    return isinstance(src, ast.Call) and f.qualname(src.func) == "io.BytesIO"
 
 
 def _holds_numpy(f: FileAnalysis, call: ast.Call) -> bool:
@@ -95,4 +104,57 @@ def _weights_only_meant(f: FileAnalysis, call: ast.Call) -> bool:
         if isinstance(anc, ast.If) and child is not anc.test and passes_it(anc.orelse if child in anc.body else anc.body):
             return True
         child = anc
+    return False
+
+
+@static_rule
+class SaveWholeModule(StaticRule):
+    id = "TT128"
+    name = "save-whole-module"
+    severity = "warning"
+    source = ("T26, T20; seeds/003 测试阶段 §4 多GPU模型权重的保存与加载 (torch.save(model.state_dict(), ...)); "
+              "seeds/002 问题 §1 不同 python 版本下保存和加载模型的问题 (pickle)")
+    message = ("torch.save of a whole nn.Module pickles its class by reference: the checkpoint breaks when the code "
+               "moves or changes; save model.state_dict()")
+    explanation = ("torch.save(model, path) pickles the module object: its class is stored as a reference "
+                   "(module path and name), not as code. Loading needs the same class at the same import path, so "
+                   "renaming a file, moving the class or changing its __init__ breaks every old checkpoint, and the "
+                   "load runs arbitrary unpickling (it needs weights_only=False). It also saves a DataParallel or "
+                   "compiled wrapper with the model. Fix: torch.save(model.state_dict(), path) (inside a dict with "
+                   "the optimizer state and epoch if resuming), then model.load_state_dict(torch.load(path, "
+                   "weights_only=True)); for a self-contained artefact use torch.export / torch.jit.save.")
+
+    def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
+        for call in f.nodes[ast.Call]:
+            if f.qualname(call.func) != "torch.save" or any(kw.arg is None for kw in call.keywords):
+                continue
+            obj = kwarg(call, "obj", 0)
+            k = f.kind(obj)
+            if k is None and not _used_as_module(f, obj):
+                continue
+            if k is not None and not (k.cat == "module" or (k.cat == "self" and f.is_module_class(k.ref))):
+                continue
+            name = ast.unparse(obj)
+            yield call, (f"torch.save({name}, ...) pickles the whole module (its class by reference): the checkpoint "
+                         f"breaks when the code moves or changes; save {name}.state_dict()")
+
+
+def _used_as_module(f: FileAnalysis, node: ast.AST) -> bool:
+    """``node`` is a name whose variable (any binding of it in the same scope) is used as an nn.Module
+    elsewhere in the file: ``.parameters()``, ``.eval()``, ``.named_modules()`` ... called on it (a model
+    built by a class of another file)."""
+    if not isinstance(node, ast.Name):
+        return False
+    b = f.lookup(node)
+    if b is None or b[1] != "value" or any((f.qualname(n) or "").startswith("torch.")
+                                           for n in ast.walk(b[2]) if isinstance(n, (ast.Name, ast.Attribute))):
+        return False  # torch.jit.script(model), torch.load(...): not a plain module of this file's making
+    binds = next((names[node.id] for names in f.bindings.values() if b in names.get(node.id, ())), None)
+    if not binds:
+        return False
+    for call in f.nodes[ast.Call]:
+        func = call.func
+        if isinstance(func, ast.Attribute) and func.attr in MODULE_ONLY_METHODS and isinstance(func.value, ast.Name) \
+                and func.value.id == node.id and f.lookup(func.value) in binds:
+            return True
     return False

@@ -1,0 +1,943 @@
+"""``torch-tricks doctor --fix`` / ``--diff``: rewrite the findings whose fix is mechanical.
+
+Fixes are minimal text edits at positions taken from :mod:`ast` (``lineno``/``col_offset``/
+``end_lineno``/``end_col_offset``; the columns count UTF-8 bytes, converted to characters for
+lines with non-ASCII text) and from :mod:`tokenize` (commas, parentheses, comments around an
+argument). No concrete-syntax-tree library is needed (libcst is not a dependency): every byte
+outside an edit stays as it was, comments and formatting included, and no edit ever adds a
+line break, so the file keeps its ``\\n`` or ``\\r\\n`` line endings.
+
+Each fix is also written as the change it makes to the tree. After the edits the new source is
+parsed again and its tree must equal the old tree with those changes applied (positions aside);
+if it does not parse, or differs, that is a bug here: :class:`FixError` is raised and nothing is
+written. A file that does not parse is never touched. ``# noqa`` lines are not fixed (the lint
+does not report them). Fixing repeats until no fix applies (edits that touch the same text wait
+for the next round), so a second ``--fix`` changes nothing.
+
+What is fixed (:data:`FIXABLE`), and only where the file shows the edit is safe; any other
+finding of these rules is left alone and reported as not fixable there (:class:`Unfixed`):
+
+- TT110 / TT111 ``torch.load`` without ``map_location`` / ``weights_only``: add
+  ``map_location="cpu"`` / ``weights_only=True`` (both in one edit when both are missing). Not
+  ``map_location`` when ``*args`` may already pass it; not ``weights_only=True`` when a
+  ``pickle_module`` is given (torch refuses the pair). Loaded tensors then land on the CPU and
+  non-tensor objects in the file need an allowlist: the behaviour torch recommends, and the
+  default of ``weights_only`` since torch 2.6.
+- TT109 ``size_average=`` / ``reduce=`` given as ``True``/``False``/``None``: replaced with the
+  ``reduction=`` torch's own legacy rule gives (``reduce=False`` -> ``"none"``,
+  ``size_average=False`` -> ``"sum"``, otherwise ``"mean"``), for the losses whose signature is
+  known, without ``reduction=`` also given and without positional arguments reaching those
+  parameters.
+- TT102 ``F.dropout`` (and its variants) without ``training=``: add
+  ``training=<first parameter>.training`` when the call is in a method (not a static or class
+  method) of the class, or in a function nested in one, and that name is not rebound on the way.
+- TT118 ``torch.set_deterministic`` / ``torch.is_deterministic``: renamed to
+  ``use_deterministic_algorithms`` / ``are_deterministic_algorithms_enabled`` on the alias the
+  file uses (``th.set_deterministic(True)`` -> ``th.use_deterministic_algorithms(True)``); ``from
+  torch import set_deterministic`` becomes ``from torch import use_deterministic_algorithms as
+  set_deterministic``. Not where a call passes keywords (the parameter was renamed).
+- TT113 ``x.cuda()`` / ``x.to(...)`` ... as a bare one-line statement: ``x = x.cuda()``, when the
+  receiver is a name or a plain attribute chain (``self.x``). A name must already be local to the
+  function (else the assignment would make it local, an UnboundLocalError); not in a class body;
+  not an attribute the file makes an ``nn.Parameter`` (a module refuses a plain tensor there), nor
+  a tensor's own ``.data`` / ``.grad`` (whose assignment torch checks).
+- TT108 ``F.binary_cross_entropy(torch.sigmoid(z), y)`` (or ``z.sigmoid()``) in one expression:
+  ``F.binary_cross_entropy_with_logits(z, y)``. Not when the sigmoid output is a variable, or the
+  loss is a ``BCELoss`` object.
+
+Public API: :func:`fix_source` (a :class:`FixResult`), :func:`fix_paths` (a :class:`FileFix` per
+file), :data:`FIXABLE`, :class:`FixError`.
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+import contextlib
+import copy
+import difflib
+import io
+import os
+import re
+import stat
+import tempfile
+import tokenize
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from torch_tricks.doctor import Finding
+from torch_tricks.doctor.static import DoctorConfig, lint_paths, lint_source
+
+__all__ = ["FIXABLE", "Edit", "Unfixed", "FixResult", "FileFix", "FixError", "fix_source", "fix_paths"]
+
+FIXABLE = frozenset({"TT102", "TT108", "TT109", "TT110", "TT111", "TT113", "TT118"})
+
+_MAX_ROUNDS = 8
+
+
+class FixError(RuntimeError):
+    """A fix produced source that does not parse, or not the intended tree: a bug; nothing is written."""
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One applied fix: the findings it removes (``rules``), where (line of the original source)."""
+
+    rules: tuple[str, ...]
+    line: int  # where the (first) finding was reported
+    description: str
+    span: tuple[int, int] = (0, 0)  # the first and last original lines the edit changes
+
+    @property
+    def rule(self) -> str:
+        return ",".join(self.rules)
+
+
+@dataclass(frozen=True)
+class Unfixed:
+    """A finding of a fixable rule left as it is, and why."""
+
+    finding: Finding
+    reason: str
+
+
+@dataclass
+class FixResult:
+    """The fixed source, the edits made (in source order) and the findings not fixable there."""
+
+    source: str
+    edits: list[Edit] = field(default_factory=list)
+    unfixed: list[Unfixed] = field(default_factory=list)
+    original: str = ""
+
+    @property
+    def changed(self) -> bool:
+        return self.source != self.original
+
+    @property
+    def fixed(self) -> int:
+        """How many findings the edits removed."""
+        return sum(len(e.rules) for e in self.edits)
+
+
+@dataclass
+class FileFix:
+    """What fixing one file did (or, with ``write=False``, would do)."""
+
+    path: str
+    edits: list[Edit] = field(default_factory=list)
+    unfixed: list[Unfixed] = field(default_factory=list)
+    diff: str = ""  # unified diff, original -> fixed; "" when nothing changes
+    written: bool = False
+    error: str | None = None  # not fixed: does not parse, cannot be read or written, FixError
+    unreadable: bool = False  # the error is that it cannot be read or parsed (the lint reports it too)
+
+    @property
+    def fixed(self) -> int:
+        return sum(len(e.rules) for e in self.edits)
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "fixed": self.fixed, "written": self.written, "error": self.error,
+                "unreadable": self.unreadable,
+                "edits": [{"rules": list(e.rules), "line": e.line, "lines": list(e.span), "description": e.description}
+                          for e in self.edits],
+                "unfixed": [{**u.finding.as_dict(), "reason": u.reason} for u in self.unfixed],
+                "diff": self.diff}
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def fix_source(source: str, path: str = "<string>", select: Iterable[str] | None = None,
+               ignore: Iterable[str] | None = None) -> FixResult:
+    """``source`` with the fixable findings fixed (``select``/``ignore`` as for linting).
+
+    Source that does not parse raises :class:`SyntaxError` (and is not changed); a fix that would
+    produce broken or unintended code raises :class:`FixError`.
+    """
+    rules = _fixable(select, ignore)
+    _parse(source, path)  # SyntaxError: never fix what does not parse
+    result = FixResult(source=source, original=source)
+    if not rules:
+        return result
+    if re.search(r"\r(?!\n)", source):  # old-Mac line ends: ast and tokenize would count lines differently
+        result.unfixed = [Unfixed(f, "the file has lone \\r line endings")
+                          for f in lint_source(source, path, select=rules, ignore=ignore)]
+        return result
+    current, to_original = source, (lambda n: n)
+    for _round in range(_MAX_ROUNDS + 1):
+        findings = lint_source(current, path, select=rules, ignore=ignore)
+        if not findings:
+            break
+        doc = _Doc(current, _parse(current, path))
+        planned, reasons = _plan(doc, findings)
+        chosen = _non_overlapping(planned) if _round < _MAX_ROUNDS else []
+        if not chosen:
+            result.unfixed = [Unfixed(f, reasons.get(id(f), "not fixed: other fixes touch the same text"))
+                              for f in findings]
+            break
+        new = _apply(current, [e for fix in chosen for e in fix.edits])
+        _verify(doc, chosen, new, path)
+        for fix in chosen:
+            first = doc.line_of(min(s for s, _, _ in fix.edits))
+            last = doc.line_of(max(max(s, e - 1) for s, e, _ in fix.edits))
+            result.edits.append(Edit(fix.rules, to_original(fix.line), fix.description,
+                                     (to_original(first), to_original(last))))
+        to_original = _compose(to_original, _line_mapper(doc, chosen))
+        current = new
+    result.source = current
+    result.edits.sort(key=lambda e: e.line)
+    return result
+
+
+def fix_paths(paths: Iterable[str | Path], select: Iterable[str] | None = None,
+              ignore: Iterable[str] | None = None, config: DoctorConfig | None = None,
+              write: bool = True) -> list[FileFix]:
+    """Fix the ``.py`` files in ``paths`` (walked as :func:`lint_paths` walks them).
+
+    ``select``/``ignore`` given here replace the config's. A file is listed when it has a
+    finding of a fixable rule or could not be read or parsed (``error``; it is left untouched).
+    With ``write`` the changed files are rewritten atomically (a temporary file in the same
+    folder, then :func:`os.replace`; the file mode is kept); without it nothing is written and
+    ``diff`` says what would change.
+    """
+    config = config or DoctorConfig()
+    select = config.select if select is None else select
+    ignore = config.ignore if ignore is None else ignore
+    rules = _fixable(select, ignore)
+    linted = lint_paths(paths, select=rules, ignore=ignore, config=config)
+    out: dict[str, FileFix] = {}
+    for name, reason in linted.errors:
+        out[name] = FileFix(path=name, error=reason, unreadable=True)
+    for name in dict.fromkeys(f.path for f in linted.findings):
+        out[name] = _fix_file(name, rules, ignore, write)
+    return [out[k] for k in sorted(out)]
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _fix_file(name: str, rules: list[str], ignore, write: bool) -> FileFix:
+    ff = FileFix(path=name)
+    try:
+        data = Path(name).read_bytes()
+        source, encoding = _decode(data)
+        result = fix_source(source, name, select=rules, ignore=ignore)
+    except (OSError, UnicodeError) as exc:
+        ff.error, ff.unreadable = f"cannot read: {getattr(exc, 'strerror', None) or exc}", True
+        return ff
+    except SyntaxError as exc:
+        ff.error, ff.unreadable = f"does not parse: {exc.msg} (line {exc.lineno})", True
+        return ff
+    except FixError as exc:
+        ff.error = str(exc)
+        return ff
+    ff.edits, ff.unfixed = result.edits, result.unfixed
+    if not result.changed:
+        return ff
+    ff.diff = unified_diff(source, result.source, name)
+    if write:
+        try:
+            _write_atomic(Path(name), result.source.encode(encoding), data)
+        except (OSError, FixError) as exc:
+            ff.error = f"not written: {getattr(exc, 'strerror', None) or exc}"
+        else:
+            ff.written = True
+    return ff
+
+
+def _keepends(text: str) -> list[str]:
+    return re.findall(r"[^\n]*\n|[^\n]+\Z", text)
+
+
+def _decode(data: bytes) -> tuple[str, str]:
+    """The text (line endings as they are) and the encoding to write it back in (PEP 263)."""
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError:
+        encoding = "utf-8"
+    return data.decode(encoding), encoding
+
+
+def _write_atomic(path: Path, data: bytes, original: bytes) -> None:
+    target = Path(os.path.realpath(path))  # a symlink stays a link to the fixed file
+    mode = stat.S_IMODE(target.stat().st_mode)
+    if target.read_bytes() != original:
+        raise FixError("the file changed while it was being fixed")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tt-fix")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def unified_diff(old: str, new: str, path: str) -> str:
+    """``diff -u`` of two versions of ``path`` (line endings kept; a last line without one is marked)."""
+    out = []
+    for line in difflib.unified_diff(_keepends(old), _keepends(new), path, path):
+        out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return "".join(out)
+
+
+# --------------------------------------------------------------------------- driving
+
+
+def _fixable(select, ignore) -> list[str]:
+    """The fixable rule ids ``select`` keeps (ids or prefixes); the codes are checked by the lint."""
+    lint_source("", select=select, ignore=ignore)  # an unknown code is a UserError, as for linting
+    if isinstance(select, str):
+        select = [select]
+    sel = None if select is None else [s.strip().upper() for s in select]
+    return sorted(r for r in FIXABLE if sel is None or any(r.startswith(c) for c in sel))
+
+
+def _parse(source: str, path: str) -> ast.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ast.parse(source, filename=path)
+
+
+@dataclass
+class _Fix:
+    rules: tuple[str, ...]
+    line: int
+    description: str
+    edits: list[tuple[int, int, str]]  # (start, end, new text), character offsets into the source
+    mutate: Callable[[dict], None]  # the same change on a copy of the tree (old node id -> copied node)
+
+
+def _plan(doc: "_Doc", findings: list[Finding]) -> tuple[list[_Fix], dict[int, str]]:
+    fixes, reasons = [], {}
+    loads: dict[int, tuple[ast.Call, list[Finding]]] = {}
+    for f in findings:
+        if f.rule in ("TT110", "TT111"):
+            call = doc.call_at(f)
+            if call is None:
+                reasons[id(f)] = "not fixable here: no call to rewrite at this position"
+            else:
+                loads.setdefault(id(call), (call, []))[1].append(f)
+            continue
+        try:
+            fixes.append(_PLANNERS[f.rule](doc, f))
+        except _NotFixable as exc:
+            reasons[id(f)] = f"not fixable here: {exc}"
+    for call, group in loads.values():
+        fix, why = _fix_load(doc, call, group)
+        if fix is not None:
+            fixes.append(fix)
+        for f in group:
+            if f.rule in why:
+                reasons[id(f)] = f"not fixable here: {why[f.rule]}"
+    return fixes, reasons
+
+
+def _non_overlapping(fixes: list[_Fix]) -> list[_Fix]:
+    """The fixes whose edits touch no text another (earlier) fix edits; the rest wait a round."""
+    taken: list[tuple[int, int]] = []
+    chosen = []
+    for fix in sorted(fixes, key=lambda x: min(e[0] for e in x.edits)):
+        if all(not _clash(a, b) for a in [(s, e) for s, e, _ in fix.edits] for b in taken):
+            chosen.append(fix)
+            taken += [(s, e) for s, e, _ in fix.edits]
+    return chosen
+
+
+def _clash(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] == b[0] or (a[0] < b[1] and b[0] < a[1])
+
+
+def _apply(source: str, edits: list[tuple[int, int, str]]) -> str:
+    for start, end, text in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
+        assert "\n" not in text and "\r" not in text
+        source = source[:start] + text + source[end:]
+    return source
+
+
+def _verify(doc: "_Doc", fixes: list[_Fix], new: str, path: str) -> None:
+    """The new source parses, and its tree is the old one with the fixes' changes."""
+    try:
+        new_tree = _parse(new, path)
+    except SyntaxError as exc:
+        raise FixError(f"{path}: the fixes would produce code that does not parse ({exc.msg}, line {exc.lineno}): "
+                       f"a torch-tricks bug; nothing was written") from None
+    expected = copy.deepcopy(doc.tree)
+    mapping = {id(a): b for a, b in zip(ast.walk(doc.tree), ast.walk(expected))}
+    for fix in fixes:
+        fix.mutate(mapping)
+    if ast.dump(expected) != ast.dump(new_tree):
+        raise FixError(f"{path}: the fixes would not produce the intended code: a torch-tricks bug; "
+                       f"nothing was written")
+
+
+def _line_mapper(doc: "_Doc", fixes: list[_Fix]) -> Callable[[int], int]:
+    """New line number -> line number before these edits (an edit that joins lines maps to its first)."""
+    spans = sorted((doc.line_of(s), doc.line_of(e), e == doc.starts[doc.line_of(e) - 1] and e > s)
+                   for fix in fixes for s, e, _ in fix.edits)
+
+    def to_old(n: int) -> int:
+        shift = 0
+        for first, last, whole_lines in spans:
+            if n < first + shift:
+                break
+            if n == first + shift:
+                return last if whole_lines else first  # whole lines deleted: what follows moved up
+            shift -= last - first
+        return n - shift
+    return to_old
+
+
+def _compose(outer: Callable[[int], int], inner: Callable[[int], int]) -> Callable[[int], int]:
+    return lambda n: outer(inner(n))
+
+
+class _NotFixable(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------- one source text
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef,
+           ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_TRIVIA = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+           tokenize.ENCODING, tokenize.ENDMARKER}
+
+
+@dataclass(frozen=True)
+class _Tok:
+    string: str
+    start: int
+    end: int
+
+
+class _Doc:
+    """A source text and its tree, with character offsets for nodes and tokens."""
+
+    def __init__(self, source: str, tree: ast.Module):
+        self.source, self.tree = source, tree
+        self.lines = source.split("\n")
+        self.starts = [0]
+        for line in self.lines[:-1]:
+            self.starts.append(self.starts[-1] + len(line) + 1)
+        self.parent: dict[int, ast.AST] = {}
+        self.at: dict[int, list[ast.AST]] = {}
+        for node in ast.walk(tree):
+            for child in ast.iter_child_nodes(node):
+                self.parent[id(child)] = node
+            if getattr(node, "lineno", None) is not None and getattr(node, "col_offset", None) is not None:
+                self.at.setdefault(self.start(node), []).append(node)
+        self._tokens: list[_Tok] | None = None
+        self._comments: list[int] = []
+        self._imports: dict[str, str | None] | None = None
+
+    # ---- positions
+
+    def offset(self, lineno: int, byte_col: int) -> int:
+        line = self.lines[lineno - 1]
+        col = byte_col if line.isascii() else len(line.encode("utf-8")[:byte_col].decode("utf-8"))
+        return self.starts[lineno - 1] + col
+
+    def start(self, node: ast.AST) -> int:
+        return self.offset(node.lineno, node.col_offset)
+
+    def end(self, node: ast.AST) -> int:
+        return self.offset(node.end_lineno, node.end_col_offset)
+
+    def text(self, node: ast.AST) -> str:
+        return self.source[self.start(node):self.end(node)]
+
+    def line_of(self, offset: int) -> int:
+        return bisect.bisect_right(self.starts, offset)
+
+    def finding_offset(self, f: Finding) -> int:
+        return self.starts[f.line - 1] + f.col - 1
+
+    def nodes_at(self, f: Finding, kind) -> list[ast.AST]:
+        return [n for n in self.at.get(self.finding_offset(f), []) if isinstance(n, kind)]
+
+    def call_at(self, f: Finding) -> ast.Call | None:
+        """The call reported at ``f``: the one whose callee is a plain dotted name (the outer call of
+        a chain such as ``torch.load(f).keys()`` calls an attribute of a call)."""
+        calls = [c for c in self.nodes_at(f, ast.Call) if _dotted(c.func)]
+        return calls[0] if len(calls) == 1 else None
+
+    def parent_of(self, node: ast.AST) -> ast.AST | None:
+        return self.parent.get(id(node))
+
+    def ancestors(self, node: ast.AST):
+        node = self.parent_of(node)
+        while node is not None:
+            yield node
+            node = self.parent_of(node)
+
+    # ---- tokens
+
+    def _tokenize(self) -> list[_Tok]:
+        if self._tokens is None:
+            toks, comments = [], []
+            for t in tokenize.generate_tokens(io.StringIO(self.source).readline):
+                if t.type == tokenize.COMMENT:
+                    comments.append(self.starts[t.start[0] - 1] + t.start[1])
+                elif t.type not in _TRIVIA:
+                    toks.append(_Tok(t.string, self.starts[t.start[0] - 1] + t.start[1],
+                                     self.starts[t.end[0] - 1] + t.end[1]))
+            self._tokens, self._comments = toks, comments
+            self._tok_starts = [t.start for t in toks]
+        return self._tokens
+
+    def prev_token(self, offset: int) -> _Tok:
+        """The last significant token that starts before ``offset``."""
+        toks = self._tokenize()
+        return toks[bisect.bisect_left(self._tok_starts, offset) - 1]
+
+    def next_token(self, offset: int) -> _Tok:
+        """The first significant token that starts at or after ``offset``."""
+        toks = self._tokenize()
+        return toks[bisect.bisect_left(self._tok_starts, offset)]
+
+    def comment_between(self, a: int, b: int) -> bool:
+        self._tokenize()
+        i = bisect.bisect_left(self._comments, a)
+        return i < len(self._comments) and self._comments[i] < b
+
+    # ---- names
+
+    def imports(self) -> dict[str, str | None]:
+        """Name -> the module/object it was imported as (None when bound to different ones)."""
+        if self._imports is None:
+            out: dict[str, str | None] = {}
+
+            def bind(name: str, target: str) -> None:
+                out[name] = target if out.get(name, target) == target else None
+            for node in ast.walk(self.tree):
+                if isinstance(node, ast.Import):
+                    for a in node.names:
+                        bind(a.asname, a.name) if a.asname else bind(a.name.split(".")[0], a.name.split(".")[0])
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    for a in node.names:
+                        bind(a.asname or a.name, f"{node.module}.{a.name}")
+            self._imports = out
+        return self._imports
+
+    def resolve(self, node: ast.AST) -> str | None:
+        """The imported dotted name ``node`` spells (``F`` -> ``torch.nn.functional``)."""
+        dotted = _dotted(node)
+        if dotted is None:
+            return None
+        head, _, rest = dotted.partition(".")
+        base = self.imports().get(head)
+        if base is None or _rebinds_anywhere(self.tree, head):
+            return None
+        return f"{base}.{rest}" if rest else base
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def _rebinds_anywhere(tree: ast.AST, name: str) -> bool:
+    """``name`` is assigned (not imported) somewhere in the file: its import may not be what it is."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, (ast.Store, ast.Del)):
+            return True
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, ast.arg) and node.arg == name:
+            return True
+    return False
+
+
+def _binds(scope: ast.AST, name: str) -> bool:
+    """``name`` is a local of ``scope`` (a function, lambda or comprehension): a parameter, an
+    assignment target, a global/nonlocal declaration, an import, a def, an ``except ... as``."""
+    args = getattr(scope, "args", None)
+    if isinstance(args, ast.arguments):
+        if any(a.arg == name for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg]
+               if a is not None):
+            return True
+    if isinstance(scope, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+        roots = [g.target for g in scope.generators]
+    elif isinstance(scope, ast.Lambda):
+        roots = [scope.body]
+    else:
+        roots = list(scope.body)
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, (ast.Store, ast.Del)):
+            return True
+        if isinstance(node, (ast.Global, ast.Nonlocal)) and name in node.names:
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                (a.asname or a.name.split(".")[0]) == name for a in node.names):
+            return True
+        if isinstance(node, ast.ExceptHandler) and node.name == name:
+            return True
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == name:
+                return True
+            stack.extend(node.decorator_list)  # the body is another scope
+            continue
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue  # another scope (a walrus inside one is not followed: then not fixable)
+        if isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name == name:
+            return True
+        if isinstance(node, ast.MatchMapping) and node.rest == name:
+            return True
+        stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def _kw(call: ast.Call, name: str) -> ast.keyword | None:
+    return next((k for k in call.keywords if k.arg == name), None)
+
+
+def _starred(call: ast.Call) -> bool:
+    return any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords)
+
+
+def _value(text: str) -> ast.expr:
+    return ast.parse(text, mode="eval").body
+
+
+def _insertion(doc: _Doc, call: ast.Call, text: str) -> tuple[int, int, str]:
+    """Where to add ``text`` (keyword arguments) at the end of ``call``'s arguments: after the last
+    argument, before a trailing comma (so the comma and a comment after it stay)."""
+    close = doc.end(call) - 1
+    if doc.source[close] != ")":
+        raise _NotFixable("the call's closing parenthesis is not where the tree says")
+    prev = doc.prev_token(close)
+    if prev.start < doc.start(call):  # the call is inside one token: an f-string (before Python 3.12)
+        raise _NotFixable("the call is inside an f-string")
+    if prev.string == "(":
+        return (prev.end, prev.end, text)
+    if prev.string == ",":
+        prev = doc.prev_token(prev.start)
+    return (prev.end, prev.end, ", " + text)
+
+
+# --------------------------------------------------------------------------- the fixes
+
+
+def _fix_load(doc: _Doc, call: ast.Call, group: list[Finding]) -> tuple[_Fix | None, dict[str, str]]:
+    """One edit adding what ``call`` lacks (``map_location``, ``weights_only`` or both), and the
+    rules it cannot fix there, with why."""
+    rules = {f.rule for f in group}
+    add, why = [], {}
+    if "TT110" in rules:
+        if any(isinstance(a, ast.Starred) for a in call.args) or _kw(call, "map_location") or len(call.args) > 1:
+            why["TT110"] = "*args may already pass map_location"
+        else:
+            add.append(("TT110", "map_location", '"cpu"'))
+    if "TT111" in rules:
+        pickle = _kw(call, "pickle_module")
+        pickle = pickle.value if pickle is not None else call.args[2] if len(call.args) > 2 else None
+        if pickle is not None and not (isinstance(pickle, ast.Constant) and pickle.value is None):
+            why["TT111"] = "a pickle_module is given, which weights_only=True refuses"
+        elif _kw(call, "weights_only") or any(k.arg is None for k in call.keywords):
+            why["TT111"] = "**kwargs may already pass weights_only"
+        else:
+            add.append(("TT111", "weights_only", "True"))
+    if not add:
+        return None, why
+    text = ", ".join(f"{k}={v}" for _, k, v in add)
+    try:
+        edit = _insertion(doc, call, text)
+    except _NotFixable as exc:
+        return None, {r: str(exc) for r in rules}
+
+    def mutate(m: dict) -> None:
+        m[id(call)].keywords.extend(ast.keyword(arg=k, value=_value(v)) for _, k, v in add)
+    return _Fix(tuple(r for r, _, _ in add), call.lineno, f"{_dotted(call.func)}(...): added {text}", [edit],
+                mutate), why
+
+
+def _fix_dropout(doc: _Doc, f: Finding) -> _Fix:
+    call = doc.call_at(f)
+    if call is None:
+        raise _NotFixable("no call to rewrite at this position")
+    if _kw(call, "training") or _starred(call) or len(call.args) > 2:
+        raise _NotFixable("training may already be passed")
+    inner, method = [], None
+    for anc in doc.ancestors(call):
+        if isinstance(anc, (ast.FunctionDef, ast.AsyncFunctionDef)) and isinstance(doc.parent_of(anc), ast.ClassDef):
+            method = anc
+            break
+        if isinstance(anc, (ast.ClassDef, ast.Module)):
+            break
+        if isinstance(anc, _SCOPES):
+            inner.append(anc)
+    if method is None:
+        raise _NotFixable("not inside a method, so there is no self.training to pass")
+    decorators = [(_dotted(d.func if isinstance(d, ast.Call) else d) or "").rsplit(".", 1)[-1]
+                  for d in method.decorator_list]
+    if {"staticmethod", "classmethod"} & set(decorators):
+        raise _NotFixable("in a static or class method, which has no instance")
+    params = method.args.posonlyargs + method.args.args
+    if not params:
+        raise _NotFixable("the method has no instance parameter")
+    me = params[0].arg
+    if _binds_in_body(method, me) or any(_binds(s, me) for s in inner):
+        raise _NotFixable(f"`{me}` is rebound before the call")
+    text = f"training={me}.training"
+
+    def mutate(m: dict) -> None:
+        m[id(call)].keywords.append(ast.keyword(arg="training", value=_value(f"{me}.training")))
+    return _Fix(("TT102",), f.line, f"{_dotted(call.func)}(...): added {text}", [_insertion(doc, call, text)], mutate)
+
+
+def _binds_in_body(func: ast.AST, name: str) -> bool:
+    """``name`` is bound in ``func``'s body (its parameters aside)."""
+    shell = copy.copy(func)
+    shell.args = ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None,
+                               defaults=[])
+    return _binds(shell, name)
+
+
+# the number of parameters before size_average (reduce follows it) in each loss taking them
+_LEGACY_SLOT = {
+    **dict.fromkeys("l1_loss mse_loss smooth_l1_loss kl_div multilabel_margin_loss soft_margin_loss".split(), 2),
+    **dict.fromkeys("binary_cross_entropy binary_cross_entropy_with_logits cross_entropy nll_loss "
+                    "hinge_embedding_loss multilabel_soft_margin_loss".split(), 3),
+    **dict.fromkeys("poisson_nll_loss cosine_embedding_loss margin_ranking_loss".split(), 4),
+    "multi_margin_loss": 5, "triplet_margin_loss": 7,
+    **dict.fromkeys("L1Loss MSELoss SmoothL1Loss KLDivLoss MultiLabelMarginLoss SoftMarginLoss".split(), 0),
+    **dict.fromkeys("NLLLoss NLLLoss2d CrossEntropyLoss BCELoss BCEWithLogitsLoss MultiLabelSoftMarginLoss "
+                    "HingeEmbeddingLoss CosineEmbeddingLoss MarginRankingLoss".split(), 1),
+    "PoissonNLLLoss": 2, "MultiMarginLoss": 3, "TripletMarginLoss": 4,
+}
+
+
+def _legacy_reduction(size_average: bool | None, reduce: bool | None) -> str:
+    """torch.nn._reduction.legacy_get_string."""
+    size_average = True if size_average is None else size_average
+    reduce = True if reduce is None else reduce
+    return "mean" if size_average and reduce else "sum" if reduce else "none"
+
+
+def _fix_legacy_reduction(doc: _Doc, f: Finding) -> _Fix:
+    call = doc.call_at(f)
+    if call is None:
+        raise _NotFixable("no call to rewrite at this position")
+    name = _dotted(call.func).rsplit(".", 1)[-1]
+    if name not in _LEGACY_SLOT:
+        raise _NotFixable(f"the signature of {name} is not known here")
+    legacy = [k for k in call.keywords if k.arg in ("size_average", "reduce")]
+    if not legacy or _starred(call) or _kw(call, "reduction") or len(call.args) > _LEGACY_SLOT[name]:
+        raise _NotFixable("reduction= or more arguments are passed too")
+    values = {}
+    for k in legacy:
+        if not (isinstance(k.value, ast.Constant) and (k.value.value is None or isinstance(k.value.value, bool))):
+            raise _NotFixable(f"{k.arg}= is not a True/False/None constant")
+        values[k.arg] = k.value.value
+    reduction = _legacy_reduction(values.get("size_average"), values.get("reduce"))
+    first, rest = legacy[0], legacy[1:]
+    edits = [(doc.start(first), doc.end(first), f'reduction="{reduction}"')]
+    edits += [_deletion(doc, call, k) for k in rest]
+
+    def mutate(m: dict) -> None:
+        c = m[id(call)]
+        drop = {id(m[id(k)]) for k in rest}
+        c.keywords = [ast.keyword(arg="reduction", value=ast.Constant(reduction)) if k is m[id(first)] else k
+                      for k in c.keywords if id(k) not in drop]
+    old = ", ".join(doc.text(k) for k in legacy)
+    return _Fix(("TT109",), f.line, f'{name}(...): {old} -> reduction="{reduction}"', edits, mutate)
+
+
+def _deletion(doc: _Doc, call: ast.Call, arg: ast.AST) -> tuple[int, int, str]:
+    """Remove one argument and its comma; its line too when nothing else is left on it."""
+    s, e = doc.start(arg), doc.end(arg)
+    if doc.prev_token(s).start < doc.start(call):
+        raise _NotFixable("the call is inside an f-string")
+    nxt = doc.next_token(e)
+    if nxt.string == ",":
+        if doc.comment_between(e, nxt.start):
+            raise _NotFixable("a comment sits between an argument and its comma")
+        j = nxt.end
+        while j < len(doc.source) and doc.source[j] in " \t":
+            j += 1
+        line_start = doc.starts[doc.line_of(s) - 1]
+        if doc.source[line_start:s].strip(" \t") == "" and doc.source[j:j + 1] in ("\n", "\r"):
+            return (line_start, j + (2 if doc.source[j:j + 2] == "\r\n" else 1), "")
+        return (s, j, "")
+    if nxt.start == doc.end(call) - 1 and nxt.string == ")":
+        prev = doc.prev_token(s)
+        if prev.string != "," or doc.comment_between(prev.end, s):
+            raise _NotFixable("a comment sits between two arguments")
+        return (prev.start, e, "")
+    raise _NotFixable("an argument is not followed by a comma or the closing parenthesis")
+
+
+_RENAMES = {"set_deterministic": "use_deterministic_algorithms",
+            "is_deterministic": "are_deterministic_algorithms_enabled"}
+
+
+def _fix_renamed(doc: _Doc, f: Finding) -> _Fix:
+    imports = doc.nodes_at(f, ast.ImportFrom)
+    if imports:
+        return _fix_renamed_import(doc, f, imports[0])
+    attrs = [a for a in doc.nodes_at(f, ast.Attribute) if a.attr in _RENAMES
+             and not isinstance(doc.parent_of(a), ast.Attribute) and doc.resolve(a.value) == "torch"]
+    if len(attrs) != 1:
+        raise _NotFixable("no torch.set_deterministic / is_deterministic spelled through the torch import here")
+    node = attrs[0]
+    parent = doc.parent_of(node)
+    if isinstance(parent, ast.Call) and parent.func is node and parent.keywords:
+        raise _NotFixable("the call passes keywords, and the new function names its parameters differently")
+    end = doc.end(node)
+    start = end - len(node.attr)
+    if doc.source[start:end] != node.attr:
+        raise _NotFixable("the attribute is not spelled where the tree says")
+    new = _RENAMES[node.attr]
+    prefix = doc.text(node.value)
+
+    def mutate(m: dict) -> None:
+        m[id(node)].attr = new
+    return _Fix(("TT118",), f.line, f"{prefix}.{node.attr} -> {prefix}.{new}", [(start, end, new)], mutate)
+
+
+def _fix_renamed_import(doc: _Doc, f: Finding, node: ast.ImportFrom) -> _Fix:
+    if node.module != "torch" or node.level:
+        raise _NotFixable("not an import from torch")
+    aliases = [a for a in node.names if a.name in _RENAMES]
+    if not aliases or any(getattr(a, "lineno", None) is None for a in aliases):
+        raise _NotFixable("no removed name in the import")
+    edits, parts = [], []
+    for a in aliases:
+        bound = a.asname or a.name
+        if any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == bound and c.keywords
+               for c in ast.walk(doc.tree)):
+            raise _NotFixable(f"a call of {bound} passes keywords, and the new function names its parameters "
+                              f"differently")
+        s = doc.start(a)
+        if doc.source[s:s + len(a.name)] != a.name:
+            raise _NotFixable("the imported name is not spelled where the tree says")
+        new = _RENAMES[a.name] + ("" if a.asname else f" as {a.name}")
+        edits.append((s, s + len(a.name), new))
+        parts.append(f"{a.name} -> {new}")
+
+    def mutate(m: dict) -> None:
+        for a in aliases:
+            c = m[id(a)]
+            c.name, c.asname = _RENAMES[a.name], a.asname or a.name
+    return _Fix(("TT118",), f.line, f"from torch import {', '.join(parts)}", edits, mutate)
+
+
+_MOVES = frozenset("cuda cpu to half float double bfloat16 long int short byte char bool pin_memory type".split())
+
+
+def _fix_discarded_move(doc: _Doc, f: Finding) -> _Fix:
+    calls = [c for c in doc.nodes_at(f, ast.Call) if isinstance(doc.parent_of(c), ast.Expr)
+             and isinstance(c.func, ast.Attribute) and c.func.attr in _MOVES]
+    if len(calls) != 1:
+        raise _NotFixable("not a bare `x.cuda()` statement")
+    call = calls[0]
+    stmt = doc.parent_of(call)
+    recv = call.func.value
+    if stmt.lineno != stmt.end_lineno:
+        raise _NotFixable("the statement spans several lines")
+    if _dotted(recv) is None:
+        raise _NotFixable("the receiver is not a name or a plain attribute chain")
+    scope = next((a for a in doc.ancestors(stmt) if isinstance(a, _SCOPES + (ast.Module,))), None)
+    if isinstance(scope, ast.ClassDef):
+        raise _NotFixable("in a class body")
+    if isinstance(recv, ast.Name):
+        if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _binds(scope, recv.id):
+            raise _NotFixable(f"`{recv.id}` is not local to the function: assigning it would make it local")
+    elif recv.attr in _TENSOR_ATTRS:
+        raise _NotFixable(f"assigning `.{recv.attr}` of a tensor is checked by torch (device, shape): "
+                          f"rewrite it by hand")
+    elif _is_parameter_attr(doc, recv.attr):
+        raise _NotFixable(f"`.{recv.attr}` holds an nn.Parameter, which a module does not let a tensor replace")
+    target = doc.text(recv)
+
+    def mutate(m: dict) -> None:
+        new_stmt, body = m[id(stmt)], []
+        parent = m[id(doc.parent_of(stmt))]
+        tgt = copy.deepcopy(m[id(recv)])
+        tgt.ctx = ast.Store()
+        assign = ast.Assign(targets=[tgt], value=m[id(call)], type_comment=None)
+        for name, value in ast.iter_fields(parent):
+            if isinstance(value, list) and any(v is new_stmt for v in value):
+                body = value
+        body[[i for i, v in enumerate(body) if v is new_stmt][0]] = assign
+    s = doc.start(stmt)
+    return _Fix(("TT113",), f.line, f"`{target}.{call.func.attr}(...)` -> `{target} = {target}.{call.func.attr}(...)`",
+                [(s, s, f"{target} = ")], mutate)
+
+
+_TENSOR_ATTRS = frozenset("data grad real imag T mT H mH".split())
+
+
+def _is_parameter_attr(doc: _Doc, attr: str) -> bool:
+    for node in ast.walk(doc.tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Attribute) and t.attr == attr for t in targets) and any(
+                    isinstance(c, ast.Call) and (_dotted(c.func) or "").endswith("Parameter")
+                    for c in ast.walk(node.value)):
+                return True
+        if isinstance(node, ast.Call) and (_dotted(node.func) or "").endswith("register_parameter") and node.args \
+                and isinstance(node.args[0], ast.Constant) and node.args[0].value == attr:
+            return True
+    return False
+
+
+_SIGMOIDS = frozenset({"torch.sigmoid", "torch.nn.functional.sigmoid", "torch.special.expit"})
+
+
+def _fix_sigmoid_bce(doc: _Doc, f: Finding) -> _Fix:
+    call = doc.call_at(f)
+    if call is None or not isinstance(call.func, ast.Attribute) or call.func.attr != "binary_cross_entropy" \
+            or doc.resolve(call.func.value) != "torch.nn.functional":
+        raise _NotFixable("not a call of F.binary_cross_entropy (a BCELoss object needs its constructor changed)")
+    if _starred(call):
+        raise _NotFixable("*args / **kwargs")
+    slot = call.args[0] if call.args else getattr(_kw(call, "input"), "value", None)
+    inner = None
+    if isinstance(slot, ast.Call) and not slot.keywords and not _starred(slot):
+        if len(slot.args) == 1 and doc.resolve(slot.func) in _SIGMOIDS:
+            inner = slot.args[0]
+        elif not slot.args and isinstance(slot.func, ast.Attribute) and slot.func.attr == "sigmoid" \
+                and doc.resolve(slot.func.value) is None:
+            inner = slot.func.value
+    if inner is None or isinstance(inner, ast.GeneratorExp):
+        raise _NotFixable("the sigmoid is not applied in the loss call itself (its output is a variable)")
+    end = doc.end(call.func)
+    new = "binary_cross_entropy_with_logits"
+    edits = [(end - len(call.func.attr), end, new), (doc.start(slot), doc.end(slot), doc.text(inner))]
+    if "\n" in doc.text(inner) or "\r" in doc.text(inner):
+        raise _NotFixable("the logits expression spans several lines")
+
+    def mutate(m: dict) -> None:
+        c = m[id(call)]
+        c.func.attr = new
+        if call.args and call.args[0] is slot:
+            c.args[0] = m[id(inner)]
+        else:
+            next(k for k in c.keywords if k.arg == "input").value = m[id(inner)]
+    prefix = doc.text(call.func.value)
+    return _Fix(("TT108",), f.line, f"{prefix}.binary_cross_entropy(sigmoid(x), ...) -> {prefix}.{new}(x, ...)",
+                edits, mutate)
+
+
+_PLANNERS: dict[str, Callable[[_Doc, Finding], _Fix]] = {
+    "TT102": _fix_dropout, "TT108": _fix_sigmoid_bce, "TT109": _fix_legacy_reduction, "TT113": _fix_discarded_move,
+    "TT118": _fix_renamed,
+}
