@@ -18,7 +18,9 @@ Three measurements:
    definition, not a bug in TorchFix's.
 3. **The installed torch package**: every ``.py`` file under ``torch.__path__[0]`` is
    linted; files, findings per rule, files that do not parse (reported, not fatal) and
-   wall time. A crash of the linter on any file fails the run.
+   wall time. A crash of the linter on any file fails the run. The same lint is then timed
+   side by side, in fresh processes, with the doctor of an earlier revision (``--baseline``,
+   by default the doctor before issue 15): the ratio must stay at or under 1.5x.
 
 A JSON summary ends the output (``--json PATH`` also writes it to a file).
 
@@ -34,6 +36,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -57,6 +60,10 @@ def main() -> int:
     parser.add_argument("--skip-torch", action="store_true", help="do not lint the installed torch package")
     parser.add_argument("--no-torchfix", action="store_true", help="do not run TorchFix")
     parser.add_argument("--json", type=Path, help="also write the JSON summary here")
+    parser.add_argument("--baseline", default=BASELINE_REV, metavar="REV",
+                        help="also lint the torch package with the doctor of this git revision, in a fresh "
+                             "process beside the current one, and print the time ratio (default: the doctor "
+                             f"before issue 15, {BASELINE_REV[:10]}; 'none' skips it)")
     args = parser.parse_args()
 
     files = sorted(CORPUS.glob("*/pos_*.py")) + sorted(CORPUS.glob("*/neg_*.py"))
@@ -64,17 +71,19 @@ def main() -> int:
     torchfix = None if args.no_torchfix else run_torchfix(files)
     print_corpus_table(corpus, torchfix)
     package = None if args.skip_torch else lint_torch_package()
+    speed = None if args.skip_torch or args.baseline == "none" else compare_with_baseline(args.baseline)
     clocks = lint_clock_reads()
 
     summary = {"corpus": corpus["per_rule"], "corpus_totals": corpus["totals"],
                "torchfix": torchfix and {k: v for k, v in torchfix.items() if k != "findings"},
-               "torch_package": package, "clock_reads": clocks}
+               "torch_package": package, "against_baseline": speed, "clock_reads": clocks}
     text = json.dumps(summary, indent=2, ensure_ascii=False)
     print("\nJSON summary")
     print(text)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
-    failed = corpus["totals"]["missed"] or corpus["totals"]["false_positives"] or not clocks["pass"]
+    failed = corpus["totals"]["missed"] or corpus["totals"]["false_positives"] or not clocks["pass"] or (
+        speed is not None and speed.get("pass") is False)
     if package is not None:
         assert package["crashes"] == 0, f"the linter crashed on {package['crashes']} file(s)"
     return 1 if failed else 0
@@ -241,6 +250,53 @@ def lint_torch_package() -> dict:
             "findings_by_rule": by_rule, "unparseable": len(result.errors),
             "unparseable_files": [[str(Path(p).relative_to(root.parent)), r] for p, r in result.errors],
             "seconds": round(seconds, 1), "crashes": crashes}
+
+
+# --------------------------------------------------------------------------- against an earlier doctor
+
+#: The doctor as issue 15 found it (the parent of its first commit): linting torch may take at most
+#: SLOWDOWN_LIMIT times as long now, measured side by side in this run.
+BASELINE_REV, SLOWDOWN_LIMIT = "b676ff737542a8da3ea180216f7f669a11c7a1bc", 1.5
+_TIME_LINT = (
+    "import json, os, sys, time, torch\n"
+    "from torch_tricks.doctor.static import lint_paths\n"
+    "import torch_tricks\n"
+    "t = time.perf_counter()\n"
+    "r = lint_paths([os.path.dirname(torch.__file__)])\n"
+    "print(json.dumps({'seconds': time.perf_counter() - t, 'findings': len(r.findings), 'files': r.files,\n"
+    "                  'module': torch_tricks.__file__}))\n")
+
+
+def compare_with_baseline(rev: str, rounds: int = 2) -> dict:
+    """Lint the torch package with the doctor of ``rev`` (its ``src/`` exported to a temporary
+    folder) and with this checkout's, each in a fresh process, alternating ``rounds`` times; the
+    ratio of the medians. A machine's speed changes between runs: only the side-by-side ratio counts."""
+    import statistics
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "-C", str(root), "archive", rev, "src"], capture_output=True)
+        if archive.returncode != 0:
+            print(f"\nbaseline {rev}: not available ({archive.stderr.decode().strip()[:120]}): ratio not measured")
+            return {"baseline": rev, "measured": False}
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        times: dict[str, list[float]] = {"baseline": [], "now": []}
+        for _ in tqdm(range(rounds), desc="torch lint: baseline vs now", unit="round", file=sys.stderr):
+            for which, src in (("baseline", Path(tmp) / "src"), ("now", root / "src")):
+                env = {**os.environ, "PYTHONPATH": str(src)}
+                out = subprocess.run([sys.executable, "-c", _TIME_LINT], capture_output=True, text=True, env=env,
+                                     check=True)
+                data = json.loads(out.stdout.strip().splitlines()[-1])
+                assert Path(data["module"]).resolve().is_relative_to(src.resolve()), data["module"]
+                times[which].append(data["seconds"])
+    base, now = statistics.median(times["baseline"]), statistics.median(times["now"])
+    ratio = now / base
+    verdict = "PASS" if ratio <= SLOWDOWN_LIMIT else "FAIL"
+    print(f"\nlinting torch, side by side: now {now:.1f}s, doctor @ {rev[:10]} {base:.1f}s: "
+          f"{ratio:.2f}x ({verdict}: target <= {SLOWDOWN_LIMIT}x)")
+    return {"baseline": rev, "measured": True, "seconds_now": round(now, 1), "seconds_baseline": round(base, 1),
+            "ratio": round(ratio, 2), "pass": ratio <= SLOWDOWN_LIMIT}
 
 
 # --------------------------------------------------------------------------- many clock reads in one function

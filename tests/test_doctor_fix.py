@@ -421,3 +421,16 @@ def test_fixing_the_whole_corpus(capsys, tmp_path):
     run(capsys, "doctor", "--fix", root)
     assert {p: p.read_bytes() for p in files} == after
     assert not [p for p in root.rglob("*") if ".tt-fix" in p.name]  # no temporary file left
+
+
+def test_list_and_explain_say_which_rules_fix(capsys):
+    """--list --json marks exactly the FIXABLE rules; --explain of one points to --fix, of another does not."""
+    import json
+
+    assert main(["doctor", "--list", "--json"]) == 0
+    rules = json.loads(capsys.readouterr().out)["rules"]
+    assert {r["id"] for r in rules if r["fixable"]} == set(FIXABLE)
+    assert main(["doctor", "--explain", "TT110"]) == 0
+    assert "--fix" in capsys.readouterr().out
+    assert main(["doctor", "--explain", "TT101"]) == 0
+    assert "--fix" not in capsys.readouterr().out

@@ -617,8 +617,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         else:
             from torch_tricks._format import table
 
-            print(table(["id", "kind", "severity", "name", "message"],
-                        [[r.id, r.kind, r.severity, r.name, r.message] for r in rules], "lllll"))
+            from torch_tricks.doctor.fix import FIXABLE
+
+            print(table(["id", "kind", "severity", "fix", "name", "message"],
+                        [[r.id, r.kind, r.severity, "yes" if r.id in FIXABLE else "", r.name, r.message]
+                         for r in rules], "llllll"))
         return 0
     if args.paths and args.model:
         raise UserError("give PATH... to lint code or --model to check a running model, not both")
@@ -779,8 +782,11 @@ def _findings_count(findings) -> str:
 
 
 def _rule_dict(rule) -> dict[str, Any]:
+    from torch_tricks.doctor.fix import FIXABLE
+
     return {"id": rule.id, "name": rule.name, "kind": rule.kind, "severity": rule.severity,
-            "message": rule.message, "explanation": rule.explanation, "source": rule.source}
+            "message": rule.message, "explanation": rule.explanation, "source": rule.source,
+            "fixable": rule.id in FIXABLE}
 
 
 def _explain_text(rule) -> str:
@@ -789,6 +795,11 @@ def _explain_text(rule) -> str:
     silence = (f"Silence one line with `# noqa: {rule.id}`; " if rule.kind == "static" else "")
     silence += f"leave it out with --ignore {rule.id}, or ignore = [\"{rule.id}\"] under [tool.torch-tricks.doctor] " \
                "in pyproject.toml."
+    from torch_tricks.doctor.fix import FIXABLE
+
+    if rule.id in FIXABLE:
+        silence = f"`torch-tricks doctor --fix` rewrites it where the file shows the fix is safe (--diff to preview). " \
+                  + silence
     return "\n".join([f"{rule.id} {rule.name} ({rule.kind}, {rule.severity})", "", rule.message, "",
                       textwrap.fill(rule.explanation, 88), "", textwrap.fill(f"Source: {rule.source}", 88), "",
                       textwrap.fill(silence[0].upper() + silence[1:], 88)])

@@ -48,3 +48,21 @@ for x, y in loader:
     sizes = x.numpy().shape  # the batch as the loader gave it, on the host
 
 print(loss.item())  # after the loop
+
+for x, y in loader:  # a NaN guard: the test syncs once, its body runs only when training stops
+    loss = criterion(model(x.to(device)), y.to(device))
+    if not math.isfinite(loss.item()):
+        print("Loss is {}, stopping training".format(loss.item()))
+        sys.exit(1)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+for x, y in loader:  # an explicit synchronize for the logger's step time: the read after it waits for nothing
+    loss = criterion(model(x.to(device)), y.to(device))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    # log
+    torch.cuda.synchronize()
+    print(loss.item())

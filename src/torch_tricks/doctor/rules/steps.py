@@ -8,8 +8,9 @@ import ast
 import re
 from typing import Iterator
 
-from torch_tricks.doctor.analysis import (FileAnalysis, LOOPS, SAFE_BUILTINS, dotted, exclusive_branches,
-                                          is_backward, kwarg, optimizer_step, pos, rate_limited, walk_local)
+from torch_tricks.doctor.analysis import (LOOPS, SAFE_BUILTINS, SYNC_FUNCS, FileAnalysis, dotted,
+                                          exclusive_branches, is_backward, kwarg, optimizer_step, pos, rate_limited,
+                                          walk_local)
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 _GRAD_INPLACE = frozenset("zero_ zero_grad fill_ mul_ detach_ copy_ set_ requires_grad_".split())
@@ -437,7 +438,38 @@ def _quiet_guard(f: FileAnalysis, node: ast.AST, loop: ast.AST) -> bool:
             return True
         if isinstance(anc, ast.ExceptHandler):
             return True
+        if isinstance(anc, ast.If) and node not in ast.walk(anc.test) and _guard_test(f, anc.test):
+            return True  # the body of a NaN / divergence guard: runs when training is about to stop
     return False
+
+
+def _after_synchronize(f: FileAnalysis, node: ast.AST) -> bool:
+    """The statement reading ``node`` comes right after an explicit ``torch.cuda.synchronize()`` (or a
+    stream's / event's ``.synchronize()``) in the same block: the device is idle, the read waits for
+    nothing, and the sync is a deliberate choice (timing a step for the logger)."""
+    stmt = node
+    while stmt is not None and not isinstance(stmt, ast.stmt):
+        stmt = f.parent.get(stmt)
+    block = next((getattr(f.parent.get(stmt), name) for name in ("body", "orelse", "finalbody")
+                  if stmt in getattr(f.parent.get(stmt), name, ())), None) if stmt is not None else None
+    if not block:
+        return False
+    i = block.index(stmt)
+    prev = block[i - 1] if i else None
+    return (isinstance(prev, ast.Expr) and isinstance(prev.value, ast.Call)
+            and (f.qualname(prev.value.func) in SYNC_FUNCS or (isinstance(prev.value.func, ast.Attribute)
+                                                             and prev.value.func.attr == "synchronize")))
+
+
+_GUARD_FUNCS = frozenset({"math.isfinite", "math.isnan", "math.isinf", "torch.isfinite", "torch.isnan", "torch.isinf"})
+
+
+def _guard_test(f: FileAnalysis, test: ast.AST) -> bool:
+    """``test`` checks a value already brought to the host (``loss.item()``, ``math.isfinite(...)``):
+    the sync is paid by the test, and its body runs only when the check trips."""
+    return any(isinstance(n, ast.Call) and (f.qualname(n.func) in _GUARD_FUNCS or (
+        isinstance(n.func, ast.Attribute) and n.func.attr in ("item", "isfinite", "isnan", "isinf")))
+        for n in ast.walk(test))
 
 
 def _control_flow(f: FileAnalysis, call: ast.AST, loop: ast.AST) -> bool:
@@ -508,7 +540,7 @@ class PerStepHostSync(StaticRule):
                     k = f.kind(value)
                     if (k is not None and k.cat != "tensor") or not _device_value(f, value, losses):
                         continue
-                    if _quiet_guard(f, node, loop) or _control_flow(f, node, loop):
+                    if _quiet_guard(f, node, loop) or _control_flow(f, node, loop) or _after_synchronize(f, node):
                         continue
                     if found is None or pos(node) < pos(found):
                         found = node
