@@ -48,3 +48,67 @@ def test_g4_elementwise_heavy_model_is_flagged():
 def test_resnet18_advice_is_quiet_on_design():
     found = rules(get_model("resnet18"), torch.randn(1, 3, 64, 64))
     assert not any(r in ("G3", "T23") and sev == "warn" for r, _, sev in found)
+
+
+class _SelfAttention(nn.Module):
+    """Separate Q/K/V projections of one input, as BERT and GPT-NeoX-style code write them."""
+
+    def __init__(self, d=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.query, self.key, self.value = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.query, self.key, self.value))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class _Layer(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.attention = _SelfAttention(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = self.attention(x)
+        return x + self.mlp(x)
+
+
+def twelve_layer_transformer():
+    return nn.Sequential(*[_Layer() for _ in range(12)])
+
+
+def test_attention_projections_are_a_fused_qkv_opportunity_reported_once_per_layer():
+    """Q/K/V of one input: G3 says fuse into one matmul, not re-parameterize, and only at the attention
+    block (not again at the layer and the model that contain it)."""
+    found = advise(summary(twelve_layer_transformer(), torch.randn(2, 16, 64)))
+    g3 = [a for a in found if a.rule == "G3"]
+    assert sorted(a.module for a in g3) == sorted(f"{i}.attention" for i in range(12))
+    assert all("fused QKV" in a.message and "re-parameteriz" in a.message and "not summed" in a.message
+               for a in g3)
+    assert all(a.severity == "info" for a in g3)
+
+
+def test_a_twelve_layer_model_gives_one_advice_line_per_pattern(capsys):
+    """`summary` of a 12-layer transformer prints at most one advisor line per pattern (rule, message,
+    module names up to their layer index), with the count and the first modules."""
+    from torch_tricks.cli import main
+    from torch_tricks.inspect.advisor import group_advice
+
+    grouped = group_advice(advise(summary(twelve_layer_transformer(), torch.randn(2, 16, 64))))
+    keys = [(a.rule, a.severity, a.module) for a in grouped]
+    assert len(keys) == len(set(keys))
+    qkv = next(a for a in grouped if a.rule == "G3")
+    assert (qkv.module, qkv.count, qkv.modules) == ("*.attention", 12, ["0.attention", "1.attention", "2.attention"])
+
+    assert main(["summary", "--model", "tests.test_advisor:twelve_layer_transformer", "--input", "16x64",
+                 "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    advice = out[out.index("\nadvice ("):].splitlines()[2:]
+    lines = [line for line in advice if line.startswith("  [")]
+    assert sum("G3" in line for line in lines) == 1 and "(x12: 0.attention, 1.attention, 2.attention, ...)" in out
+    patterns = [line.split("]")[1].split(":")[0].split(" (x")[0].strip() for line in lines]
+    assert len(patterns) == len(set(patterns)), lines

@@ -1,5 +1,6 @@
 import json
 import re
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -365,3 +366,53 @@ def test_loss_choices_are_the_shared_ones():
     assert parser.parse_args(["doctor", "--model", "mlp"]).loss == "auto"
     for kind in (*LOSSES, "cross-entropy", "bce"):
         assert parser.parse_args(["doctor", "--model", "mlp", "--loss", kind]).loss == kind
+
+
+_NOISY_LIB = '''
+import logging
+import warnings
+
+logging.getLogger("noisylib._C").warning("Failed to load /x/noisylib/_C_mxfp8.so: Could not load this library")
+logging.getLogger("torch.utils._pytree_standin").warning("register_constant() on Enum subclasses is deprecated")
+warnings.warn("noisylib.old_api is deprecated", FutureWarning)
+'''
+_USER_MODULE = '''
+import logging
+import warnings
+
+import noisylib  # noqa: F401  (a library whose import is noisy, like transformers pulling in torchao)
+import torch
+
+warnings.warn("mymodel: the user's own warning")
+logging.getLogger("torch_tricks.standin").warning("torch_tricks: the project's own log line")
+
+
+def build():
+    return torch.nn.Linear(8, 4)
+'''
+
+
+def test_other_libraries_import_noise_stays_off_the_terminal(tmp_path):
+    """A stand-in library in a site-packages folder logs 'Failed to load ...so', a deprecation through a
+    torch logger and a FutureWarning on import: none reaches stderr, the table comes first; -v shows them;
+    the user's own warning and the project's own log line are never held back."""
+    site = tmp_path / "site-packages"
+    (site / "noisylib").mkdir(parents=True)
+    (site / "noisylib" / "__init__.py").write_text(_NOISY_LIB)
+    user = tmp_path / "work"
+    user.mkdir()
+    (user / "mymodel.py").write_text(_USER_MODULE)
+    script = Path(sys.executable).parent / "torch-tricks"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(user)])}
+
+    def run(*extra):
+        return subprocess.run([str(script), "summary", "--model", "mymodel:build", "--input", "8", *extra],
+                              capture_output=True, text=True, env=env, cwd=user, timeout=300)
+
+    quiet, loud = run(), run("-v")
+    assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr + loud.stderr
+    for noise in ("Failed to load", "register_constant", "old_api is deprecated"):
+        assert noise not in quiet.stderr, quiet.stderr
+        assert noise in loud.stderr, loud.stderr
+    assert "the user's own warning" in quiet.stderr and "the project's own log line" in quiet.stderr
+    assert quiet.stdout.splitlines()[0].startswith("mymodel:build")

@@ -23,13 +23,20 @@ _INPUT_HELP = ("input shape without the batch, e.g. 3x224x224; integer tokens as
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    verbose = any(a in ("-v", "--verbose") for a in argv)  # accepted before or after the command
+    args = parser.parse_args([a for a in argv if a not in ("-v", "--verbose")])
     args.debug = "--debug" in argv  # accepted before or after the command
+    verbose = verbose or args.debug
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        if verbose:
+            return int(args.func(args) or 0)
+        from torch_tricks._quiet import install
+
+        with install():  # other libraries' import noise stays off the terminal (-v shows it)
+            return int(args.func(args) or 0)
     except UserError as exc:
         if args.debug:
             raise
@@ -52,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="torch-tricks",
         description="Measure which PyTorch speed and memory tricks help your model, then apply them.",
     )
-    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors (and what -v shows)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show other libraries' import-time log lines and deprecation warnings, kept "
+                        "off the terminal by default")
     p.set_defaults(debug=False)
     sub = p.add_subparsers(title="commands", metavar="COMMAND")
 
@@ -384,7 +394,7 @@ def cmd_tricks(args: argparse.Namespace) -> int:
 
 def cmd_summary(args: argparse.Namespace) -> int:
     from torch_tricks._format import human_bytes, shape_str, si, table
-    from torch_tricks.inspect.advisor import advise
+    from torch_tricks.inspect.advisor import advise, group_advice
     from torch_tricks.inspect.summarize import summary
 
     if args.depth < 0:
@@ -414,11 +424,15 @@ def cmd_summary(args: argparse.Namespace) -> int:
         "by operator: " + ", ".join(f"{k} {si(v)}" for k, v in s.by_operator.items()),
     ]
     if advice:
-        shown = advice[:12]
-        lines += ["", f"advice ({len(advice)}; ShuffleNetV2 G1-G4, tensor-core dims T23):"]
-        lines += [f"  [{a.rule} {a.severity}] {a.module}: {a.message}" for a in shown]
-        if len(advice) > len(shown):
-            lines.append(f"  ... {len(advice) - len(shown)} more (use --json for all)")
+        grouped = group_advice(advice)
+        data["advice_groups"] = [a.to_dict() for a in grouped]
+        shown = grouped[:12]
+        lines += ["", f"advice ({len(advice)} in {len(grouped)} pattern(s); ShuffleNetV2 G1-G4, tensor-core dims T23):"]
+        lines += [f"  [{a.rule} {a.severity}] {a.module}"
+                  + (f" (x{a.count}: {', '.join(a.modules)}{', ...' if a.count > len(a.modules) else ''})"
+                     if a.count > 1 else "") + f": {a.message}" for a in shown]
+        if len(grouped) > len(shown):
+            lines.append(f"  ... {len(grouped) - len(shown)} more (use --json for all)")
     _emit(args, data, "\n".join(lines))
     return 0
 

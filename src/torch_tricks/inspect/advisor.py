@@ -6,30 +6,40 @@ cost (MAC) and parallelism do. Its four guidelines, checked here per layer:
 * G1: equal input and output channels minimise MAC for a given FLOP count; for a 1×1
   conv the excess is ``(c1 + c2) / (2·sqrt(c1·c2))``.
 * G2: group convolutions raise MAC (depthwise convs most: few FLOPs per byte moved).
-* G3: network fragmentation (many small parallel branches) hurts parallelism.
+* G3: network fragmentation (many small parallel branches) hurts parallelism. Branches
+  whose outputs are summed (RepVGG's 3x3 + 1x1 + identity) merge by re-parameterization;
+  parallel projections of one input (attention's Q, K and V) cannot, but fuse into one
+  wider matmul (fused QKV). Each branching is reported once, at the innermost block.
 * G4: element-wise operators (ReLU, add, bias) cost memory traffic, not FLOPs.
 
 T23: tensor cores (fp16/bf16 on NVIDIA, and AMX/oneDNN blocking on CPUs) want the
 matmul dims — channels, features, head dims — to be multiples of 8.
+
+A 12-layer model repeats each finding 12 times: :func:`group_advice` folds advice that
+differs only in the layer index (``encoder.layer.0`` ... ``encoder.layer.11``) into one
+line with the count and the first modules.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from torch_tricks.inspect.summarize import Summary
 
-__all__ = ["Advice", "advise"]
+__all__ = ["Advice", "advise", "group_advice"]
 
 
 @dataclass
 class Advice:
     rule: str  # G1..G4, T23
     severity: str  # "info" | "warn"
-    module: str
+    module: str  # a module name; for a group, the pattern ("encoder.layer.*.attention")
     message: str
+    count: int = 1  # modules this line stands for (group_advice)
+    modules: list[str] = field(default_factory=list)  # for a group: the first few module names
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,10 +80,8 @@ def advise(
                 out.append(Advice("G2", "info", r.name,
                     f"{kind} conv: few FLOPs per byte moved, so it runs far below peak; "
                     "fewer groups or fused kernels help"))
-        if not r.is_leaf and r.branches >= branches:
-            out.append(Advice("G3", "warn", r.name,
-                f"its input feeds {r.branches} parallel compute ops (fragmentation); "
-                "merge branches for inference (re-parameterize, torch-tricks deploy)"))
+        if not r.is_leaf and r.branches >= branches and not _branching_inside(s, r):
+            out.append(_fragmentation(s, r))
         share = r.pointwise_bytes / r.mac_bytes if r.mac_bytes else 0.0
         nested = any(r.name.startswith(f + ".") for f in g4_flagged)  # say it once per subtree
         if not r.is_leaf and r.name and not nested and share >= max(pointwise_share, model_share + 0.1):
@@ -97,6 +105,58 @@ def advise(
             "fusion (deploy fuse, torch.compile) will pay off"))
     order = {"warn": 0, "info": 1}
     return sorted(out, key=lambda a: order[a.severity])
+
+
+def group_advice(advice: list[Advice], keep: int = 3) -> list[Advice]:
+    """One line per pattern: advice of the same rule, severity and message (numbers aside) on
+    modules whose names differ only in their indices is folded into one :class:`Advice` whose
+    ``module`` is the pattern (``encoder.layer.*.attention``), with ``count`` and the first
+    ``keep`` module names; the first one's message stands for all. Order is kept."""
+    groups: dict[tuple, Advice] = {}
+    for a in advice:
+        pattern = _INDEX.sub("*", a.module) if a.module != "(model)" else a.module
+        key = (a.rule, a.severity, pattern, _NUMBER.sub("#", a.message))
+        g = groups.get(key)
+        if g is None:
+            groups[key] = Advice(a.rule, a.severity, a.module, a.message, 1, [a.module])
+        else:
+            g.count += 1
+            g.module = pattern
+            if len(g.modules) < keep:
+                g.modules.append(a.module)
+    return list(groups.values())
+
+
+_INDEX = re.compile(r"(?:(?<=^)|(?<=\.))\d+(?=\.|$)")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _branching_inside(s: Summary, r) -> bool:
+    """A block inside ``r`` has as many branches: the branching is its (the encoder, the layer and
+    the attention all "see" the Q/K/V projections of the attention's input)."""
+    return any(o.name.startswith(r.name + ".") and not o.is_leaf and o.branches >= r.branches
+               for o in s.all_rows) if r.name else any(not o.is_leaf and o.name and o.branches >= r.branches
+                                                        for o in s.all_rows)
+
+
+def _fragmentation(s: Summary, r) -> Advice:
+    """G3 for block ``r``, with the remedy that applies to its kind of branches."""
+    inside = [o for o in s.all_rows if o.is_leaf and (o.name.startswith(r.name + ".") if r.name else o.name)]
+    same_input = [o for o in inside if "in_features" in o.extra and o.input_shapes and r.input_shapes
+                  and o.input_shapes[0] == r.input_shapes[0]]
+    if len(same_input) >= 2:
+        widths = "+".join(str(o.extra["out_features"]) for o in same_input)
+        names = ", ".join(o.name.rsplit(".", 1)[-1] for o in same_input)
+        return Advice("G3", "info", r.name,
+                      f"{len(same_input)} projections of one input ({names}): fuse them into one Linear of "
+                      f"width {widths} (fused QKV: one matmul instead of {len(same_input)}); re-parameterization "
+                      "does not apply, their outputs are not summed")
+    if any("in_channels" in o.extra for o in inside):
+        return Advice("G3", "warn", r.name,
+                      f"its input feeds {r.branches} parallel compute ops (fragmentation); if their outputs are "
+                      "summed, merge them for inference (re-parameterize, torch-tricks deploy)")
+    return Advice("G3", "warn", r.name, f"its input feeds {r.branches} parallel compute ops (fragmentation): "
+                                        "fewer, wider operators use the hardware better")
 
 
 def _matmul_dims(r) -> dict[str, int]:
