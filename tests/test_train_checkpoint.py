@@ -437,3 +437,180 @@ def test_cuda_checkpoint_loads_on_cpu_and_restores_cuda_rng(tmp_path):
     rep = load_checkpoint(path, model=cpu_model)  # map_location="cpu": nothing lands on cuda:0
     assert rep.complete and all(p.device.type == "cpu" for p in cpu_model.parameters())
     assert torch.equal(torch.rand(3, device="cuda"), expected)  # the CUDA generator came back
+
+
+# --------------------------------------------------------------------------- keeping the last k (issue 16)
+
+
+def _names(d):
+    return sorted(p.name for p in d.iterdir())
+
+
+def _save_steps(path, steps, keep):
+    for step in steps:
+        save_checkpoint(path, model=_net(step), step=step, keep=keep)
+
+
+def test_keep_k_leaves_exactly_the_last_k_complete_checkpoints(tmp_path):
+    path = tmp_path / "last.pt"
+    _save_steps(path, range(1, 7), keep=3)  # 6 saves
+    assert _names(tmp_path) == ["last.pt", "last.step-00000004.pt", "last.step-00000005.pt"]  # no temp files
+    from torch_tricks.train.checkpoint import previous_checkpoints
+
+    assert [p.name for p in previous_checkpoints(path)] == ["last.step-00000005.pt", "last.step-00000004.pt"]
+    for name, step in [("last.pt", 6), ("last.step-00000005.pt", 5), ("last.step-00000004.pt", 4)]:
+        dst = _net(99)
+        rep = load_checkpoint(tmp_path / name, model=dst)
+        assert rep.step == step and _state_equal(dst, _net(step)), name  # each a whole, separate checkpoint
+    assert latest_checkpoint(tmp_path) == path  # the kept copies are older
+    save_checkpoint(path, model=_net(6), step=6, keep=3)  # the same step again: not kept twice
+    assert _names(tmp_path) == ["last.pt", "last.step-00000004.pt", "last.step-00000005.pt"]
+    save_checkpoint(path, model=_net(7), step=7, keep=2)  # a smaller keep prunes
+    assert _names(tmp_path) == ["last.pt", "last.step-00000006.pt"]
+    save_checkpoint(path, model=_net(8), step=8)  # keep=1, the default: one file, as before
+    assert _names(tmp_path) == ["last.pt"]
+    _save_steps(tmp_path / "all.pt", range(1, 5), keep=0)  # 0 keeps all
+    assert [n for n in _names(tmp_path) if n.startswith("all")] == [
+        "all.pt", "all.step-00000001.pt", "all.step-00000002.pt", "all.step-00000003.pt"]
+    with pytest.raises(UserError, match="keep must be"):
+        save_checkpoint(path, model=_net(0), keep=-1)
+
+
+def test_a_kept_copy_never_wins_a_time_tie(tmp_path):
+    _save_steps(tmp_path / "last.pt", [1, 2], keep=2)
+    now = time.time_ns()
+    for name in ("last.pt", "last.step-00000001.pt"):  # file times are coarse: two saves can share one
+        os.utime(tmp_path / name, ns=(now, now))
+    assert latest_checkpoint(tmp_path) == tmp_path / "last.pt"
+
+
+def test_failed_save_with_keep_leaves_the_previous_ones_intact(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    _save_steps(path, [1, 2, 3], keep=2)
+    before = {n: (tmp_path / n).read_bytes() for n in _names(tmp_path)}
+    assert sorted(before) == ["last.pt", "last.step-00000002.pt"]
+    real_save, real_replace = torch.save, os.replace
+
+    def half_then_fail(obj, f, *a, **kw):
+        import io
+
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", half_then_fail)  # dies while writing the new one
+    with pytest.raises(OSError, match="No space"):
+        save_checkpoint(path, model=_net(4), step=4, keep=2)
+    monkeypatch.undo()
+    assert {n: (tmp_path / n).read_bytes() for n in _names(tmp_path)} == before
+
+    def fail_on_kept_name(src, dst, *a, **kw):
+        if ".step-" in os.fspath(dst):
+            raise OSError("disk went away")
+        return real_replace(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "replace", fail_on_kept_name)  # dies while giving the previous one its kept name
+    with pytest.raises(OSError, match="went away"):
+        save_checkpoint(path, model=_net(4), step=4, keep=2)
+    monkeypatch.undo()
+    assert {n: (tmp_path / n).read_bytes() for n in _names(tmp_path)} == before  # no temp file, nothing lost
+
+
+_KILLED_KEEPING_SAVER = _KILLED_SAVER.replace("save_checkpoint(path, model=",
+                                              "save_checkpoint(path, keep=2, step=9, model=")
+
+
+def test_sigkill_mid_save_with_keep_leaves_the_previous_ones_intact(tmp_path):
+    path = tmp_path / "last.pt"
+    _save_steps(path, [1, 2, 3], keep=2)
+    before = {n: (tmp_path / n).read_bytes() for n in _names(tmp_path)}
+    ready = tmp_path.parent / f"{tmp_path.name}.ready"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_KEEPING_SAVER, str(path), str(ready)])
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None, f"saver exited early with {proc.returncode}"
+            assert time.monotonic() < deadline, "saver never reached the middle of its save"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    after = {n: (tmp_path / n).read_bytes() for n in _names(tmp_path) if not n.endswith(".tmp")}
+    assert after == before
+    os.utime(next(tmp_path.glob(".last.pt.*.tmp")), (time.time() - 3600, time.time() - 3600))
+    save_checkpoint(path, model=_net(4), step=4, keep=2)  # the next save clears the stale temp file
+    assert _names(tmp_path) == ["last.pt", "last.step-00000003.pt"]
+
+
+def test_fallback_loads_the_newest_checkpoint_that_loads(tmp_path):
+    path = tmp_path / "last.pt"
+    _save_steps(path, [1, 2, 3], keep=3)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # damaged after it was written
+    with pytest.raises(UserError, match="corrupt or truncated"):
+        load_checkpoint(path, model=_net(0))  # without fallback: as before
+    dst = _net(0)
+    rep = load_checkpoint(path, model=dst, fallback=True)
+    assert rep.path == str(tmp_path / "last.step-00000002.pt") and rep.step == 2 and _state_equal(dst, _net(2))
+    assert [p for p, _ in rep.unreadable] == [str(path)]
+    line = rep.fallback_line()
+    assert "\n" not in line and str(path) in line and "corrupt or truncated" in line
+    assert "last.step-00000002.pt (step 2)" in line and line in rep.summary()
+
+    (tmp_path / "last.step-00000002.pt").write_bytes(b"not a checkpoint" * 4)  # the next one too
+    rep = load_checkpoint(path, model=_net(0), fallback=True)
+    assert rep.step == 1 and len(rep.unreadable) == 2 and "1 newer kept one" in rep.fallback_line()
+
+    path.unlink()  # a missing last.pt falls back as well
+    rep = load_checkpoint(path, model=_net(0), fallback=True)
+    assert rep.step == 1 and rep.unreadable[0] == (str(path), "is missing")
+
+    (tmp_path / "last.step-00000001.pt").write_bytes(b"garbage" * 10)  # none loads: one line, what to do
+    path.write_bytes(data[:100])
+    with pytest.raises(UserError) as err:
+        load_checkpoint(path, model=_net(0), fallback=True)
+    msg = str(err.value)
+    assert "\n" not in msg and str(path) in msg and "corrupt or truncated" in msg
+    assert "use another checkpoint" in msg and "the 2 earlier checkpoints kept beside it do not load either" in msg
+
+    alone = tmp_path / "alone" / "last.pt"  # nothing kept: exactly the error of old
+    alone.parent.mkdir()
+    alone.write_bytes(data[:100])
+    with pytest.raises(UserError) as err2:
+        load_checkpoint(alone, model=_net(0), fallback=True)
+    with pytest.raises(UserError) as err1:
+        load_checkpoint(alone, model=_net(0))
+    assert str(err1.value) == str(err2.value)
+
+
+def test_a_kept_sharded_checkpoint_is_resumed_when_the_pointed_one_is_incomplete(tmp_path):
+    """save_sharded keeps the newest ``keep`` complete folders; a resume over a pointer whose folder lost
+    its .metadata falls back to the previous one, in one warning (one process: DCP needs no group)."""
+    from torch_tricks.train import TrainConfig, fit
+    from torch_tricks.train.sharded_checkpoint import complete_sharded, save_sharded, sharded_to_resume
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters())
+    for step in (1, 2, 3):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        save_sharded(tmp_path, model=model, optimizer=opt, step=step, keep=2)
+    assert [f.name for f in complete_sharded(tmp_path)] == ["step-00000003.dcp", "step-00000002.dcp"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002.dcp", "step-00000003.dcp"]
+    assert sharded_to_resume(tmp_path) == (tmp_path / "step-00000003.dcp", "")
+    (tmp_path / "step-00000003.dcp" / ".metadata").unlink()
+    folder, note = sharded_to_resume(tmp_path)
+    assert folder == tmp_path / "step-00000002.dcp" and "\n" not in note and "step-00000003.dcp" in note
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 4, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(4)]
+    cfg = TrainConfig(epochs=1, optimizer="adamw", progress=False, device="cpu", checkpoint_dir=str(tmp_path),
+                      resume=True)
+    with pytest.warns(UserWarning, match="missing or incomplete: resuming from .*step-00000002.dcp"):
+        h = fit(model, batches, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)  # as saved
+    assert h.resumed_from_step == 2 and h.resumed_from == str(folder) and h.notes == [note]
+    save_sharded(tmp_path, model=model, optimizer=opt, step=9, keep=1)  # keep=1: the others go
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000009.dcp"]

@@ -213,3 +213,111 @@ def test_fp16_step_skipped_by_scaler_does_not_step_the_scheduler():
     lrs = [r["lr"] for r in h.rows if r["split"] == "train"]
     assert lrs[2] == lrs[1]  # the skipped step left the schedule where it was
     assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))  # the others moved it on
+
+
+# --------------------------------------------------------------------------- runs you can recover (issue 16)
+
+
+def _losses(h):
+    return {r["step"]: r["loss"] for r in h.rows if r["split"] == "train"}
+
+
+def _files(d):
+    return sorted(p.name for p in Path(d).iterdir())
+
+
+def test_resume_over_a_damaged_last_pt_falls_back_to_the_previous_checkpoint(tmp_path):
+    """fit(resume=True): last.pt truncated after the run; the checkpoint kept before it resumes, to the losses
+    of the uninterrupted run (rel 1e-5), and one warning (also in History.notes) says so."""
+    batches = _batches([4] * 8)
+    base = dict(epochs=2, optimizer="adamw", lr=0.01, log_every=1, **QUIET)
+    full = fit(_mlp(), batches, config=TrainConfig(**base))
+    expected = _losses(full)
+    assert sorted(expected) == list(range(1, 17))
+
+    ck = tmp_path / "ck"
+    saving = dict(checkpoint_dir=str(ck), checkpoint_every=1)
+    fit(_mlp(), batches, config=TrainConfig(**base, **saving, max_steps=6))
+    assert _files(ck) == ["last.pt", "last.step-00000005.pt"]  # keep_checkpoints=2 by default, no temp files
+    data = (ck / "last.pt").read_bytes()
+    (ck / "last.pt").write_bytes(data[: len(data) // 3])
+
+    with pytest.warns(UserWarning) as caught:
+        h = fit(_mlp(), batches, config=TrainConfig(**base, **saving, resume=True))
+    lines = [str(w.message) for w in caught if "resume:" in str(w.message)]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert f"{ck / 'last.pt'} is corrupt or truncated" in lines[0]
+    assert f"{ck / 'last.step-00000005.pt'} (step 5)" in lines[0]
+    assert h.notes == lines and h.resumed_from_step == 5 and h.resumed_from == str(ck / "last.step-00000005.pt")
+    after = _losses(h)
+    assert sorted(after) == list(range(6, 17))
+    for step, loss in after.items():
+        assert loss == pytest.approx(expected[step], rel=1e-5), step
+    assert _files(ck) == ["last.pt", "last.step-00000015.pt"]  # the damaged file was replaced, not kept
+
+    for name in _files(ck):  # nothing loads: the one-line error of before, naming what to do
+        (ck / name).write_bytes((ck / name).read_bytes()[:200])
+    with pytest.raises(UserError) as err:
+        fit(_mlp(), batches, config=TrainConfig(**base, **saving, resume=True))
+    msg = str(err.value)
+    assert "\n" not in msg and "corrupt or truncated" in msg and "use another checkpoint" in msg, msg
+
+
+def test_cli_resume_over_a_damaged_last_pt_falls_back(tmp_path):
+    """torch-tricks train --resume (main([...]) in this process), --keep-checkpoints 3: last.pt truncated, the
+    run resumes from the newest kept checkpoint and ends with the uninterrupted run's losses (rel 1e-5)."""
+    import json
+
+    from torch_tricks.cli import main
+
+    def train(*args):
+        flags = ["train", "--model", "small_cnn", "--data", "digits", "--optimizer", "sgd", "--lr", "0.05",
+                 "--log-every", "1", "--no-progress", "--device", "cpu", *args]
+        assert main(flags) == 0
+
+    train("--max-steps", "12", "--out", str(tmp_path / "full.json"))
+    expected = _losses_json(tmp_path / "full.json")
+    ck = tmp_path / "ck"
+    train("--max-steps", "8", "--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--keep-checkpoints", "3")
+    assert _files(ck) == ["last.pt", "last.step-00000006.pt", "last.step-00000007.pt"]
+    (ck / "last.pt").write_bytes((ck / "last.pt").read_bytes()[:4096])
+
+    with pytest.warns(UserWarning, match=r"resume: checkpoint .*last\.pt is corrupt or truncated .*"
+                                         r"last\.step-00000007\.pt \(step 7\)"):
+        train("--max-steps", "12", "--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--resume",
+              "--out", str(tmp_path / "resumed.json"))
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert resumed["resumed_from_step"] == 7 and len(resumed["notes"]) == 1
+    after = _losses_json(tmp_path / "resumed.json")
+    assert sorted(after) == list(range(8, 13))
+    for step, loss in after.items():
+        assert loss == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
+    assert resumed["final"]["train_loss"] == pytest.approx(expected[12], rel=1e-5)
+
+
+def _losses_json(path):
+    import json
+
+    return {r["step"]: r["loss"] for r in json.loads(Path(path).read_text())["rows"] if r.get("split") == "train"}
+
+
+def test_history_final_has_the_train_loss_with_and_without_validation_data(tmp_path):
+    batches = _batches([4] * 8)
+    per_step = _losses(fit(_mlp(), batches, config=TrainConfig(epochs=1, optimizer="sgd", log_every=1, **QUIET)))
+
+    h = fit(_mlp(), batches, config=TrainConfig(epochs=1, optimizer="sgd", log_every=3, **QUIET))
+    assert set(h.final) == {"train_loss"}  # no validation data: still the last training loss
+    assert h.final["train_loss"] == pytest.approx(sum(per_step[s] for s in (6, 7, 8)) / 3, rel=1e-5)  # last 3 steps
+
+    val = _batches([5, 5], seed=2)
+    h = fit(_mlp(), batches, val, config=TrainConfig(epochs=1, optimizer="sgd", log_every=4, **QUIET))
+    last_val = [r for r in h.rows if r["split"] == "val"][-1]
+    assert set(h.final) == {"train_loss", "loss", "acc"}
+    assert h.final["loss"] == last_val["loss"] and h.final["acc"] == last_val["acc"]
+    assert h.final["train_loss"] == pytest.approx(_losses(h)[8], rel=1e-5)  # the last logged window, steps 5-8
+
+    # the window is carried across a resume: stopped at step 6, resumed, the same final train_loss
+    cfg = TrainConfig(epochs=1, optimizer="sgd", log_every=4, checkpoint_dir=str(tmp_path), **QUIET)
+    fit(_mlp(), batches, val, config=cfg.replace(max_steps=6))
+    h2 = fit(_mlp(), batches, val, config=cfg.replace(resume=True))
+    assert h2.resumed_from_step == 6 and h2.final["train_loss"] == pytest.approx(h.final["train_loss"], rel=1e-5)

@@ -516,3 +516,174 @@ def test_a_budget_too_short_for_one_trick_stops_after_the_plain_step_and_says_wh
     paths = report.write(tmp_path)
     assert "no trick was measured" in paths["tricks.toml"].read_text()
     assert "(memory not measured)" in report.to_text()
+
+
+# -- every verdict has its reason ------------------------------------------------------------------
+
+def test_every_row_of_the_default_tune_has_its_reason(tuned, tmp_path):
+    report = tuned[0]
+    paths = report.write(tmp_path)
+    data = json.loads(paths["report.json"].read_text())
+    assert data["run_steps"] == tuner_mod.ASSUMED_RUN_STEPS and data["run_steps_source"] == "assumed"
+    verdicts = data["verdicts"]
+    names = {v["name"] for v in verdicts}
+    assert {r.name for r in [report.baseline] + report.results + report.combos} | {s.name for s in report.skipped} \
+        <= names  # every row, skipped ones included
+    for v in verdicts:
+        assert v["decision"] and v["verdict"], v
+        if v["decision"] != "recommended":
+            assert v["reason"].strip(), v
+    for r in data["results"] + data["combinations"] + [data["baseline"]]:
+        assert r["decision"], r
+        if r["decision"] != "recommended":
+            assert r["why"].strip(), r
+    rec = [v for v in verdicts if v["decision"] == "recommended"]
+    assert [v["name"] for v in rec] == [report.best_throughput.name]  # one recommendation, the one tricks.toml has
+    # ... and the same reasons in the printed table, report.md and tricks.toml's comments
+    text, md, toml = report.to_text(), paths["report.md"].read_text(), paths["tricks.toml"].read_text()
+    comments = [line for line in toml.splitlines() if line.startswith("#")]
+    for r in report.results + report.combos:
+        assert r.why in text and r.why in md, r.name
+        assert any(line.startswith(f"#   {r.name}") and r.why in line for line in comments), r.name
+    why = {v["name"]: v for v in verdicts}
+    assert why["compile"]["advice"].startswith("drop --skip compile")  # what would get it measured
+    assert "CUDA" in why["cudnn_benchmark"]["reason"] and "--device cuda" in why["cudnn_benchmark"]["advice"]
+    assert tomllib.loads(toml)["train"] == report.recommended_config()  # the comments leave the keys as they were
+
+
+def _report_with_compile(run_steps: int, source: str = "assumed") -> tuple[TuneReport, dict]:
+    """A report put together from given figures (nothing timed): bf16 is the best single trick, compile was
+    measured on top of it, faster per step beyond the margin, with a first call 38 s longer than bf16's."""
+    from torch_tricks.tuning.candidates import Skipped
+    from torch_tricks.tuning.report import Result
+
+    report = TuneReport(model="net", batch=32, device="cpu", optimizer="adamw", memory_limit=1 << 30,
+                        memory_limit_source="given", budget_s=60.0, noise=0.01, aa_ratio=1.0, aa_half_ci=0.01,
+                        drift_tolerance={"loss": 0.05}, rounds=30, run_steps=run_steps, run_steps_source=source,
+                        stop_reason="settled: after 30 rounds")
+    mib = 1 << 20
+    r = {
+        "plain": Result("plain", "baseline", {}, (), status="measured", verdict="baseline", step_s=1.0, ratio=1.0,
+                        first_call_s=2.0, peak_bytes=100 * mib, losses=[2.3, 2.2, 2.1]),
+        "bf16": Result("mixed_precision:bf16", "speed", {"precision": "bf16"}, ("T1",), status="measured",
+                       verdict="faster", step_s=0.5, ratio=0.5, ratio_half_ci=0.01, first_call_s=2.0,
+                       peak_bytes=80 * mib, loss_drift=0.01, rounds=30),
+        "fused": Result("fused_optimizer", "speed", {"fused_optimizer": True}, ("T5",), status="measured",
+                        verdict="faster", step_s=0.51, ratio=0.51, ratio_half_ci=0.02, first_call_s=2.0,
+                        peak_bytes=80 * mib, loss_drift=0.0, rounds=30),
+        "fp16": Result("mixed_precision:fp16", "speed", {"precision": "fp16"}, ("T1",), status="measured",
+                       verdict="drifts", step_s=0.5, ratio=0.5, ratio_half_ci=0.02, peak_bytes=60 * mib, rounds=30,
+                       loss_drift=0.2),
+        "cl": Result("channels_last", "speed", {"channels_last": True}, ("T3",), status="measured",
+                     verdict="faster, over the memory limit", step_s=0.9, ratio=0.9, ratio_half_ci=0.01,
+                     peak_bytes=2 << 30, rounds=30),
+        "inplace": Result("inplace_activations", "speed", {"inplace": True}, ("T8",), status="measured",
+                          verdict="no measurable change", step_s=0.99, ratio=0.99, ratio_half_ci=0.03,
+                          peak_bytes=90 * mib, rounds=30),
+        "ema": Result("ema", "cost", {"ema": True}, ("T6",), status="skipped", verdict="skipped",
+                      reason="over --budget-seconds before it could be measured: raise it"),
+        "compile": Result("compile", "speed", {"compile": True}, ("T2",), status="measured", verdict="faster",
+                          reason="measured on top of mixed_precision:bf16: see mixed_precision:bf16+compile"),
+        # 1.33x the speed of bf16 in its own race: 500 ms -> 375 ms a step; first call 40 s against bf16's 2 s
+        "target": Result("mixed_precision:bf16+compile", "speed", {"precision": "bf16", "compile": True},
+                         ("T1", "T2"), status="measured", verdict="faster", step_s=0.375, ratio=0.375,
+                         ratio_half_ci=0.01, vs_current=0.75, vs_current_half_ci=0.01,
+                         vs_current_name="mixed_precision:bf16", vs_current_step_s=0.5, first_call_s=40.0,
+                         loss_drift=0.01, rounds=12),
+    }
+    r["bf16"].chosen = True
+    report.baseline, report.best_throughput = r["plain"], r["bf16"]
+    report.results = [r[k] for k in ("bf16", "fused", "fp16", "cl", "inplace", "ema", "compile")]
+    report.combos = [r["target"]]
+    report.skipped = [Skipped("cudnn_benchmark", ("T4",), "train", "cudnn.benchmark only affects CUDA convolutions")]
+    return report, r
+
+
+def _decide_compile(report: TuneReport, r: dict) -> None:
+    """The tuner's own decision on compile, on the given figures (no runner, nothing timed)."""
+    job = tuner_mod._Tune.__new__(tuner_mod._Tune)
+    job.report, job.limit, job.choice_notes = report, report.memory_limit, []
+    job.compile_target, job.compile_base, job.compile_row = r["target"], r["bf16"], r["compile"]
+    job._compile_decide()
+
+
+def test_a_faster_compile_not_paid_back_in_the_run_says_its_break_even_step_count(tmp_path):
+    report, r = _report_with_compile(run_steps=100)
+    _decide_compile(report, r)
+    assert report.best_throughput is r["bf16"]  # 1.33x bf16's speed beyond the margin, and still not recommended
+    n = math.ceil((40.0 - 2.0) / (0.5 - 0.375))  # extra one-off seconds / seconds saved a step
+    assert n == 304
+    paths = report.write(tmp_path)
+    target = r["target"]
+    assert target.decision == "not recommended" and target.break_even_steps == n
+    assert target.why.startswith("compile not amortised within the 100 steps the tune assumes for a run")
+    assert f"break-even after {n} steps" in target.why and "38.0 s more than mixed_precision:bf16's" in target.why
+    assert f"at least {n} steps" in target.advice and "steps=" in target.advice
+    assert r["compile"].why.endswith(target.why) and r["compile"].decision == "not recommended"
+    # in every view: the table, report.md, report.json, and tricks.toml's comments (which leave compile off)
+    assert f"break-even after {n} steps" in report.to_text()
+    assert f"break-even after {n} steps" in paths["report.md"].read_text()
+    data = json.loads(paths["report.json"].read_text())
+    assert data["combinations"][0]["break_even_steps"] == n and data["combinations"][0]["why"] == target.why
+    toml = paths["tricks.toml"].read_text()
+    line = next(x for x in toml.splitlines() if x.startswith("#   mixed_precision:bf16+compile"))
+    assert f"break-even after {n} steps" in line and "not recommended" in line
+    assert tomllib.loads(toml)["train"]["compile"] is False and tomllib.loads(toml)["train"]["precision"] == "bf16"
+    # told a run long enough, the tuner recommends it, and says it pays back within the run
+    report, r = _report_with_compile(run_steps=n, source="given")
+    _decide_compile(report, r)
+    assert report.best_throughput is r["target"] and r["target"].chosen
+    report.explain()
+    assert r["target"].decision == "recommended" and f"break-even after {n} steps, within your run of {n} steps" \
+        in r["target"].why
+    assert r["compile"].decision == r["bf16"].decision == "part of the recommendation"
+    assert tomllib.loads(report.tricks_toml())["train"]["compile"] is True
+
+
+def test_compile_inside_the_noise_of_what_it_extends_says_so_with_its_interval():
+    report, r = _report_with_compile(run_steps=100_000)
+    t = r["target"]
+    t.vs_current, t.vs_current_half_ci, t.left_round = 0.97, 0.05, None  # 1.03x bf16's speed, interval over 1.00x
+    _decide_compile(report, r)
+    assert report.best_throughput is r["bf16"]
+    report.explain()
+    assert t.why.startswith("inside the noise of mixed_precision:bf16, which it extends: 1.03x the speed of "
+                            "mixed_precision:bf16 (95% interval 0.98-1.09x) (its interval reaches 1.00x")
+    assert "a change must exceed ±5.0%" in t.why and "break-even after 304 steps" in t.why  # the payback, too
+    assert "raise --budget-seconds" in t.advice  # its race was still open
+
+
+def test_the_other_reasons_memory_drift_noise_of_the_best_and_skipped():
+    report, r = _report_with_compile(run_steps=100)
+    why = {v["name"]: v for v in report.explain()}
+    assert why["mixed_precision:bf16"]["decision"] == "recommended"
+    assert why["mixed_precision:bf16"]["reason"].startswith("the fastest, faster than plain beyond the margin: 2.00x")
+    assert why["plain"]["decision"] == "reference" and "mixed_precision:bf16 is faster" in why["plain"]["reason"]
+    # faster than plain, but inside the noise of the best: the speed-up intervals overlap
+    fused = why["fused_optimizer"]
+    assert fused["decision"] == "not recommended"
+    assert fused["reason"].startswith("inside the noise of mixed_precision:bf16, the best: 1.96x ±0.08 against "
+                                      "2.00x ±0.04 the plain step (overlapping intervals)")
+    # memory over the limit
+    cl = why["channels_last"]
+    assert cl["reason"] == "its peak 2.0 GiB is over the memory limit 1.0 GiB (given)" and "--memory-limit" in cl["advice"]
+    # drift
+    assert why["mixed_precision:fp16"]["reason"] == ("its loss drifts 20.0% from fp32's over 3 steps (relative to the "
+                                                     "first fp32 loss), beyond the 5% tolerance")
+    # inside the noise of plain
+    assert why["inplace_activations"]["reason"].startswith("inside the noise of plain: 1.01x the speed of plain")
+    assert why["inplace_activations"]["advice"] == "more rounds narrow its interval: raise --budget-seconds"
+    # skipped: why, and what would get it measured
+    assert why["ema"]["decision"] == "skipped" and why["ema"]["advice"] == "raise --budget-seconds"
+    assert why["cudnn_benchmark"]["advice"] == "tune on a CUDA GPU (--device cuda)"
+    for v in why.values():
+        if v["decision"] != "recommended":
+            assert v["reason"], v
+    text = report.to_text()
+    assert "faster, not recommended: mixed_precision:bf16+compile: compile not amortised" in text
+    assert "skipped: cudnn.benchmark only affects CUDA convolutions; what would change it: tune on a CUDA GPU" in text
+
+
+def test_a_run_length_that_is_not_a_whole_number_of_steps_is_a_user_error():
+    with pytest.raises(UserError, match="steps"):
+        tune(TinyNet, _batch(), budget_s=5, progress=False, steps=0)

@@ -109,3 +109,12 @@ def test_tune_with_data_and_deploy(capsys, tmp_path):
 def test_missing_data_path_is_one_line_and_exit_2(capsys, tmp_path):
     code, out, err = run(capsys, "tune", "--model", "small_cnn", "--data", str(tmp_path / "nope"), "--no-progress")
     assert code == 2 and out == "" and "no data set at" in err and len(err.strip().splitlines()) == 1
+
+
+def test_steps_flag_reaches_the_tune_and_a_bad_value_is_one_line(capsys):
+    """`--steps N` is the run length compile must pay back within; 0 is a one-line error, exit 2."""
+    from torch_tricks.cli import main
+
+    assert main(["tune", "--model", "mlp", "--steps", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "steps" in err[0] and ">= 1" in err[0]

@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="e.g. 8GiB or 512MiB (default: the GPU's memory, or 80%% of the RAM available)")
     sp.add_argument("--skip", action="append", metavar="TRICK", help="leave this trick out (repeatable)")
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--steps", type=int, metavar="N",
+                    help="optimizer steps of your training run: compile is recommended only if its compile time "
+                         "pays back within them (default: 10,000 assumed, and said in the report)")
     sp.add_argument("--processes", type=int, metavar="N",
                     help="also measure ddp, zero1 and fsdp on N processes the tune launches itself (torchrun's "
                          "engine, this machine; --batch is then the global batch, N must divide it): per-rank "
@@ -559,7 +562,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     final = history.final
     text = [f"{args.model} on {args.data}: {history.steps} steps, {history.epochs} epochs in {history.wall_s:.1f} s"
             + (f" (switches: {', '.join(history.applied)})" if history.applied else "")]
-    text.append("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
+    if "train_loss" in final:
+        text.append(f"final training loss: {final['train_loss']:.4f} (mean of the last logged steps)")
+    valid = {k: v for k, v in final.items() if k != "train_loss"}
+    if valid:
+        text.append("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in valid.items()))
     if history.skipped_steps:
         text.append(f"fp16 steps skipped by the grad scaler: {history.skipped_steps}")
     if history.compile_s:
@@ -583,7 +590,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     report = tune(model, batch, loss_fn, optimizer=args.optimizer, lr=args.lr, device=args.device,
                   budget_s=args.budget_seconds, memory_limit=limit, data=args.data, deploy=args.deploy,
                   seed=args.seed, progress=args.progress and rank == 0, name=args.model, skip=args.skip or (),
-                  processes=args.processes)
+                  processes=args.processes, steps=args.steps)
     if rank != 0:
         return 0
     text = report.to_text()

@@ -10,6 +10,13 @@ Saving (:func:`save_checkpoint`):
 * the write is atomic: temp file in the same directory, flush + fsync, ``os.replace``.
   A kill at any moment leaves the previous complete checkpoint or the new complete one,
   never a truncated file under the real name;
+* ``keep=k`` keeps the last ``k`` complete checkpoints: the newest under the name given
+  (``last.pt``), the ones it replaced as ``last.step-NNNNNNNN.pt`` beside it (their step,
+  zero-padded). Once the new one is complete, and only then, the file it replaces gets a
+  second name (a hard link, so nothing is copied), the new one is renamed over ``last.pt``
+  and the kept copies beyond ``k`` are deleted. ``load_checkpoint(..., fallback=True)``
+  (what ``fit``'s resume uses) loads the newest of these that loads, so a ``last.pt``
+  damaged after it was written costs the steps since the previous checkpoint, not the run;
 * under DDP only rank 0 writes (every rank holds the same weights, and N writers of one
   file is N times the I/O and a race), then every rank waits for it, so no rank reads a
   checkpoint before it exists.
@@ -52,6 +59,7 @@ __all__ = [
     "load_checkpoint",
     "load_state_dict_flexible",
     "latest_checkpoint",
+    "previous_checkpoints",
     "capture_rng_state",
     "restore_rng_state",
 ]
@@ -84,6 +92,8 @@ class LoadReport:
     sampler_epoch: int | None = None
     extra: Any = None
     notes: list[str] = field(default_factory=list)
+    # fallback=True: the newer checkpoints that did not load, (path, why), newest first; ``path`` is the one that did
+    unreadable: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -94,6 +104,8 @@ class LoadReport:
         """One paragraph for a log: what loaded, what did not, what was restored, where to resume."""
         src = f" from {self.path}" if self.path else ""
         parts = [f"Loaded {len(self.loaded)} model entries{src}."]
+        if self.unreadable:
+            parts.append(self.fallback_line() + ".")
         if self.skipped_shape:
             shown = ", ".join(f"{k} (checkpoint {tuple(a)} vs model {tuple(b)})" for k, a, b in self.skipped_shape[:3])
             more = f" and {len(self.skipped_shape) - 3} more" if len(self.skipped_shape) > 3 else ""
@@ -115,6 +127,15 @@ class LoadReport:
             pos += f" (sampler epoch {self.sampler_epoch})"
         parts.append(pos + ".")
         return " ".join(parts)
+
+    def fallback_line(self) -> str:
+        """One line saying which newer checkpoints did not load and which one did ("" when none was skipped)."""
+        if not self.unreadable:
+            return ""
+        (bad, why), more = self.unreadable[0], len(self.unreadable) - 1
+        also = f" (and {more} newer kept one{'s' if more > 1 else ''} did not load either)" if more else ""
+        return (f"checkpoint {bad} {why}{also}: loaded {self.path} (step {self.step}) instead, "
+                "the newest checkpoint that loads")
 
 
 @register_trick(
@@ -139,6 +160,7 @@ def save_checkpoint(
     sampler_epoch: int | None = None,
     extra: Any = None,
     rng: bool = True,
+    keep: int = 1,
 ) -> Path:
     """Write a resumable checkpoint to ``path`` atomically; returns ``path``.
 
@@ -151,6 +173,12 @@ def save_checkpoint(
     ``generator``: creating a DataLoader iterator draws a seed from the global torch RNG
     otherwise, and the resumed run creates one iterator more than the uninterrupted one.
 
+    ``keep``: how many complete checkpoints to keep, this one included (0: all). With
+    ``keep > 1`` the checkpoint ``path`` held before (if it loads, and is of another step)
+    stays as ``<stem>.step-NNNNNNNN<suffix>`` beside it (``last.step-00000040.pt``), and
+    the oldest such copies beyond ``keep`` are deleted, both only once the new checkpoint
+    is complete under ``path``. :func:`previous_checkpoints` lists them, newest first.
+
     Under torch.distributed every rank must call it: each rank's RNG state is gathered (so
     each rank resumes its own dropout / augmentation stream), rank 0 writes, and all ranks
     then agree on success, which doubles as the barrier. Only the CUDA generator of each
@@ -159,6 +187,8 @@ def save_checkpoint(
     """
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be an nn.Module, not {type(model).__name__}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise UserError(f"keep must be a whole number >= 0 (0 keeps every checkpoint), not {keep!r}")
     target = Path(path)
     if target.is_dir():
         example = str(target / "last.pt")
@@ -191,7 +221,8 @@ def save_checkpoint(
                 ckpt["rng"] = {"per_rank": rng_states}
             if extra is not None:
                 ckpt["extra"] = extra
-            _atomic_torch_save(ckpt, target)
+            _atomic_torch_save(ckpt, target, keep_previous=keep != 1, step=int(step))
+            _prune_kept(target, keep)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
             error = exc
     if any_rank(error is not None):  # every rank learns whether rank 0 succeeded; also the barrier
@@ -214,6 +245,7 @@ def load_checkpoint(
     strict: bool = False,
     encoding: str | None = None,
     restore_rng: bool = True,
+    fallback: bool = False,
 ) -> LoadReport:
     """Load ``path`` into whatever is given and report what happened.
 
@@ -225,11 +257,40 @@ def load_checkpoint(
     trust); ``encoding="latin1"`` reads Python 2 pickles. Components given but absent
     from the file are listed in ``report.not_in_checkpoint``. RNG states are restored when
     the file has them and ``restore_rng`` (each rank its own, under DDP).
+
+    ``fallback=True``: when ``path`` is missing or does not load (truncated, corrupt,
+    empty), load the newest of the checkpoints :func:`save_checkpoint` kept beside it
+    (``keep > 1``) that does; ``report.path`` is the one loaded and ``report.unreadable``
+    lists the newer ones skipped, with why (``report.fallback_line()`` says it in one line).
+    If none loads, the error is ``path``'s. Only reading falls back: a checkpoint that
+    reads but does not fit the model or optimizer is an error, as without fallback.
     """
     p = Path(path)
-    obj = _torch_load(p, map_location=map_location, weights_only=weights_only, encoding=encoding)
+    read = dict(map_location=map_location, weights_only=weights_only, encoding=encoding)
+    unreadable: list[tuple[str, str]] = []
+    if not fallback:
+        obj = _torch_load(p, **read)
+    else:
+        kept = previous_checkpoints(p)
+        first: UserError | None = None
+        for c in [p] + kept:  # a missing path falls back too (deleted by hand: the kept ones are still the run's)
+            try:
+                obj = _torch_load(c, **read)
+            except UserError as exc:
+                first = first or exc
+                unreadable.append((str(c), getattr(exc, "reason", None) or f"does not load ({exc})"))
+                continue
+            p = c
+            break
+        else:
+            assert first is not None
+            if not kept:
+                raise first
+            n = len(kept)
+            raise UserError(f"{first}; the {n} earlier checkpoint{'s' if n > 1 else ''} kept beside it "
+                            f"do{'' if n > 1 else 'es'} not load either") from None
     ckpt = _as_checkpoint(obj)
-    report = LoadReport(path=str(p))
+    report = LoadReport(path=str(p), unreadable=unreadable)
 
     if model is not None:
         state = ckpt.get("model")
@@ -349,24 +410,48 @@ def latest_checkpoint(directory: str | os.PathLike[str], pattern: str = "*.pt") 
 
     Temp files of interrupted saves (``.<name>.*.tmp``), other hidden files and empty files
     are never candidates. Newest is by modification time, ties broken by natural name
-    order (``step_10`` after ``step_9``).
+    order (``step_10`` after ``step_9``), except that a copy :func:`save_checkpoint` kept
+    (``last.step-NNNNNNNN.pt``) never wins a tie against another file: file times are coarse
+    (a few ms), and the copy is the older checkpoint.
     """
     d = Path(directory)
     if not d.exists():
         return None
     if not d.is_dir():
         raise UserError(f"{str(d)!r} is not a directory: give the directory holding the checkpoints")
-    best: tuple[tuple[int, list[Any]], Path] | None = None
+    best: tuple[tuple[int, bool, list[Any]], Path] | None = None
     for p in d.glob(pattern):
         if _is_temp(p) or not p.is_file():
             continue
         st = p.stat()
         if st.st_size == 0:
             continue
-        key = (st.st_mtime_ns, _natural_key(p.name))
+        key = (st.st_mtime_ns, _KEPT.fullmatch(p.name) is None, _natural_key(p.name))
         if best is None or key > best[0]:
             best = (key, p)
     return None if best is None else best[1]
+
+
+def previous_checkpoints(path: str | os.PathLike[str]) -> list[Path]:
+    """The earlier checkpoints :func:`save_checkpoint` kept beside ``path`` (``keep > 1``), newest first.
+
+    For ``ckpt/last.pt`` these are ``ckpt/last.step-NNNNNNNN.pt``; newest is by
+    modification time (when the checkpoint was written), ties by step. Temp files and empty
+    files are never listed; ``path`` itself is not.
+    """
+    target = Path(path)
+    if not target.parent.is_dir():
+        return []
+    name = re.compile(re.escape(target.stem) + r"\.step-(\d+)" + re.escape(target.suffix))
+    found = []
+    for p in target.parent.glob(f"{glob.escape(target.stem)}.step-*{glob.escape(target.suffix)}"):
+        m = name.fullmatch(p.name)
+        if m is None or _is_temp(p) or not p.is_file():
+            continue
+        st = p.stat()
+        if st.st_size:
+            found.append(((st.st_mtime_ns, int(m.group(1))), p))
+    return [p for _, p in sorted(found, key=lambda kp: kp[0], reverse=True)]
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -518,13 +603,15 @@ def _remap_metadata(model: nn.Module, meta: Mapping[str, Any]) -> OrderedDict[st
     return out
 
 
-def _atomic_torch_save(obj: Any, target: Path) -> None:
+def _atomic_torch_save(obj: Any, target: Path, *, keep_previous: bool = False, step: int = 0) -> None:
     started = time.time()
     with atomic_path(target, suffix=".tmp") as tmp:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        if keep_previous:  # the new one is complete: the one it replaces gets its kept name first
+            _keep_previous(target, step)
     fsync_dir(target.parent)
     # Temp files of earlier saves that were killed (SIGKILL skips cleanup) would pile up,
     # each the size of a checkpoint; remove ours that predate this save.
@@ -536,14 +623,83 @@ def _atomic_torch_save(obj: Any, target: Path) -> None:
             pass
 
 
+_KEPT = re.compile(r".+\.step-\d+(\.[^.]*)?")  # a kept copy's name: <stem>.step-NNNNNNNN<suffix>
+
+
+def _kept_name(target: Path, step: int) -> Path:
+    return target.with_name(f"{target.stem}.step-{int(step):08d}{target.suffix}")
+
+
+def _keep_previous(target: Path, new_step: int) -> None:
+    """Give the checkpoint now under ``target`` its kept name too, before the new one replaces it.
+
+    A hard link (no copy; ``target`` never goes missing), made under a temp name and renamed
+    into place. Not kept: a file that does not load (nothing to fall back to) or one of the
+    step being saved (the same training state). Where hard links are not supported the file
+    is renamed, leaving ``target`` missing until the rename that follows.
+    """
+    if not target.is_file():
+        return
+    old_step = _peek_step(target)
+    if old_step is None or old_step == new_step:
+        return
+    kept = _kept_name(target, old_step)
+    link = target.with_name(f".{target.name}.{os.getpid()}-{time.monotonic_ns()}.tmp")  # a stale temp if killed
+    try:
+        os.link(target, link)
+    except OSError:
+        os.replace(target, kept)
+        return
+    try:
+        os.replace(link, kept)
+    except BaseException:
+        link.unlink(missing_ok=True)
+        raise
+
+
+def _peek_step(path: Path) -> int | None:
+    """The step a checkpoint file records, read without its tensors (mmap); None if it does not load."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable: not worth keeping
+        return None
+    if not isinstance(obj, Mapping):
+        return None
+    step = _as_checkpoint(obj).get("step", 0)
+    return int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else 0
+
+
+def _prune_kept(target: Path, keep: int) -> None:
+    """Delete the kept copies beyond ``keep`` (``target`` is one of the ``keep``); 0 keeps all."""
+    if keep == 0:
+        return
+    for old in previous_checkpoints(target)[keep - 1:]:
+        try:
+            old.unlink()
+        except OSError:
+            pass
+
+
+class _Unreadable(UserError):
+    """A checkpoint file that cannot be read (missing, empty, truncated, corrupt); ``reason`` says why, short."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 def _torch_load(path: Path, *, map_location: Any, weights_only: bool, encoding: str | None) -> Any:
     name = repr(str(path))
     if not path.exists():
-        raise UserError(f"checkpoint {name} does not exist: check the path (latest_checkpoint(dir) finds the newest)")
+        raise _Unreadable(f"checkpoint {name} does not exist: check the path (latest_checkpoint(dir) finds the newest)",
+                          "is missing")
     if path.is_dir():
         raise UserError(f"{name} is a directory: give a checkpoint file (latest_checkpoint(dir) finds the newest)")
     if path.stat().st_size == 0:
-        raise UserError(f"checkpoint {name} is empty (0 bytes): an interrupted save? use another checkpoint")
+        raise _Unreadable(f"checkpoint {name} is empty (0 bytes): an interrupted save? use another checkpoint",
+                          "is empty (0 bytes)")
     kwargs: dict[str, Any] = {"map_location": map_location, "weights_only": weights_only}
     if encoding is not None:
         kwargs["encoding"] = encoding
@@ -561,7 +717,7 @@ def _torch_load(path: Path, *, map_location: Any, weights_only: bool, encoding: 
     except pickle.UnpicklingError as exc:
         text = str(exc)
         if not weights_only or "Weights only load failed" not in text:
-            raise UserError(_corrupt(name, exc)) from None
+            raise _Unreadable(_corrupt(name, exc), _corrupt_reason(exc)) from None
         why = _weights_only_reason(text)
         if "codec can't decode" in text:
             raise UserError(_not_utf8(name, encoding, weights_only)) from None
@@ -580,9 +736,9 @@ def _torch_load(path: Path, *, map_location: Any, weights_only: bool, encoding: 
             raise UserError(
                 f"checkpoint {name} holds tensors of a device not available here: pass map_location='cpu'"
             ) from None
-        raise UserError(_corrupt(name, exc)) from None
+        raise _Unreadable(_corrupt(name, exc), _corrupt_reason(exc)) from None
     except (EOFError, zipfile.BadZipFile, ValueError, OSError, IndexError, KeyError, TypeError, OverflowError) as exc:
-        raise UserError(_corrupt(name, exc)) from None
+        raise _Unreadable(_corrupt(name, exc), _corrupt_reason(exc)) from None
 
 
 def _not_utf8(name: str, encoding: str | None, weights_only: bool) -> str:
@@ -596,7 +752,11 @@ def _not_utf8(name: str, encoding: str | None, weights_only: bool) -> str:
 
 
 def _corrupt(name: str, exc: BaseException) -> str:
-    return f"checkpoint {name} is corrupt or truncated ({_one_line(exc)}): use another checkpoint"
+    return f"checkpoint {name} {_corrupt_reason(exc)}: use another checkpoint"
+
+
+def _corrupt_reason(exc: BaseException) -> str:
+    return f"is corrupt or truncated ({_one_line(exc)})"
 
 
 def _weights_only_reason(text: str) -> str:

@@ -67,7 +67,8 @@ class TrainConfig:
     # checkpoints and logging
     checkpoint_dir: str = ""  # T20/T26: where last.pt goes; "" = no checkpoints
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0 = every epoch
-    resume: bool = False  # continue from checkpoint_dir/last.pt if present
+    keep_checkpoints: int = 2  # complete checkpoints kept: last.pt + last.step-N.pt (step-N.dcp/ sharded); 0 = all
+    resume: bool = False  # continue from checkpoint_dir/last.pt (or the newest kept one that loads) if present
     log_every: int = 20  # T3: host syncs only every N steps
     log_dir: str = ""  # metrics.csv (and TensorBoard when installed)
     progress: bool = True
@@ -94,6 +95,7 @@ class TrainConfig:
             (self.batch_size >= 1, "batch_size must be >= 1"),
             (self.lr > 0, "lr must be > 0"),
             (self.log_every >= 1, "log_every must be >= 1"),
+            (self.keep_checkpoints >= 0, "keep_checkpoints must be >= 0 (0 keeps every checkpoint)"),
             (self.precision in ("fp32", "bf16", "fp16"), f"precision must be fp32, bf16 or fp16, not {self.precision!r}"),
             (self.schedule in ("constant", "cosine", "linear"), f"schedule must be constant, cosine or linear, not {self.schedule!r}"),
             (0.0 < self.ema_decay < 1.0, "ema_decay must be between 0 and 1"),

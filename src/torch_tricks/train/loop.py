@@ -15,17 +15,21 @@ applied at the one place it belongs:
 * no tensor that carries a graph outlives its step (T27): logged losses are detached;
 * validation runs in ``eval()`` under ``inference_mode`` (T13);
 * checkpoints (T20, T26) are atomic and hold the data position, so a resumed run takes
-  the very batches an uninterrupted one would have;
+  the very batches an uninterrupted one would have; the last ``keep_checkpoints`` complete
+  ones are kept, and a resume over a damaged newest one falls back to the newest that
+  loads, saying so in one warning (and in ``History.notes``);
 * under ``torchrun`` the same call runs DDP (T18): distributed sampler, rank-0 logging
   and saving, and every skip / stop / out-of-memory retry decided by all ranks together.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import csv
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -46,7 +50,14 @@ __all__ = ["fit", "History", "TrainingDiverged", "TrainStep", "micro_batches"]
 
 @dataclass
 class History:
-    """What :func:`fit` did: metrics rows, final metrics, and the facts needed to trust them."""
+    """What :func:`fit` did: metrics rows, final metrics, and the facts needed to trust them.
+
+    ``final`` always has ``train_loss``, the mean training loss of the last ``log_every``
+    steps (carried across a resume), once any step was taken; with validation data, also
+    the last validation metrics (``loss``, ``acc`` for class targets, ``*_ema`` ...).
+    ``resumed_from`` is the checkpoint a resume loaded, and ``notes`` holds one-line
+    notices, e.g. that the newest checkpoint did not load and an earlier one was used.
+    """
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     final: dict[str, float] = field(default_factory=dict)
@@ -60,6 +71,8 @@ class History:
     wall_s: float = 0.0
     checkpoint: str = ""
     resumed_from_step: int = -1
+    resumed_from: str = ""  # the file or folder a resume loaded
+    notes: list[str] = field(default_factory=list)  # one line each (also warned): e.g. a resume that fell back
     config: dict[str, Any] = field(default_factory=dict)
     applied: list[str] = field(default_factory=list)  # tricks that were switched on
 
@@ -189,6 +202,7 @@ class _Trainer:
         self.start_epoch = 0
         self.skip_batches = 0
         self.micro = 1
+        self._recent: collections.deque[torch.Tensor] = collections.deque(maxlen=cfg.log_every)  # History.final
         self._csv: Any = None
         self._tb: Any = None
 
@@ -242,6 +256,7 @@ class _Trainer:
             batch_index += len(group)
             t_step = time.perf_counter()
             loss = self._train_step(group)
+            self._recent.append(loss)  # detached, on the device: no sync
             if self.step == 1 and not self.history.first_step_s:
                 _sync(self.device)
                 self.history.first_step_s = time.perf_counter() - t_step
@@ -362,13 +377,15 @@ class _Trainer:
         path = self._ckpt_path()
         if path is None:
             return
-        extra = {"micro_batches": self.micro, "skipped_steps": self.history.skipped_steps}
+        extra = {"micro_batches": self.micro, "skipped_steps": self.history.skipped_steps,
+                 "recent_losses": torch.stack(list(self._recent)).float().tolist() if self._recent else []}
+        keep = self.cfg.keep_checkpoints
         if self.tricks._sharded_mode():  # no rank holds the whole model or optimizer: every rank writes its shards
             from torch_tricks.train.sharded_checkpoint import save_sharded
 
             folder = save_sharded(self.cfg.checkpoint_dir, model=self.raw_model, optimizer=self.optimizer,
                                   scheduler=self.scheduler, scaler=self.scaler, ema=self.ema, step=self.step,
-                                  epoch=epoch, batch_index=batch_index, extra=extra)
+                                  epoch=epoch, batch_index=batch_index, extra=extra, keep=keep)
             self.tricks.last_good = f"{folder} (step {self.step})"
             self.history.checkpoint = str(folder)
             return
@@ -377,7 +394,7 @@ class _Trainer:
         save_checkpoint(
             path, model=self.raw_model, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self.scaler, ema=self.ema, step=self.step, epoch=epoch, batch_index=batch_index,
-            extra=extra,
+            extra=extra, keep=keep,
         )
         self.tricks.last_good = f"{path} (step {self.step})"
         self.history.checkpoint = str(path)
@@ -386,35 +403,46 @@ class _Trainer:
         path = self._ckpt_path()
         if not self.cfg.resume or path is None:
             return
-        from torch_tricks.train.sharded_checkpoint import POINTER, last_sharded, load_sharded
+        from torch_tricks.train.checkpoint import previous_checkpoints
+        from torch_tricks.train.sharded_checkpoint import POINTER, load_sharded, sharded_to_resume
 
-        sharded = last_sharded(self.cfg.checkpoint_dir)
-        if sharded is not None and (not path.exists() or sharded.stat().st_mtime >= path.stat().st_mtime):
+        sharded, note = sharded_to_resume(self.cfg.checkpoint_dir)
+        whole = path if path.exists() else next(iter(previous_checkpoints(path)), None)  # newest whole-model file
+        if sharded is not None and (whole is None or sharded.stat().st_mtime >= whole.stat().st_mtime):
             meta = load_sharded(sharded, model=self.raw_model, optimizer=self.optimizer, scheduler=self.scheduler,
                                 scaler=self.scaler, ema=self.ema)  # written by any number of ranks
-            self._resumed(meta["step"], meta["epoch"], meta["batch_index"], meta.get("extra") or {}, sharded)
+            self._resumed(meta["step"], meta["epoch"], meta["batch_index"], meta.get("extra") or {}, sharded, note)
             return
-        if self.tricks._fsdp_mode() and path.exists():
-            raise UserError(f"{path} is a whole-model checkpoint; under distributed = fsdp resume from a sharded "
+        if self.tricks._fsdp_mode() and whole is not None:
+            raise UserError(f"{whole} is a whole-model checkpoint; under distributed = fsdp resume from a sharded "
                             f"one ({Path(self.cfg.checkpoint_dir) / POINTER}), or resume under ddp")
-        if not path.exists():
+        if whole is None:
             return
         from torch_tricks.train.checkpoint import load_checkpoint
 
-        report = load_checkpoint(
+        report = load_checkpoint(  # a last.pt that does not load: the newest kept one that does
             path, model=self.raw_model, optimizer=self.optimizer, scheduler=self.scheduler,
-            scaler=self.scaler, ema=self.ema, map_location=self.device,
+            scaler=self.scaler, ema=self.ema, map_location=self.device, fallback=True,
         )
-        self._resumed(report.step, report.epoch, report.batch_index, report.extra or {}, path)
+        note = f"resume: {report.fallback_line()}" if report.unreadable else ""
+        self._resumed(report.step, report.epoch, report.batch_index, report.extra or {}, Path(report.path), note)
 
-    def _resumed(self, step: int, epoch: int, batch_index: int, extra: dict[str, Any], path: Path) -> None:
+    def _resumed(self, step: int, epoch: int, batch_index: int, extra: dict[str, Any], path: Path,
+                 note: str = "") -> None:
         self.step = step
         self.start_epoch = epoch
         self.skip_batches = batch_index
         self.micro = int(extra.get("micro_batches", 1))
         self.tricks.skipped_steps = self.history.skipped_steps = int(extra.get("skipped_steps", 0))
         self.history.resumed_from_step = step
+        self.history.resumed_from = str(path)
         self.tricks.last_good = f"{path} (step {self.step})"
+        recent = extra.get("recent_losses") or []
+        self._recent.extend(torch.tensor(float(v), device=self.device) for v in recent)
+        if note:  # the library does not print: a warning (the CLI shows it) and History.notes
+            self.history.notes.append(note)
+            if self.is_main:
+                warnings.warn(note, UserWarning, stacklevel=5)  # at the call of fit (via run, _maybe_resume)
 
     # -- logging ---------------------------------------------------------------------------
     def _open_logs(self) -> None:
@@ -483,6 +511,8 @@ class _Trainer:
             if row.get("split") == "val":
                 h.final = {k: v for k, v in row.items() if isinstance(v, float)}
                 break
+        if self._recent:  # the last training loss, with validation data or without
+            h.final["train_loss"] = float(torch.stack(list(self._recent)).float().mean())
         if self.dist is not None:
             from torch_tricks.train.distributed import barrier
 

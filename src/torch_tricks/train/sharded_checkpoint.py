@@ -5,9 +5,12 @@ state (gathering it on rank 0 to write ``last.pt`` would undo, at every save, th
 ZeRO saves), so no rank writes ``last.pt``: every rank writes its shards (``dcp.save``; the coordinator writes ``.metadata`` last, so a folder
 without it is incomplete) into ``step-NNNNNNNN.dcp/`` under ``checkpoint_dir``, and only
 when every rank is done does rank 0 point ``last.dcp.json`` at it (temp file + rename)
-and remove older folders. A run killed while saving leaves the pointer on the previous,
-complete checkpoint. DCP reshards on load, so a checkpoint written by N ranks resumes on
-any number of ranks, one plain process included (``dcp.load`` without a process group).
+and remove older folders (all but the newest ``keep`` complete ones, and any a killed save
+left incomplete). A run killed while saving leaves the pointer on the previous, complete
+checkpoint; if the folder the pointer names is later found incomplete or gone,
+:func:`sharded_to_resume` falls back to the newest complete one kept. DCP reshards on
+load, so a checkpoint written by N ranks resumes on any number of ranks, one plain process
+included (``dcp.load`` without a process group).
 
 What is saved: the model and optimizer through
 :func:`torch.distributed.checkpoint.state_dict.get_state_dict` (sharded under FSDP, whole
@@ -34,7 +37,8 @@ from torch import nn
 
 from torch_tricks.errors import UserError
 
-__all__ = ["POINTER", "last_sharded", "save_sharded", "load_sharded", "export_checkpoint"]
+__all__ = ["POINTER", "last_sharded", "complete_sharded", "sharded_to_resume", "save_sharded", "load_sharded",
+           "export_checkpoint"]
 
 POINTER = "last.dcp.json"
 META = "meta.pt"  # step, data position, scheduler, scaler, RNG: rank 0 writes it beside the shards
@@ -54,10 +58,57 @@ def last_sharded(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
     return target
 
 
+def complete_sharded(checkpoint_dir: str | os.PathLike[str]) -> list[Path]:
+    """The complete ``step-N.dcp`` folders in ``checkpoint_dir`` (``.metadata`` and ``meta.pt`` written), newest first.
+
+    Newest is by the time ``meta.pt`` was written (rank 0 writes it last), ties by step.
+    """
+    found = []
+    for folder in Path(checkpoint_dir).glob("step-*.dcp"):
+        meta = folder / META
+        if folder.is_dir() and (folder / ".metadata").is_file() and meta.is_file():
+            try:
+                step = int(folder.name[len("step-"):-len(".dcp")])
+            except ValueError:
+                continue
+            found.append(((meta.stat().st_mtime_ns, step), folder))
+    return [f for _, f in sorted(found, key=lambda kf: kf[0], reverse=True)]
+
+
+def sharded_to_resume(checkpoint_dir: str | os.PathLike[str]) -> tuple[Path | None, str]:
+    """The folder to resume from and, when it is not the one ``last.dcp.json`` names, one line saying why.
+
+    The pointer's folder if it is complete; if that folder is missing or incomplete (deleted or
+    damaged after the save), the newest complete folder kept (``keep_checkpoints > 1``). A
+    pointer that does not parse, or one naming an incomplete folder with nothing kept to fall
+    back on, is the error of :func:`last_sharded`. Reads only names and file presence, so
+    every rank decides alike.
+    """
+    try:
+        return last_sharded(checkpoint_dir), ""
+    except UserError as exc:
+        pointer = Path(checkpoint_dir) / POINTER
+        try:
+            named = json.loads(pointer.read_text())["dir"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise exc from None  # the pointer itself is damaged: say so, as before
+        kept = [f for f in complete_sharded(checkpoint_dir) if f.name != named]
+        if not kept:
+            raise
+        return kept[0], (f"{pointer} points at {named}, which is missing or incomplete: resuming from {kept[0]} "
+                         f"instead, the newest complete sharded checkpoint")
+
+
 def save_sharded(checkpoint_dir: str | os.PathLike[str], *, model: nn.Module, optimizer: Any, scheduler: Any = None,
                  scaler: Any = None, ema: Any = None, step: int = 0, epoch: int = 0, batch_index: int = 0,
-                 extra: Any = None) -> Path:
-    """Every rank writes its shards of a resumable checkpoint; returns the new folder (see the module doc)."""
+                 extra: Any = None, keep: int = 1) -> Path:
+    """Every rank writes its shards of a resumable checkpoint; returns the new folder (see the module doc).
+
+    ``keep``: complete checkpoint folders kept, this one included (0: all); older ones, and
+    any folder a killed save left incomplete, are removed once the pointer names the new one.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise UserError(f"keep must be a whole number >= 0 (0 keeps every checkpoint), not {keep!r}")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -92,8 +143,10 @@ def save_sharded(checkpoint_dir: str | os.PathLike[str], *, model: nn.Module, op
         tmp = root / (POINTER + ".tmp")
         tmp.write_text(json.dumps({"dir": target.name, "step": int(step)}))
         os.replace(tmp, root / POINTER)
+        complete = [f for f in complete_sharded(root) if f != target]
+        stay = set(complete[: keep - 1]) if keep else set(complete)
         for old in root.glob("step-*.dcp"):
-            if old != target:
+            if old != target and old not in stay:
                 shutil.rmtree(old, ignore_errors=True)
     barrier()
     return target

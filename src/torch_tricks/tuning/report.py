@@ -57,6 +57,7 @@ class Result:
     vs_current: float | None = None  # combinations: the same ratio against the configuration it extends
     vs_current_half_ci: float | None = None
     vs_current_name: str | None = None
+    vs_current_step_s: float | None = None  # the median step of what it extends (else plain), in the same race
     first_call_s: float | None = None  # first gradient pass: includes compile time when compile is on
     probe_ratio: float | None = None  # too slow to measure: its probe step's time / the plain one's
     peak_bytes: int | None = None  # peak tensor bytes of build + two steps at the batch
@@ -69,6 +70,11 @@ class Result:
     losses: list[float] = field(default_factory=list)
     verdict: str = ""
     chosen: bool = False
+    # why (TuneReport.explain, from the figures above): the decision, its reason, what would change it
+    decision: str = ""  # recommended | part of the recommendation | not recommended | reference | skipped | failed ...
+    why: str = ""
+    advice: str = ""  # what to change to get it measured or chosen ('' when nothing would)
+    break_even_steps: int | None = None  # compile: steps until its one-off first call is paid back by faster steps
     runner: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -125,6 +131,8 @@ class TuneReport:
     elapsed_s: float = 0.0
     own_optimizer: bool = False  # the caller's optimizer_fn: tricks.toml then names no optimizer
     distributed: dict[str, Any] | None = None  # the ddp/zero1/fsdp rows (tune --processes N, or under torchrun)
+    run_steps: int | None = None  # the training run's optimizer steps a one-off cost (compile) must pay back within
+    run_steps_source: str = ""  # "given" (tune(steps=...)) or "assumed"
 
     # -- the recommended configuration ------------------------------------------------------
     def recommended_config(self, which: str = "throughput") -> dict[str, Any]:
@@ -178,6 +186,7 @@ class TuneReport:
         return out
 
     def tricks_toml(self, which: str = "throughput") -> str:
+        self.explain()
         best = self.best_throughput if which == "throughput" else self.best_batch
         cfg = self.recommended_config(which)
         on = self.recommended_tricks(which)
@@ -198,10 +207,22 @@ class TuneReport:
         lines = [head, f"# chosen for {why}: {what}",
                  f"# switched on: {', '.join(on) if on else 'nothing'}; every tuned switch is stated",
                  *self._distributed_header(which),
+                 *(self._toml_reasons() if which == "throughput" else []),
                  *("# " + line if line else "#" for line in HOW_TO_APPLY.splitlines()),
                  "[train]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in cfg.items()]
         return "\n".join(lines) + "\n"
+
+    def _toml_reasons(self) -> list[str]:
+        """Comment lines: every trick's verdict with its reason, and what would change it."""
+        out = ["# why each trick is or is not switched on (report.md has the figures):"]
+        for v in self.verdicts(compact=True):
+            if v["decision"] == "noise":
+                continue
+            head = v["name"] + (f": {v['decision']}" if v["verdict"] == v["decision"]
+                                else f" ({v['verdict']}): {v['decision']}")
+            out.append("#   " + _one_line(_with_advice(f"{head}: {v['reason']}", v["advice"])))
+        return out
 
     def _distributed_header(self, which: str) -> list[str]:
         mode = self.distributed_choice() if which == "throughput" else None
@@ -257,15 +278,321 @@ class TuneReport:
         lines += [f"note: {x}" for x in d.get("notes", [])]
         return lines
 
+    # -- why: every verdict's reason ---------------------------------------------------------
+    def explain(self) -> list[dict[str, Any]]:
+        """Give every row its reason, from the figures in the report; returns :meth:`verdicts`.
+
+        Sets each result's ``decision`` (recommended, part of the recommendation, not
+        recommended, reference, skipped, failed ...), ``why`` (for a faster candidate that is
+        not recommended: inside the noise of what it extends or of the best, compile time not
+        paid back within the run, memory over the limit, drift; for a trick not measured: why)
+        and ``advice`` (what to change to get it measured or chosen; '' when nothing would).
+        Taken again by every view, so a report read back or put together by hand explains itself.
+        """
+        for r in self.results + self.combos:
+            r.decision, r.why, r.advice = self._explain(r)
+            pb = self.payback(r) if r.changes.get("compile") else None
+            r.break_even_steps = pb["steps"] if pb else None
+        if self.baseline is not None:
+            b = self.baseline
+            b.decision, b.why, b.advice = self._explain(b)
+        return self.verdicts()
+
+    def verdicts(self, compact: bool = False) -> list[dict[str, Any]]:
+        """One entry per row of the table: name, verdict, decision, reason and advice (see :meth:`explain`).
+
+        ``compact``: data and deploy tricks skipped for the same reason share one entry."""
+        out: list[dict[str, Any]] = []
+
+        def add(name: str, verdict: str, decision: str, reason: str, advice: str) -> None:
+            out.append({"name": name, "verdict": verdict, "decision": decision, "reason": reason, "advice": advice})
+
+        if self.baseline is not None:
+            b = self.baseline
+            add(b.name, b.verdict or b.status, b.decision, b.why, b.advice)
+            if not math.isnan(self.aa_ratio):
+                add("plain again (A/A)", "the noise", "noise", "a second, identical plain step: its disagreement "
+                    f"with the first is the noise ({_noise(self.noise)})", "")
+        for r in self.results + self.combos:
+            add(r.name, r.verdict or r.status, r.decision, r.why, r.advice)
+        groups: dict[tuple[str, str], list[Any]] = {}
+        for s in self.skipped:
+            status = getattr(s, "status", "skipped")
+            if compact and s.kind in ("data", "deploy") and status == "skipped":
+                groups.setdefault((s.kind, s.reason), []).append(s)
+                continue
+            add(s.name, status, status, s.reason, self._skip_advice(s.name, s.kind, s.reason, status))
+        for (kind, reason), items in groups.items():
+            add(f"{len(items)} {kind} tricks ({', '.join(s.name for s in items)})", "skipped", "skipped", reason,
+                self._skip_advice(items[0].name, kind, reason, "skipped"))
+        return out
+
+    def payback(self, r: Result) -> dict[str, Any] | None:
+        """What a one-off cost (compile's first call) buys back, from measured figures only; None where
+        one is missing.
+
+        ``ref``: the configuration ``r`` extends (plain when none); ``extra_s``: ``r``'s first
+        call minus ``ref``'s; ``saved_s``: ``ref``'s median step minus ``r``'s, both from ``r``'s
+        race; ``steps``: the break-even step count, ``ceil(extra_s / saved_s)`` (0 when the first
+        call costs nothing extra, None when the step saves nothing: it never pays back).
+        """
+        ref = self._by_name(r.vs_current_name) if r.vs_current_name else self.baseline
+        if ref is None or r.first_call_s is None or ref.first_call_s is None or not _measured(r.step_s):
+            return None
+        ref_step = r.vs_current_step_s if r.vs_current_step_s is not None else ref.step_s
+        if not _measured(ref_step):
+            return None
+        extra, saved = r.first_call_s - ref.first_call_s, ref_step - r.step_s
+        steps = 0 if extra <= 0 else (math.ceil(extra / saved) if saved > 0 else None)
+        return {"ref": ref.name, "first_call_s": r.first_call_s, "ref_first_call_s": ref.first_call_s,
+                "extra_s": extra, "step_s": r.step_s, "ref_step_s": ref_step, "saved_s": saved, "steps": steps}
+
+    def amortised(self, r: Result) -> bool | None:
+        """Whether ``r``'s one-off cost pays back within the run (:attr:`run_steps`); None: not known."""
+        pb = self.payback(r)
+        if pb is None or not self.run_steps:
+            return None
+        return pb["steps"] is not None and pb["steps"] <= self.run_steps
+
+    def _by_name(self, name: str | None) -> Result | None:
+        rows = ([self.baseline] if self.baseline else []) + self.results + self.combos
+        return next((r for r in rows if r.name == name), None)
+
+    def _margin(self, half: float | None) -> float:
+        from torch_tricks.tuning.race import margin
+
+        return margin(self.noise, half, self.min_effect)
+
+    def _fits(self, r: Result | None) -> bool:
+        return r is not None and r.peak_bytes is not None and r.peak_bytes <= self.memory_limit
+
+    def _plain_fits(self) -> bool:
+        """The plain step is under the memory limit (or its memory was not measured: nothing says otherwise)."""
+        b = self.baseline
+        return b is None or b.peak_bytes is None or self._fits(b)
+
+    def _drift_ok(self, r: Result) -> bool:
+        tol = self.drift_tolerance.get("loss")
+        return r.loss_drift is None or tol is None or r.loss_drift <= tol
+
+    def _the_margin(self, half: float | None) -> str:
+        return (f"a change must exceed ±{self._margin(half):.1%}, the larger of the noise ({_noise(self.noise)}), "
+                f"its own interval and {self.min_effect:.0%}")
+
+    def _run_text(self) -> str:
+        if not self.run_steps:
+            return "the run"
+        if self.run_steps_source == "given":
+            return f"your run of {self.run_steps:,} steps"
+        return f"the {self.run_steps:,} steps the tune assumes for a run"
+
+    def _payback_text(self, pb: dict[str, Any]) -> str:
+        ref, first = pb["ref"], f"its first call took {pb['first_call_s']:.1f} s"
+        if pb["steps"] == 0:
+            return f"{first}, no longer than {ref}'s: no compile time to pay back"
+        first += f", {pb['extra_s']:.1f} s more than {ref}'s (compilation)"
+        if pb["steps"] is None:
+            return (f"{first}, and its step is not faster than {ref}'s ({_fmt_s(pb['step_s'])} against "
+                    f"{_fmt_s(pb['ref_step_s'])}): it never pays back")
+        return (f"{first}, and it saves {pb['saved_s'] * 1e3:.3g} ms a step against {ref} ({_fmt_s(pb['ref_step_s'])} "
+                f"-> {_fmt_s(pb['step_s'])}): break-even after {pb['steps']:,} steps")
+
+    def _open_advice(self, r: Result) -> str:
+        """More rounds where its race was still open (it did not leave with its question answered)."""
+        if r.left_round is None and not self.stop_reason.startswith("cap"):
+            return "more rounds narrow its interval: raise --budget-seconds"
+        return ""
+
+    def _explain(self, r: Result) -> tuple[str, str, str]:
+        """(decision, why, advice) of one row."""
+        best, base = self.best_throughput, self.baseline
+        if r.status in ("skipped", "failed"):
+            return r.status, r.reason or r.status, self._skip_advice(r.name, "train", r.reason, r.status)
+        if r is base:
+            return self._explain_baseline()
+        if r.reason.startswith("measured on top of"):  # the compile row: its figures are the +compile one's
+            target = self._by_name(r.reason.rsplit("see ", 1)[-1])
+            if target is not None and target is not r:
+                decision, why, advice = self._explain(target)
+                if decision == "recommended":
+                    return "part of the recommendation", f"switched on in {target.name}, the recommendation", ""
+                return decision, f"{r.reason}: {why}", advice
+        if r is best:
+            return "recommended", self._why_best(r), ""
+        if best is not None and best is not base and r.changes and r.changes.items() <= best.changes.items():
+            return "part of the recommendation", f"switched on as part of {best.name}, the recommendation", ""
+        if r.status == "measured (probe)":
+            return "not recommended", r.reason or "far slower than the plain step in a probe", self._native_advice(r)
+        if not self._drift_ok(r):
+            n = len(base.losses) if base else 0
+            drift = ("its loss is not finite" if not math.isfinite(r.loss_drift) else
+                     f"its loss drifts {r.loss_drift:.1%} from fp32's over {n} steps (relative to the first fp32 loss)")
+            return "not recommended", f"{drift}, beyond the {self.drift_tolerance.get('loss', 0):.0%} tolerance", ""
+        if r.peak_bytes is not None and r.peak_bytes > self.memory_limit:
+            return ("not recommended", f"its peak {_bytes(r.peak_bytes)} is over the memory limit "
+                    f"{_bytes(self.memory_limit)} ({self.memory_limit_source})",
+                    "a smaller --batch, or a larger --memory-limit")
+        bb = self.best_batch
+        in_bb = bb is not None and bb is not base and r.changes.items() <= bb.changes.items()
+        if r.status == "measured (memory)":
+            if r is bb:
+                return ("largest batch", f"the configuration that fits the most samples under the memory limit "
+                        f"({r.max_batch}, a straight-line estimate): tricks-largest-batch.toml; memory only, "
+                        "not timed", "")
+            return "not recommended", r.verdict or "memory only: not timed", ""
+        plain_fits = self._plain_fits()
+        if r.goal == "cost" and plain_fits:
+            cost = f" (its step: {_speedup(r)} the plain one)" if r.speedup else ""
+            keys = ", ".join(f"{k} = {_toml_value(v)}" for k, v in r.changes.items())
+            return ("not recommended", f"a cost trick, switched on for what it gives, not for speed{cost}",
+                    f"switch it on yourself if you want it ({keys} in tricks.toml)")
+        if r.goal == "memory" and plain_fits:
+            where = ("; it is in the largest-batch configuration (tricks-largest-batch.toml)" if in_bb else "")
+            return ("not recommended", "a memory trick: not a throughput choice while the plain step fits under the "
+                    f"memory limit{where}", "" if in_bb else
+                    "it is chosen where the plain step does not fit: a larger --batch or a lower --memory-limit")
+        ref = r.vs_current_name or "plain"
+        ratio, half = (r.vs_current, r.vs_current_half_ci) if r.vs_current_name else (r.ratio, r.ratio_half_ci)
+        if not _measured(r.ratio):
+            return ("not recommended", r.left_reason or "not timed: its race ran no round with it",
+                    "raise --budget-seconds")
+        pb = self.payback(r) if r.changes.get("compile") else None
+        cost = f"; {self._payback_text(pb)}" if pb and pb["steps"] != 0 else ""
+        # not faster than plain (every candidate's first question)
+        m = self._margin(r.ratio_half_ci)
+        if not r.ratio < 1 - m:
+            if r.ratio > 1 + m:
+                return "not recommended", f"slower than plain: {_speed_of(r.ratio, r.ratio_half_ci, 'plain')}", ""
+            return ("not recommended", f"inside the noise of plain: {_speed_of(r.ratio, r.ratio_half_ci, 'plain')}; "
+                    f"{self._the_margin(r.ratio_half_ci)}{cost}", self._open_advice(r))
+        # faster than plain, but not recommended: against what it extends (a combination, compile on top) ...
+        if r.vs_current_name:
+            if not _measured(ratio):
+                return "not recommended", f"not compared with {ref}, which it extends", ""
+            if not ratio < 1 - self._margin(half):
+                reaches = _measured(half) and ratio + half >= 1
+                overlap = " (its interval reaches 1.00x: the two overlap)" if reaches else ""
+                return ("not recommended", f"inside the noise of {ref}, which it extends: {_speed_of(ratio, half, ref)}"
+                        f"{overlap}; {self._the_margin(half)}{cost}", self._open_advice(r))
+        # ... the price of compile ...
+        if r.changes.get("compile") and not plain_fits:
+            return ("not recommended", "its memory is not measured under compile and the plain step does not fit "
+                    "the memory limit: no bet under a tight limit", "a larger --memory-limit, or a smaller --batch")
+        if pb is not None and self.amortised(r) is False:
+            n = pb["steps"]
+            advice = (f"a run of at least {n:,} steps, said to the tune (--steps {n} or more; tune(steps=...)); "
+                      "shorter runs: keep compile off" if n is not None else "")
+            return ("not recommended", f"compile not amortised within {self._run_text()}: {self._payback_text(pb)}",
+                    advice)
+        if r.vs_current_name or _among(r, self.combos):
+            if best is not None and best.name != ref:
+                return ("not recommended", f"faster than {ref}, which it extends, but the recommendation (after more "
+                        f"rounds) is {best.name}, on top of which it was not measured",
+                        "raise --budget-seconds (a longer tune settles the best first)")
+            return "not recommended", f"faster than {ref}, but {best.name if best else 'plain'} was kept", ""
+        # ... or a single trick that is not the fastest
+        if best is None or best is base:
+            return ("not recommended", "faster than plain, but the plain step is kept: "
+                    + ("it does not fit the memory limit, and no configuration tried does" if not plain_fits
+                       else "see the notes"), "")
+        if best.speedup is None:
+            than = f"{best.name} was chosen"
+        elif _overlap(r, best):
+            than = (f"inside the noise of {best.name}, the best: {_speedup(r)} against {_speedup(best)} the plain step "
+                    "(overlapping intervals); the tune keeps the faster median")
+        else:
+            than = f"{best.name} is faster: {_speedup(best)} against {_speedup(r)} the plain step"
+        shared = sorted(set(r.changes) & set(best.changes))
+        if shared:
+            return "not recommended", f"{than}; the two cannot be combined (both set {', '.join(shared)})", ""
+        pair = next((c for c in self.combos if c is not r and c.vs_current_name
+                     and r.changes.items() <= c.changes.items()
+                     and (not c.changes.get("compile") or r.changes.get("compile"))), None)
+        if pair is not None:
+            _, why, advice = self._explain(pair)
+            return "not recommended", f"{than}; on top of {pair.vs_current_name} ({pair.name}): {why}", advice
+        if any(f"with {r.name} not tried: over --budget-seconds" in n for n in self.notes):
+            return ("not recommended", f"{than}; its combination with {best.name} was not tried: over --budget-seconds",
+                    "raise --budget-seconds")
+        return "not recommended", f"{than}; its combination with {best.name} was not measured", ""
+
+    def _why_best(self, r: Result) -> str:
+        b = self.baseline
+        if not self._plain_fits():
+            why = (f"the fastest configuration tried that fits the memory limit: peak {_bytes(r.peak_bytes)} of "
+                   f"{_bytes(self.memory_limit)}, where the plain step needs {_bytes(b.peak_bytes)}")
+            if _measured(r.ratio):
+                why += f"; {_speed_of(r.ratio, r.ratio_half_ci, 'plain')}"
+        elif r.vs_current_name:
+            why = (f"faster than {r.vs_current_name}, which it extends, beyond the margin: "
+                   f"{_speed_of(r.vs_current, r.vs_current_half_ci, r.vs_current_name)}")
+        else:
+            why = (f"the fastest, faster than plain beyond the margin: {_speed_of(r.ratio, r.ratio_half_ci, 'plain')}"
+                   f" ({self._the_margin(r.ratio_half_ci)})")
+        pb = self.payback(r) if r.changes.get("compile") else None
+        if pb is not None:
+            why += f"; {self._payback_text(pb)}" + (f", within {self._run_text()}" if self.amortised(r) else "")
+        return why
+
+    def _explain_baseline(self) -> tuple[str, str, str]:
+        b, best = self.baseline, self.best_throughput
+        if best is None or best is b:
+            if b.peak_bytes is not None and not self._fits(b):
+                return ("recommended", f"nothing tried fits the memory limit {_bytes(self.memory_limit)}: the plain "
+                        f"step (peak {_bytes(b.peak_bytes)}) is written, and it does not fit either",
+                        "a smaller --batch, or a larger --memory-limit")
+            if not any(r.status.startswith("measured") for r in self.results):
+                if any("--budget-seconds" in r.reason for r in self.results):
+                    return "recommended", "no trick was measured: over --budget-seconds", "raise --budget-seconds"
+                return "recommended", "no trick was measured (each row says why)", ""
+            return ("recommended", f"no trick is faster beyond the margin here (±{self._margin(None):.1%}: the "
+                    f"noise {_noise(self.noise)} or {self.min_effect:.0%}): keep the plain step", "")
+        if b.peak_bytes is not None and not self._fits(b):
+            return ("reference", f"its peak {_bytes(b.peak_bytes)} is over the memory limit "
+                    f"{_bytes(self.memory_limit)}; {self.fits_with or best.name} fits", "")
+        return ("reference", f"the step every speed-up is measured against; {best.name} is faster: "
+                f"{_speedup(best)}", "")
+
+    def _native_advice(self, r: Result) -> str:
+        p = r.changes.get("precision")
+        if p and self.device.startswith("cpu"):
+            return (f"a device with native {p}: a CUDA GPU" + (", or a CPU with AVX512-BF16 or AMX" if p == "bf16"
+                                                               else ""))
+        return ""
+
+    def _skip_advice(self, name: str, kind: str, reason: str, status: str) -> str:
+        """What would get a skipped (or failed) trick measured; '' when nothing in the tune would."""
+        trick = name.split(":")[0]
+        if "left out by the caller" in reason:
+            return f"drop --skip {trick} (skip=...) to measure it"
+        if status == "failed":
+            return f"what raised is the reason: fix it in the model, or leave the trick out (--skip {trick})"
+        if "--budget-seconds" in reason:
+            return "raise --budget-seconds"
+        if kind == "data" and "--data" in reason:
+            return "" if self.data else "pass --data PATH to measure it"
+        if kind == "deploy" and "--deploy" in reason:
+            return "" if self.deploy else "pass --deploy to measure it"
+        if trick in ("ddp", "zero1", "fsdp"):
+            return "" if self.distributed else "tune with --processes N (or under torchrun) to measure it"
+        if "cuda" in reason.lower() and not self.device.startswith("cuda"):
+            return "tune on a CUDA GPU (--device cuda)"
+        for clause in reason.split(": ")[1:]:  # a reason that ends with what to do: "...: install one (...)"
+            if clause.startswith(("install ", "pip install", "export ", "use ")):
+                return clause
+        return ""
+
     # -- views --------------------------------------------------------------------------------
     HEADERS = ["trick", "ids", "goal", "speed-up", "rounds", "step", "peak memory", "activations", "max batch",
                "drift grad / loss", "verdict"]
 
     def rows(self, compact: bool = False) -> list[list[str]]:
-        """Table rows: baseline, its A/A twin, each trick, each combination, each skipped trick.
+        """Table rows: baseline, its A/A twin, each trick, each combination, each skipped trick; the
+        verdict column gives each its reason and what would change it (see :meth:`explain`).
 
         ``compact``: data and deploy tricks skipped for the same reason share one row.
         """
+        self.explain()
         out = []
         if self.baseline:
             out.append(self._row(self.baseline))
@@ -278,14 +605,16 @@ class TuneReport:
             out.append(self._row(r))
         groups: dict[tuple[str, str], list[Any]] = {}
         for s in self.skipped:
-            if compact and s.kind in ("data", "deploy") and getattr(s, "status", "skipped") == "skipped":
+            status = getattr(s, "status", "skipped")
+            if compact and s.kind in ("data", "deploy") and status == "skipped":
                 groups.setdefault((s.kind, s.reason), []).append(s)
                 continue
             out.append([s.name, ",".join(s.ids), s.kind, "", "", "", "", "", "", "",
-                        f"{getattr(s, 'status', 'skipped')}: {s.reason}"])
+                        _with_advice(f"{status}: {s.reason}", self._skip_advice(s.name, s.kind, s.reason, status))])
         for (kind, reason), items in groups.items():
             out.append([f"{len(items)} {kind} tricks", "", kind, "", "", "", "", "", "", "",
-                        f"skipped: {reason}: {', '.join(s.name for s in items)}"])
+                        _with_advice(f"skipped: {reason}: {', '.join(s.name for s in items)}",
+                                     self._skip_advice(items[0].name, kind, reason, "skipped"))])
         return out
 
     def _row(self, r: Result) -> list[str]:
@@ -293,14 +622,16 @@ class TuneReport:
             verdict = f"{r.status}: {r.reason}"
         else:
             verdict = r.verdict or r.status
-            if r.reason:
+            if r.decision == "recommended":
+                verdict = f"* recommended: {verdict}: {r.why}" if r.why else f"* recommended: {verdict}"
+            elif r.decision and r.why:
+                verdict += f"; {r.decision}: {r.why}"
+            elif r.reason:
                 verdict += f" ({r.reason})"
             if r.left_round is not None and r.left_reason:
                 verdict += f"; left the race after {r.left_round} rounds: {r.left_reason}"
-        if r.chosen:
-            verdict = "* recommended: " + verdict
         return [r.name, ",".join(r.ids), r.goal, _speedup(r), _rounds(r), _fmt_s(r.step_s), _bytes(r.peak_bytes),
-                _bytes(r.activation_bytes), _maxb(r), _drift(r), verdict]
+                _bytes(r.activation_bytes), _maxb(r), _drift(r), _with_advice(verdict, r.advice)]
 
     def summary_lines(self) -> list[str]:
         b = self.baseline
@@ -332,10 +663,28 @@ class TuneReport:
             else:
                 lines.append(f"throughput: {bt.name}: {_speedup(bt)} the plain step"
                              + (f", peak {_bytes(bt.peak_bytes)}" if bt.peak_bytes else ""))
+        self.explain()
         for r in self.results + self.combos:
             if r.changes.get("compile") and r.status == "measured" and r.first_call_s is not None:
-                lines.append(f"compile ({r.name}): first call {r.first_call_s:.1f} s (compilation), apart from the step "
-                             "times; its memory is not measured (the eager figures do not apply)")
+                pb = self.payback(r)
+                pays = ""
+                if pb is not None and pb["steps"] is not None and pb["steps"] > 0:
+                    ok = self.amortised(r)
+                    pays = (f"; against {pb['ref']} it pays back after {pb['steps']:,} steps"
+                            + ("" if ok is None else f", {'within' if ok else 'beyond'} {self._run_text()}"))
+                elif pb is not None and pb["steps"] is None:
+                    pays = f"; its step is not faster than {pb['ref']}'s: it never pays back"
+                lines.append(f"compile ({r.name}): first call {r.first_call_s:.1f} s (compilation), apart from the "
+                             f"step times{pays}; its memory is not measured (the eager figures do not apply)")
+        for r in self.results + self.combos:
+            if (r.verdict.startswith("faster") and r.decision == "not recommended"
+                    and not r.reason.startswith("measured on top of")):  # (the compile row: see its +compile one)
+                lines.append(f"faster, not recommended: {r.name}: {r.why}")
+        compiled = any(r.changes.get("compile") and r.status == "measured" for r in self.combos + self.results)
+        if self.run_steps and compiled:
+            lines.append(f"run length: {self.run_steps:,} steps ({self.run_steps_source or 'assumed'}): compile is "
+                         "recommended only where its compilation pays back within it"
+                         + ("" if self.run_steps_source == "given" else "; say yours with --steps N or tune(steps=N)"))
         if self.fits_with:
             lines.append(f"memory: the plain step does not fit under the limit; it fits with {self.fits_with}")
         bb = self.best_batch
@@ -365,6 +714,7 @@ class TuneReport:
         return "\n".join(parts + self.summary_lines())
 
     def to_dict(self) -> dict[str, Any]:
+        verdicts = self.explain()
         return {
             "model": self.model, "batch": self.batch, "inputs": self.inputs, "device": self.device,
             "optimizer": self.optimizer, "memory_limit": self.memory_limit,
@@ -387,6 +737,8 @@ class TuneReport:
             "recommended_largest_batch": self.recommended_config("batch") if self.baseline else None,
             "notes": self.notes, "data": self.data, "deploy": self.deploy,
             "distributed": _finite(self.distributed),
+            "run_steps": self.run_steps, "run_steps_source": self.run_steps_source,
+            "verdicts": verdicts,
         }
 
     def to_markdown(self) -> str:
@@ -408,9 +760,19 @@ class TuneReport:
                   f"first step (reported only: a fresh deep net's early gradients are chaotic), and the largest loss "
                   f"difference over {n_drift} steps relative to the first fp32 loss, which decides "
                   f"(tolerance {self.drift_tolerance}).\n\n"
-                  + self._distributed_markdown() +
+                  + self._reasons_markdown() + self._distributed_markdown() +
                   "## Recommended config (`tricks.toml`)\n\n```toml\n" + self.tricks_toml() + "```\n\n"
                   "## How to apply it\n\n```python\n" + HOW_TO_APPLY + "```\n")
+
+    def _reasons_markdown(self) -> str:
+        items = []
+        for v in self.verdicts(compact=True):
+            if v["decision"] == "noise":
+                continue
+            what = v["decision"] if v["verdict"] == v["decision"] else f"{v['verdict']}; {v['decision']}"
+            items.append(f"- **{v['name']}** ({what}): {_one_line(v['reason'])}"
+                         + (f" *What would change it:* {_one_line(v['advice'])}" if v["advice"] else ""))
+        return "## Why: every verdict's reason\n\n" + "\n".join(items) + "\n\n" if items else ""
 
     def _distributed_markdown(self) -> str:
         if not self.distributed or not self.distributed.get("rows"):
@@ -584,6 +946,46 @@ def _finite(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_finite(v) for v in x]
     return x
+
+
+def _with_advice(text: str, advice: str) -> str:
+    """``text`` and what would change it, unless the text says so already (a skip reason "...: raise it")."""
+    said = advice in text or ("--budget-seconds" in advice and "--budget-seconds" in text and "raise" in text)
+    return f"{text}; what would change it: {advice}" if advice and not said else text
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _measured(x: float | None) -> bool:
+    return x is not None and not (isinstance(x, float) and math.isnan(x))
+
+
+def _among(r: Result, rows: list[Result]) -> bool:
+    return any(x is r for x in rows)
+
+
+def _noise(noise: float) -> str:
+    return "n/a" if noise is None or math.isnan(noise) else f"±{noise:.1%}"
+
+
+def _speed_of(ratio: float | None, half: float | None, ref: str) -> str:
+    """A time ratio and its half-interval as a speed against ``ref`` with its ~95% interval:
+    (0.8, 0.05, 'plain') -> '1.25x the speed of plain (95% interval 1.18-1.33x)'."""
+    if not _measured(ratio) or not ratio > 0:
+        return "n/a"
+    if not _measured(half):
+        return f"{1 / ratio:.2f}x the speed of {ref}"
+    hi = f"{1 / (ratio - half):.2f}x" if ratio > half else "inf"
+    return f"{1 / ratio:.2f}x the speed of {ref} (95% interval {1 / (ratio + half):.2f}-{hi})"
+
+
+def _overlap(a: Result, b: Result) -> bool:
+    """Whether the speed-up intervals of ``a`` and ``b`` (each against plain) overlap."""
+    if a.speedup is None or b.speedup is None:
+        return False
+    return abs(a.speedup - b.speedup) <= (a.speedup_half_ci or 0.0) + (b.speedup_half_ci or 0.0)
 
 
 def _pct(x: float | None) -> str:

@@ -63,7 +63,7 @@ from torch_tricks.inspect.timing import synchronize
 from torch_tricks.tuning.race import Lane, Race, margin
 from torch_tricks.tuning.report import Result, TuneReport
 
-__all__ = ["tune", "example_batch", "parse_size", "TUNED_KEYS", "DRIFT_TOLERANCE", "MIN_EFFECT"]
+__all__ = ["tune", "example_batch", "parse_size", "TUNED_KEYS", "DRIFT_TOLERANCE", "MIN_EFFECT", "ASSUMED_RUN_STEPS"]
 
 # The config keys the tuner decides; tricks.toml states every one of them.
 TUNED_KEYS = ("precision", "channels_last", "checkpointing", "compile", "fused_optimizer", "inplace",
@@ -81,6 +81,10 @@ DRIFT_TOLERANCE = {"loss": 0.05}
 DIST_SHARE = 0.4
 # Effects smaller than this are not called faster/slower even when the A/A noise is smaller.
 MIN_EFFECT = 0.02
+# The run a one-off cost must pay back within, when the caller does not say (tune(steps=N)): compile is
+# recommended only if its first call's extra seconds over what it extends, divided by the seconds it saves
+# a step, is at most this (the break-even step count, stated in the report either way).
+ASSUMED_RUN_STEPS = 10_000
 # A candidate whose probe step (an eighth of the batch) takes this many times the plain one is
 # reported slower from the probe and not measured further (emulated fp16 on a CPU: ~100x).
 SLOW_FACTOR = 10.0
@@ -114,6 +118,7 @@ def tune(
     name: str = "",
     skip: Sequence[str] = (),
     processes: int | None = None,
+    steps: int | None = None,
     _channel: Any = None,
 ) -> TuneReport:
     """Measure the training tricks on ``model_fn()`` with ``example_batch``, one batch of fit's.
@@ -136,10 +141,18 @@ def tune(
     given: rank 0 measures the single-process tricks while the others wait, then every
     rank times the modes; every rank returns the same report. The model and functions
     must pickle for ``processes`` (spawned ranks); under torchrun rank 0's are sent.
+
+    ``steps``: the optimizer steps of the training run the recommendation is for
+    (default: ``ASSUMED_RUN_STEPS``, said so in the report). A trick with a one-off cost
+    (``compile``: its first call) is recommended only where it pays back within them;
+    every row's verdict says why it is or is not recommended (:meth:`TuneReport.explain`).
     """
     t_start = time.perf_counter()
     if not budget_s or budget_s <= 0:
         raise UserError("--budget-seconds must be > 0")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise UserError(f"steps (the training run's length in optimizer steps) must be a whole number >= 1, "
+                        f"not {steps!r}")
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -184,7 +197,7 @@ def tune(
     if world > 1 and _channel is None:
         return _tune_on_ranks(model, example_batch, loss_fn, optimizer_fn, dict(
             optimizer=optimizer, lr=lr, device=device, budget_s=budget_s, memory_limit=memory_limit, data=data,
-            deploy=deploy, seed=seed, progress=progress, name=name, skip=skip), budget_s)
+            deploy=deploy, seed=seed, progress=progress, name=name, skip=skip, steps=steps), budget_s)
     limit, limit_source = _memory_limit(memory_limit, dev)
     base_cfg = {"optimizer": optimizer, "lr": lr, "fused_optimizer": False, "device": str(dev), "seed": seed,
                 "batch_size": batch}
@@ -193,7 +206,8 @@ def tune(
                         optimizer="your optimizer_fn" if own_opt else optimizer, own_optimizer=own_opt,
                         memory_limit=limit, memory_limit_source=limit_source, budget_s=float(budget_s),
                         drift_tolerance=dict(DRIFT_TOLERANCE), min_effect=MIN_EFFECT,
-                        inputs=[list(t.shape[1:]) for t in inputs_t if isinstance(t, torch.Tensor)])
+                        inputs=[list(t.shape[1:]) for t in inputs_t if isinstance(t, torch.Tensor)],
+                        run_steps=steps or ASSUMED_RUN_STEPS, run_steps_source="given" if steps else "assumed")
     batches = [B.to_device(example_batch, dev)]
     kw = {"loss_fn": loss_fn, "optimizer_fn": optimizer_fn}
     cands, skipped = training_candidates(model, inputs_t, dev, batch=batch, own_optimizer=optimizer_fn is not None,
@@ -216,6 +230,7 @@ def tune(
         report.distributed = {"status": "skipped", "processes": dist_world, "rows": [], "reason":
                               "the tune stopped before the distributed rows (over --budget-seconds): raise it"}
     report.elapsed_s = time.perf_counter() - t_start
+    report.explain()  # every row's reason (the views take it again from the figures)
     return report
 
 
@@ -711,8 +726,10 @@ class _Tune:
         if current is not None:
             res.vs_current, res.vs_current_half_ci = race.ratio(len(race.lanes) - 1, 1)
             res.vs_current_name = current.name
+            res.vs_current_step_s = _median(race.lanes[1].times)
         else:
             res.vs_current, res.vs_current_half_ci = res.ratio, res.ratio_half_ci
+            res.vs_current_step_s = _median(plain)
         res.verdict = self._verdict(res)
 
     def _largest_batch(self) -> None:
@@ -800,6 +817,8 @@ class _Tune:
             self.choice_notes.append(f"{target.name} is faster, but its memory is not measured under compile and "
                                      "the limit is tight: not recommended")
             faster = False
+        if faster and report.amortised(target) is False:  # its first call is not paid back within the run
+            faster = False  # (its row says so, with the break-even step count: TuneReport.explain)
         if faster:
             best.chosen = False
             target.chosen = True
