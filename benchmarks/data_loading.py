@@ -57,6 +57,16 @@ load on a shared machine moves wall-clock img/s a lot, so the table also gives t
 time per image of every process and thread involved (loader workers, FFCV's threads,
 the ceiling's processes), and the targets repeat each comparison in those terms.
 
+Before any target is judged the run checks its own baselines (issue 16, ``benchmarks/_trust.py``),
+and a target whose check fails is UNRELIABLE, not PASS or FAIL (the check is named):
+``ours: jpeg256 native, threads (A/A)`` is the headline row measured twice (a second loader
+over the same pack, one more interleaved candidate), and the two must agree within
+:data:`AA_NOISE`; ``ceiling: decode+crop, 1 process`` is the ceiling on one process, which
+the ceiling on ``--workers`` processes must not be slower than; and other processes may
+use at most a quarter of a core on average while a candidate runs (``/proc/stat`` less this
+process tree's CPU time, workers and threads included), in every round of both sides of a
+target.
+
 Packing (and the peers' writing) is timed on its own, once, when the pack is made; packs
 and the generated images are cached under ``--cache-dir`` keyed by their parameters, so
 reruns skip that work (``--repack`` redoes the packs and the peers' files).
@@ -86,6 +96,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_trust.py, when imported from elsewhere
+from _trust import UNRELIABLE, ForeignLoad, LoadMonitor, aa_check, load_check, rules_text  # noqa: E402
+from _trust import thread_check, verdict, why  # noqa: E402
+
 from torch_tricks._format import human_bytes, table
 from torch_tricks.data import PackedDataset, ThreadLoader, collate_packed, make_loader, pack_images
 from torch_tricks.data import decode as dec
@@ -104,6 +118,7 @@ RAW_BATCH_FACTOR = 10  # raw rows time this many times --batches
 TARGET_VS_BASELINE_JPEG = 3.0
 TARGET_VS_CEILING_JPEG = 0.85
 TARGET_VS_BASELINE_RAW = 10.0
+AA_NOISE = 0.05  # the A/A pair (the headline row measured twice) must agree within this (issue 16)
 
 BASELINE = "PIL baseline"
 ENCODED = "ours: encoded"
@@ -117,6 +132,7 @@ LMDB_T = "ours: jpeg256 lmdb, threads"
 NATIVE_T = "ours: jpeg256 native, threads"
 NATIVE_T_ACC = "ours: jpeg256 native, threads, accurate IDCT"
 NATIVE_T_WHOLE = "ours: jpeg256 native, threads, whole decode"
+NATIVE_T_AA = "ours: jpeg256 native, threads (A/A)"  # the same again: the A/A pair of the baseline checks
 RAW_T = "ours: raw224 native, threads, epoch 2+"
 RAW_T1 = "ours: raw224 native, threads, verify every read"
 WDS = "WebDataset jpeg256"
@@ -125,11 +141,13 @@ FFCV_RAW = "FFCV raw224"
 CEIL_JPEG = "ceiling: decode+crop"
 CEIL_ENC = "ceiling: decode+resize+crop"
 CEIL_COPY = "ceiling: memcpy, 1 thread"
+CEIL_JPEG_1 = "ceiling: decode+crop, 1 process"  # the threads check: the ceiling on --workers must beat it
 
 #: which ceiling each candidate is compared with (same decoder, same per-image work)
 SAME_WORK_CEILING = {
     ENCODED: CEIL_ENC, LMDB: CEIL_JPEG, NATIVE: CEIL_JPEG, WDS: CEIL_JPEG,
     ENCODED_T: CEIL_ENC, LMDB_T: CEIL_JPEG, NATIVE_T: CEIL_JPEG, NATIVE_T_ACC: CEIL_JPEG, NATIVE_T_WHOLE: CEIL_JPEG,
+    NATIVE_T_AA: CEIL_JPEG,
     RAW_T: CEIL_COPY, RAW_T1: CEIL_COPY,
     FFCV_JPEG: CEIL_JPEG, RAW: CEIL_COPY, RAW_MAIN: CEIL_COPY, RAW_MAIN_NV: CEIL_COPY, FFCV_RAW: CEIL_COPY,
 }
@@ -172,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {**candidates, **ceilings}
     rates: dict[str, list[float | None]] = {name: [] for name in runs}
     cpu: dict[str, list[float | None]] = {name: [] for name in runs}
+    loads: dict[str, list[ForeignLoad]] = {name: [] for name in runs}  # foreign load while each ran
     errors: dict[str, str] = {}
     from tqdm.auto import tqdm
 
@@ -183,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                 rate = ms = None
                 if name not in errors:
                     try:
-                        rate, ms = runs[name]()
+                        with LoadMonitor() as window:
+                            rate, ms = runs[name]()
+                        loads[name].append(window.load)
                     except Exception as exc:  # a peer that breaks must not take the benchmark down
                         errors[name] = _why(exc)
                         if args.verbose:
@@ -191,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                 rates[name].append(rate)
                 cpu[name].append(ms)
                 bar.update(1)
-    for name, why in errors.items():
-        print(f"{name}: failed: {why}", file=sys.stderr)
+    for name, reason in errors.items():
+        print(f"{name}: failed: {reason}", file=sys.stderr)
 
-    summary = summarize(rates, cpu, errors, packs, peers, data_info, args, decoder)
+    summary = summarize(rates, cpu, errors, packs, peers, data_info, args, decoder, loads)
     print_report(summary)
     print("\nJSON summary:")
     print(json.dumps(summary, indent=1))
@@ -576,6 +597,7 @@ def build_candidates(root: Path, packs: dict[str, dict[str, Any]], peers: dict[s
                NATIVE_T: PackedDataset(packs["jpeg256-native"]["path"], center_crop=CROP, fast_dct=FAST_DCT),
                NATIVE_T_ACC: PackedDataset(packs["jpeg256-native"]["path"], center_crop=CROP),
                NATIVE_T_WHOLE: PackedDataset(packs["jpeg256-native"]["path"], transform=_crop_view, fast_dct=FAST_DCT),
+               NATIVE_T_AA: PackedDataset(packs["jpeg256-native"]["path"], center_crop=CROP, fast_dct=FAST_DCT),
                RAW_T: PackedDataset(packs["raw224-native"]["path"]),
                RAW_T1: PackedDataset(packs["raw224-native"]["path"], verify=True)}
     # steady state: one pass reads (and crc-checks) every sample once, as a first epoch would (FFCV
@@ -727,15 +749,18 @@ def _ceil_work(task: tuple[str, list[int]]) -> int:
     return len(idx)
 
 
-def _ceiling_run(kind: str, args: argparse.Namespace, counter: list[int]) -> tuple[float, float]:
-    """The same decode + crop (+ resize) work in a plain loop from RAM on ``workers`` processes."""
+def _ceiling_run(kind: str, args: argparse.Namespace, counter: list[int], workers: int | None = None
+                 ) -> tuple[float, float]:
+    """The same decode + crop (+ resize) work in a plain loop from RAM on ``workers`` processes
+    (default ``--workers``)."""
+    workers = workers or args.workers
     counter[0] += 1
     n = len(_CEIL[kind])
     rng = np.random.default_rng(args.seed + counter[0])
     order = rng.permutation(np.resize(np.arange(n), (args.warmup + args.batches) * BATCH)).tolist()
     step = 8  # small tasks: the processes finish together, none idles at the end
     warm, timed = order[: args.warmup * BATCH], order[args.warmup * BATCH :]
-    with mp.get_context("fork").Pool(args.workers) as pool:
+    with mp.get_context("fork").Pool(workers) as pool:
         pool.map(_ceil_work, [(kind, warm[s : s + step]) for s in range(0, len(warm), step)], chunksize=1)
         timed = [(kind, timed[s : s + step]) for s in range(0, len(timed), step)]
         pids = [p.pid for p in pool._pool]  # type: ignore[attr-defined]
@@ -771,6 +796,7 @@ def build_ceilings(root: Path, packs: dict[str, dict[str, Any]],
     _CEIL["raw224"] = np.stack([np.array(raw.read(i)) for i in range(min(len(raw), 1024))])
     return {
         CEIL_JPEG: functools.partial(_ceiling_run, "jpeg256", args, [0]),
+        **({CEIL_JPEG_1: functools.partial(_ceiling_run, "jpeg256", args, [0], 1)} if args.workers > 1 else {}),
         CEIL_ENC: functools.partial(_ceiling_run, "original", args, [0]),
         CEIL_COPY: functools.partial(_memcpy_run, args),
     }
@@ -792,7 +818,8 @@ def _warm_page_cache(paths: list[Any]) -> None:
 
 def summarize(rates: dict[str, list[float | None]], cpu: dict[str, list[float | None]], errors: dict[str, str],
               packs: dict[str, Any], peers: dict[str, Any], data: dict[str, Any], args: argparse.Namespace,
-              decoder: str) -> dict[str, Any]:
+              decoder: str, loads: dict[str, list[ForeignLoad]] | None = None) -> dict[str, Any]:
+    loads = loads or {}
     got = {k: [x for x in v if x is not None] for k, v in rates.items()}
     med = {k: statistics.median(v) for k, v in got.items() if v}
 
@@ -804,13 +831,16 @@ def summarize(rates: dict[str, list[float | None]], cpu: dict[str, list[float | 
     results: dict[str, dict[str, Any]] = {}
     for name in rates:
         if name not in med:
-            why = errors.get(name) or peers.get(name, {}).get("missing", "not run")
-            results[name] = {"img_per_s": None, "missing": why}
+            reason = errors.get(name) or peers.get(name, {}).get("missing", "not run")
+            results[name] = {"img_per_s": None, "missing": reason}
             continue
         row: dict[str, Any] = {"img_per_s": round(med[name], 1), "rounds": [round(x, 1) for x in got[name]]}
         ms = [x for x in cpu.get(name, []) if x is not None]
         if ms:
             row["cpu_ms_per_img"] = round(statistics.median(ms), 4)
+        fc = [w.foreign_cores for w in loads.get(name, []) if w.foreign_cores is not None]
+        if fc:
+            row["foreign_cores_max"] = round(max(fc), 3)
         ceil = SAME_WORK_CEILING.get(name)
         if ceil:  # CPU efficiency: the ceiling's CPU per image over this one's (robust to other load)
             pairs = [c / m for c, m in zip(cpu.get(ceil, []), cpu.get(name, [])) if c is not None and m]
@@ -827,15 +857,26 @@ def summarize(rates: dict[str, list[float | None]], cpu: dict[str, list[float | 
         if name not in results:
             results[name] = {"img_per_s": None, "missing": peers.get(name, {}).get("missing", "not run")}
 
+    # the baseline checks (issue 16): every target stands on them
+    shared = []  # checks of the method and the machine: every target depends on them
+    aa = ratio(NATIVE_T_AA, NATIVE_T)
+    if aa is not None:
+        shared.append(aa_check(med[NATIVE_T_AA], med[NATIVE_T], what=NATIVE_T.replace(", threads", " (ThreadLoader)"),
+                               tolerance=AA_NOISE, ratio=aa, fmt=lambda x: f"{x:,.0f} img/s"))
+    if CEIL_JPEG in med and CEIL_JPEG_1 in med:
+        shared.append(thread_check(1.0 / med[CEIL_JPEG_1], 1.0 / med[CEIL_JPEG], args.workers,
+                                   what="decode+crop ceiling, wall time per image,"))
     targets = []
 
     def target(what: str, a: str, b: str, need: float) -> None:
         r = ratio(a, b)
-        status = "SKIP" if r is None else ("PASS" if r >= need else "FAIL")
+        checks = [*shared, load_check([*loads.get(a, []), *loads.get(b, [])], what=f"{a} / {b}")]
+        status = verdict(None if r is None else r >= need, checks)
         # the same comparison in CPU time per image (b's over a's): robust to other load on the machine
         pairs = [y / x for x, y in zip(cpu.get(a, []), cpu.get(b, [])) if x and y is not None]
         targets.append({"target": what, "candidate": a, "reference": b, "ratio": None if r is None else round(r, 3),
-                        "need": need, "status": status,
+                        "need": need, "status": status, "unreliable_because": why(checks),
+                        "unreliable_brief": why(checks, brief=True),
                         "cpu_ratio": round(statistics.median(pairs), 3) if pairs else None})
 
     # the claims are for the way the README recommends reading a pack: ThreadLoader (the DataLoader-worker
@@ -864,6 +905,7 @@ def summarize(rates: dict[str, list[float | None]], cpu: dict[str, list[float | 
         "data": data,
         "packing": storage,
         "results": results,
+        "baseline_checks": [c.to_dict() for c in shared],
         "targets": targets,
     }
 
@@ -896,11 +938,11 @@ def print_report(s: dict[str, Any]) -> None:
     print(table(["pack", "seconds", "on disk", "per image", "what"], rows, "lrrrl"))
 
     heads = ["candidate", "img/s", "rounds min-max", "x baseline", "x same-work ceiling", "x WebDataset", "x FFCV jpeg",
-             "x FFCV raw", "CPU ms/img", "CPU eff."]
+             "x FFCV raw", "CPU ms/img", "CPU eff.", "foreign"]
     rows = []
     for name, r in s["results"].items():
         if r["img_per_s"] is None:
-            rows.append([name, "-", "missing", "", "", "", "", "", "", ""])  # why: in the packing table and the JSON
+            rows.append([name, "-", "missing", "", "", "", "", "", "", "", ""])  # why: in the packing table and the JSON
             continue
 
         def x(key: str) -> str:
@@ -908,21 +950,29 @@ def print_report(s: dict[str, Any]) -> None:
 
         rows.append([name, f"{r['img_per_s']:.0f}", f"{min(r['rounds']):.0f}-{max(r['rounds']):.0f}", x("x_baseline"),
                      x("x_ceiling"), x("x_webdataset"), x("x_ffcv_jpeg"), x("x_ffcv_raw"),
-                     f"{r['cpu_ms_per_img']:.3f}" if "cpu_ms_per_img" in r else "-", x("cpu_efficiency_vs_ceiling")])
+                     f"{r['cpu_ms_per_img']:.3f}" if "cpu_ms_per_img" in r else "-", x("cpu_efficiency_vs_ceiling"),
+                     f"{r['foreign_cores_max']:.2f}" if "foreign_cores_max" in r else "-"])
     cfg = s["config"]
     print(f"\nimages/s, {cfg['batch']}x{cfg['output'][0]}x{cfg['output'][1]} uint8 batches, {cfg['workers']} workers, "
           f"median of {cfg['rounds']} rounds of {cfg['timed_batches']} batches:")
-    print(table(heads, rows, "lrrrrrrrrr"))
+    print(table(heads, rows, "lrrrrrrrrrr"))
     print("ratios: median over rounds of the ratio within each round. same-work ceiling: encoded -> "
           "decode+resize+crop, jpeg256 rows (ours and peers) -> decode+crop,\nraw rows -> memcpy. CPU ms/img: CPU "
           "time of every process and thread involved (workers included) per image over the timed batches;\n"
           "CPU eff. = the same-work ceiling's CPU ms/img / this row's: how much of the work is the work itself, "
-          "robust to other load on the machine\n(wall-clock img/s is not).")
+          "robust to other load on the machine\n(wall-clock img/s is not). foreign: the most cores other processes "
+          "used while this row ran (worst round).")
+    print(f"\n{rules_text(AA_NOISE)}:")
+    for c in s.get("baseline_checks", []):
+        print(f"  {'ok  ' if c['ok'] else 'FAIL'}  {c['kind']}: {c['detail']}")
     print("\ntargets (issue 4):")
     for t in s["targets"]:
         r = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}"
         c = "" if t.get("cpu_ratio") is None else f"; in CPU time per image: {t['cpu_ratio']:.2f}"
-        print(f"  {t['status']}: {t['target']}: {r} (need >= {t['need']:g}{c})")
+        bad = f" -- {UNRELIABLE}: {t['unreliable_brief']}" if t["status"] == UNRELIABLE else ""
+        if t["ratio"] is not None and t["need"] == 1.0 and abs(t["ratio"] - 1.0) <= AA_NOISE and not bad:
+            bad = f" -- within the {AA_NOISE:.0%} A/A noise of 1: a tie this run cannot resolve (see README)"
+        print(f"  {t['status']}: {t['target']}: {r} (need >= {t['need']:g}{c}){bad}")
 
 
 def plot(s: dict[str, Any], path: str) -> None:

@@ -18,6 +18,18 @@ target: a fast wrong model is no result. Each int8 row's int8 setting (full or r
 range, chosen for this CPU by :func:`torch_tricks.deploy.cpu_int8.int8_setting`) and
 its reason are printed.
 
+Every speed row stands on baselines this run checks first (issue 16, ``benchmarks/_trust.py``),
+and a row whose check fails is UNRELIABLE, not PASS (the check that failed is named):
+each group's reference is timed twice in every window, the second time as one more
+interleaved candidate, and the two must agree within the A/A noise (10%); at 2 threads
+the reference must not be slower than at 1 thread (5% slack); and other processes must
+not have used more than a quarter of a core on average while a window was timed (the
+machine's busy time from ``/proc/stat`` less this process tree's own CPU time). A window is
+one group, one batch size and one thread count; a row depends on the windows it quotes.
+ONNX Runtime sessions are timed with their threads not spinning between runs (see
+:func:`_without_spinning`: spinning threads of one candidate slow the next one down, which
+made eager at 2 threads slower than at 1).
+
 How it is measured: every candidate is built with :func:`torch_tricks.deploy.pipeline.optimize`
 (the same chains the CLI runs), then all candidates of one model are timed together by
 :func:`torch_tricks.deploy.step_report.compare_latency`: medians of ``--repeats`` calls,
@@ -42,6 +54,7 @@ the most stable on shared cores.
 
     python benchmarks/deploy.py                     # 224x224, batches 1 and 16, threads 1 and 2
     python benchmarks/deploy.py --quick             # smaller, fewer repeats, 1 thread, 3 ONNX checks
+    python benchmarks/deploy.py --quick --threads 1,2   # the same at 1 and 2 threads (the threads check)
     python benchmarks/deploy.py --threads 1 --repeats 20 --json deploy.json
 """
 
@@ -61,6 +74,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_trust.py, when imported from elsewhere
+from _trust import AA_TOLERANCE, UNRELIABLE, Check, ForeignLoad, Ledger, LoadMonitor, aa_check, load_check  # noqa: E402
+from _trust import rules_text, thread_check, verdict, why  # noqa: E402
 
 from torch_tricks._format import human_bytes, table
 from torch_tricks.deploy.export import OrtModule
@@ -215,6 +232,11 @@ class Group:
     eval_batches: list[tuple[Any, ...]]  # held-out inputs for the agreement
     candidates: dict[str, Candidate] = field(default_factory=dict)
     labels: torch.Tensor | None = None  # true classes of the eval inputs, when they have any
+    aa_latency_s: dict[int, dict[int, float]] = field(default_factory=dict)  # the reference's A/A twin
+    load: dict[int, dict[int, ForeignLoad]] = field(default_factory=dict)  # threads -> batch -> window
+
+
+AA = " (A/A)"  # the reference again, timed as one more interleaved candidate
 
 
 def _agree(reference: nn.Module, model: Any, eval_batches: list[tuple[Any, ...]]) -> tuple[float, float, float | None]:
@@ -391,21 +413,69 @@ def rebuild_for_threads(groups: list[Group]) -> None:
                 c.model = OrtModule(c.model.path)
 
 
+def _without_spinning(m: OrtModule) -> None:
+    """Rebuild ``m``'s session with ONNX Runtime's intra-op threads not spinning between runs.
+
+    ORT's worker threads spin-wait after every run (its default), holding a core that the next
+    candidate of an interleaved round needs: at 2 threads on 2 cores eager fp32 ResNet-18
+    (112x112, batch 1) took 22.6 ms after an ORT run and after another eager run alike, against
+    10.8 ms with ORT not spinning (ORT itself 11.1 -> 7.9 ms, torch's OpenMP threads spinning
+    in its way too); eager at 2 threads then timed slower than at 1, the broken baseline of
+    issue 16, which the A/A pair caught (the same eager model 14.7 vs 63.0 ms in one window).
+    One thread (the default session of ``--threads 1``) has no pool to spin.
+    """
+    import onnxruntime as ort
+
+    if getattr(m, "_no_spin", False):
+        return
+    old = m.session.get_session_options()
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads, opts.inter_op_num_threads = old.intra_op_num_threads, old.inter_op_num_threads
+    opts.log_severity_level = 3
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    m.session = ort.InferenceSession(str(m.path), opts, providers=list(m.providers))
+    m._no_spin = True  # type: ignore[attr-defined]
+
+
 def time_groups(groups: list[Group], threads: int, args: argparse.Namespace, bar: Any) -> None:
     for g in groups:
+        for c in g.candidates.values():
+            if isinstance(c.model, OrtModule):
+                _without_spinning(c.model)
         for b, inputs in g.inputs.items():
             bar.set_description(f"{threads} thread(s): {g.title} batch {b}")
             models = {n: c.model for n, c in g.candidates.items()}
             with torch.inference_mode():
                 for m in models.values():
                     m(*inputs)  # compiles the PT2E model for this batch size before the timed calls
-            t = compare_latency(models, inputs, warmup=args.warmup, repeats=args.repeats)
+            models[g.reference + AA] = models[g.reference]  # the A/A twin: the same model, timed apart
+            with LoadMonitor() as window:  # foreign load while this window is timed (held >= 0.5 s)
+                t = compare_latency(models, inputs, warmup=args.warmup, repeats=args.repeats)
+            g.load.setdefault(threads, {})[b] = window.load
+            g.aa_latency_s.setdefault(threads, {})[b] = t[g.reference + AA].median_s
             base = t[g.reference].median_s
             for n, c in g.candidates.items():
                 c.latency_s.setdefault(threads, {})[b] = t[n].median_s
                 c.iqr_s.setdefault(threads, {})[b] = t[n].iqr_s
                 c.speedup.setdefault(threads, {})[b] = base / t[n].median_s
             bar.update()
+
+
+def baseline_checks(groups: list[Group], threads_list: list[int], batches: list[int]) -> Ledger:
+    """The checks of every timing window (group, threads, batch), before any ratio is judged (issue 16)."""
+    led = Ledger()
+    for g in groups:
+        ref = g.candidates[g.reference]
+        for th in threads_list:
+            for b in batches:
+                key = (g.title, th, b)
+                what = f"{g.title} {g.reference}, batch {b}, {th}T"
+                led.add(key, load_check(g.load[th][b], what=f"{g.title} batch {b}, {th}T"))
+                led.add(key, aa_check(ref.latency_s[th][b], g.aa_latency_s[th][b], what=what))
+                if th > 1 and 1 in threads_list:
+                    led.add(key, thread_check(ref.latency_s[1][b], ref.latency_s[th][b], th,
+                                              what=f"{g.title} {g.reference}, batch {b}"))
+    return led
 
 
 def onnx_checks(models: list[str], args: argparse.Namespace, bar: Any) -> dict[str, dict[str, Any]]:
@@ -462,22 +532,46 @@ def print_tables(groups: list[Group], threads_list: list[int], batches: list[int
             print(table(headers, rows, "ll" + "r" * (len(headers) - 2)))
 
 
+@dataclass
+class Row:
+    """One target line: the row's own result, its text, and the baseline checks its ratios stand on."""
+
+    ok: bool
+    text: str
+    checks: list[Check] = field(default_factory=list)
+    fail_regardless: bool = False  # failed for a reason no timing changes (a wrong int8 model)
+
+    @property
+    def status(self) -> str:
+        return verdict(self.ok, self.checks, fail_regardless=self.fail_regardless)
+
+    def line(self) -> str:
+        bad = why(self.checks, brief=True)  # in full in the baseline checks above
+        if not bad:
+            return self.text
+        return self.text + (f" -- {UNRELIABLE}: {bad}" if self.status == UNRELIABLE else f" (also unreliable: {bad})")
+
+
 def targets(groups: list[Group], facts: dict[str, Any], onnx: dict[str, dict[str, Any]],
-            threads_list: list[int], batches: list[int]) -> list[tuple[bool, str]]:
+            threads_list: list[int], batches: list[int], led: Ledger | None = None) -> list[Row]:
     r18 = {c.name: c for c in groups[0].candidates.values()}
     eager, q = r18["eager fp32"], r18["int8 static"]
     ort32, ort8, pruned = r18["ORT fp32"], r18["ORT int8 static"], r18[f"pruned {PRUNE_MACS:.0%} MACs"]
     big = max(batches)
-    lines: list[tuple[bool, str]] = []
+    led = led or Ledger()
+    lines: list[Row] = []
     agrees = {id(c): c.top1 is not None and c.top1 >= INT8_TOP1_TARGET for c in (q, ort8)}
 
-    def speed(ok: bool, text: str, *models: Candidate) -> tuple[bool, str]:
+    def windows(title: str, th: int, *bs: int) -> list[Check]:
+        return led.for_(*((title, th, b) for b in bs))
+
+    def speed(ok: bool, text: str, checks: list[Check], *models: Candidate) -> Row:
         """A speed row of int8 models: FAIL whenever one of them missed its agreement target."""
         wrong = [m.name for m in models if not agrees[id(m)]]
         if wrong:
             text += (f" -- FAIL regardless: {' and '.join(wrong)} missed the agreement target "
                      "(a fast wrong model is no result)")
-        return ok and not wrong, text
+        return Row(ok and not wrong, text, checks, fail_regardless=bool(wrong))
 
     for th in threads_list:
         s = q.speedup[th][1]
@@ -485,56 +579,56 @@ def targets(groups: list[Group], facts: dict[str, Any], onnx: dict[str, dict[str
                            f"[{th}T] int8 static ResNet-18 vs eager fp32 at batch 1: {s:.2f}x "
                            f"(target >= {INT8_SPEEDUP_TARGET}x, aim {INT8_SPEEDUP_AIM}x"
                            f"{'' if s >= INT8_SPEEDUP_AIM else ': aim not reached'}); "
-                           f"batch {big}: {q.speedup[th][big]:.2f}x", q))
+                           f"batch {big}: {q.speedup[th][big]:.2f}x", windows("resnet18", th, 1, big), q))
     for c in (q, ort8):
         acc = (f"; digit accuracy {eager.extra['accuracy']:.1%} fp32 -> {c.extra['accuracy']:.1%} int8"
                if "accuracy" in c.extra else "")
         label = "int8 static ResNet-18" if c is q else "ORT int8 static ResNet-18"
-        lines.append((agrees[id(c)],
-                      f"{label} top-1 agreement with eager on the held-out images: {c.top1:.1%} "
-                      f"(target >= {INT8_TOP1_TARGET:.0%}); max abs diff {c.max_abs_diff:.3f}{acc}; "
-                      f"{_setting_text(c.extra.get('int8_setting'), short=True)}"))
+        lines.append(Row(agrees[id(c)],
+                         f"{label} top-1 agreement with eager on the held-out images: {c.top1:.1%} "
+                         f"(target >= {INT8_TOP1_TARGET:.0%}); max abs diff {c.max_abs_diff:.3f}{acc}; "
+                         f"{_setting_text(c.extra.get('int8_setting'), short=True)}"))
     ratio = eager.disk_bytes / q.disk_bytes
-    lines.append((ratio >= INT8_SIZE_TARGET,
-                  f"int8 static ResNet-18 on disk: {human_bytes(q.disk_bytes)} vs {human_bytes(eager.disk_bytes)} = "
-                  f"{ratio:.2f}x smaller (target >= {INT8_SIZE_TARGET}x; "
-                  f"state dict {eager.state_bytes / q.state_bytes:.2f}x)"))
+    lines.append(Row(ratio >= INT8_SIZE_TARGET,
+                     f"int8 static ResNet-18 on disk: {human_bytes(q.disk_bytes)} vs {human_bytes(eager.disk_bytes)} = "
+                     f"{ratio:.2f}x smaller (target >= {INT8_SIZE_TARGET}x; "
+                     f"state dict {eager.state_bytes / q.state_bytes:.2f}x)"))
     for th in threads_list:
         for other in (ort32, ort8):
             r = other.latency_s[th][1] / q.latency_s[th][1]
-            verdict = (f"{r:.2f}x faster" if r >= 1 else f"{1 / r:.2f}x slower (falls short by {(1 / r - 1):.0%})")
-            lines.append(speed(r >= 1, f"[{th}T] int8 static ResNet-18 vs {other.name} at batch 1: {verdict} "
+            how = (f"{r:.2f}x faster" if r >= 1 else f"{1 / r:.2f}x slower (falls short by {(1 / r - 1):.0%})")
+            lines.append(speed(r >= 1, f"[{th}T] int8 static ResNet-18 vs {other.name} at batch 1: {how} "
                                        f"({q.latency_s[th][1] * 1e3:.2f} ms vs {other.latency_s[th][1] * 1e3:.2f} ms)",
-                               *([q, ort8] if other is ort8 else [q])))
+                               windows("resnet18", th, 1), *([q, ort8] if other is ort8 else [q])))
     for title in ("transformer", "lstm"):
         g = next(x for x in groups if x.title == title)
         d = g.candidates["int8 dynamic"]
         name = f"dynamic int8 {title}"
         agrees[id(d)] = d.top1 is not None and d.top1 >= DYNAMIC_TOP1_TARGET
-        lines.append((agrees[id(d)], f"{name} top-1 agreement with eager: {d.top1:.1%} "
-                                      f"(target >= {DYNAMIC_TOP1_TARGET:.0%}, the int8-dynamic step's tolerance); "
-                                      f"{_setting_text(d.extra.get('int8_setting'), short=True)}"))
+        lines.append(Row(agrees[id(d)], f"{name} top-1 agreement with eager: {d.top1:.1%} "
+                                         f"(target >= {DYNAMIC_TOP1_TARGET:.0%}, the int8-dynamic step's tolerance); "
+                                         f"{_setting_text(d.extra.get('int8_setting'), short=True)}"))
         for th in threads_list:
             s = d.speedup[th][big]
             lines.append(speed(s > 1.0, f"[{th}T] {name} vs eager at batch {big}: {s:.2f}x "
-                                        f"(target > 1x); batch 1: {d.speedup[th][1]:.2f}x", d))
+                                        f"(target > 1x); batch 1: {d.speedup[th][1]:.2f}x", windows(title, th, 1, big), d))
     mac = pruned.extra["mac_ratio"]
     for th in threads_list:
         s1, sb = pruned.speedup[th][1], pruned.speedup[th][big]
-        lines.append((abs(mac - PRUNE_MACS) <= 0.1 and min(s1, sb) > 1.05,
-                      f"[{th}T] pruned ResNet-18: {mac:.0%} of the MACs ({pruned.extra['channels_removed']:.0%} of "
-                      f"the channels removed), {s1:.2f}x at batch 1, {sb:.2f}x at batch {big} (target ~50% MACs, "
-                      f"> 1.05x)"))
+        lines.append(Row(abs(mac - PRUNE_MACS) <= 0.1 and min(s1, sb) > 1.05,
+                         f"[{th}T] pruned ResNet-18: {mac:.0%} of the MACs ({pruned.extra['channels_removed']:.0%} of "
+                         f"the channels removed), {s1:.2f}x at batch 1, {sb:.2f}x at batch {big} (target ~50% MACs, "
+                         f"> 1.05x)", windows("resnet18", th, 1, big)))
     bad = {n: r for n, r in onnx.items() if not r.get("ok")}
     worst = max((r.get("max_abs_diff", math.inf) for r in onnx.values()), default=0.0)
-    lines.append((not bad and bool(onnx),
-                  f"ONNX export runs in ONNX Runtime within {ONNX_ATOL:g} for {len(onnx) - len(bad)}/{len(onnx)} "
-                  f"vision models (worst max abs diff {worst:.1e})" + (f"; failed: {', '.join(bad)}" if bad else "")))
-    lines.append((facts["fused_max_rel_diff"] <= EXACT_RTOL and facts["fused_batchnorm_left"] == 0,
-                  f"fused ResNet-18 max rel diff {facts['fused_max_rel_diff']:.1e} (<= {EXACT_RTOL:g}), "
-                  f"BatchNorm layers left: {facts['fused_batchnorm_left']}"))
-    lines.append((facts["reparam_max_rel_diff"] <= EXACT_RTOL,
-                  f"reparameterized RepVGG-A0 max rel diff {facts['reparam_max_rel_diff']:.1e} (<= {EXACT_RTOL:g})"))
+    lines.append(Row(not bad and bool(onnx),
+                     f"ONNX export runs in ONNX Runtime within {ONNX_ATOL:g} for {len(onnx) - len(bad)}/{len(onnx)} "
+                     f"vision models (worst max abs diff {worst:.1e})" + (f"; failed: {', '.join(bad)}" if bad else "")))
+    lines.append(Row(facts["fused_max_rel_diff"] <= EXACT_RTOL and facts["fused_batchnorm_left"] == 0,
+                     f"fused ResNet-18 max rel diff {facts['fused_max_rel_diff']:.1e} (<= {EXACT_RTOL:g}), "
+                     f"BatchNorm layers left: {facts['fused_batchnorm_left']}"))
+    lines.append(Row(facts["reparam_max_rel_diff"] <= EXACT_RTOL,
+                     f"reparameterized RepVGG-A0 max rel diff {facts['reparam_max_rel_diff']:.1e} (<= {EXACT_RTOL:g})"))
     return lines
 
 
@@ -548,8 +642,8 @@ def _setting_text(s: dict[str, Any] | None, short: bool = False) -> str:
     return text if short else f"{text} -- {s['reason']}"
 
 
-def to_json(groups: list[Group], facts: dict[str, Any], onnx: dict[str, Any], lines: list[tuple[bool, str]],
-            args: argparse.Namespace) -> dict[str, Any]:
+def to_json(groups: list[Group], facts: dict[str, Any], onnx: dict[str, Any], lines: list[Row],
+            args: argparse.Namespace, led: Ledger | None = None) -> dict[str, Any]:
     def cand(c: Candidate) -> dict[str, Any]:
         return {
             "backend": c.backend, "params": c.params, "disk_bytes": c.disk_bytes, "state_bytes": c.state_bytes,
@@ -563,10 +657,16 @@ def to_json(groups: list[Group], facts: dict[str, Any], onnx: dict[str, Any], li
     return {
         "torch": torch.__version__, "cpu_threads_available": torch.get_num_threads(),
         "args": {k: v for k, v in vars(args).items()},
-        "groups": {g.title: {"reference": g.reference, "candidates": {n: cand(c) for n, c in g.candidates.items()}}
+        "groups": {g.title: {"reference": g.reference, "candidates": {n: cand(c) for n, c in g.candidates.items()},
+                             "aa_latency_ms": {th: {b: round(t * 1e3, 3) for b, t in d.items()}
+                                               for th, d in g.aa_latency_s.items()},
+                             "foreign_cores": {th: {b: w.foreign_cores for b, w in d.items()}
+                                               for th, d in g.load.items()}}
                    for g in groups},
         "checks": facts, "onnx": onnx,
-        "targets": [{"pass": ok, "line": line} for ok, line in lines],
+        "baseline_checks": led.to_dict() if led else [],
+        "targets": [{"status": r.status, "pass": r.ok, "line": r.text,
+                     "unreliable_because": [str(c) for c in r.checks if not c.ok]} for r in lines],
     }
 
 
@@ -621,15 +721,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=10, help="timed rounds per batch size (interleaved)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="batch sizes to time (must include 1)")
-    ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts to time under")
+    ap.add_argument("--threads", default=None,
+                    help="comma-separated torch thread counts to time under (default 1,2; 1 with --quick)")
     ap.add_argument("--size", type=int, default=224, help="image side for ResNet-18 / RepVGG")
     ap.add_argument("--quick", action="store_true",
-                    help="112x112, 3 repeats, 1 thread, fewer images, ONNX check on 3 models")
+                    help="112x112, 3 repeats, 1 thread (unless --threads), fewer images, ONNX check on 3 models")
     ap.add_argument("--json", help="also write the JSON here")
     ap.add_argument("--png", default=None, help=f"bar plot path (default {HERE / 'deploy.png'}; none with --quick)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.size, args.repeats, args.warmup, args.threads = min(args.size, 112), min(args.repeats, 3), 1, "1"
+        args.size, args.repeats, args.warmup = min(args.size, 112), min(args.repeats, 3), 1
+    if args.threads is None:
+        args.threads = "1" if args.quick else "1,2"
     if 1 not in args.batches:
         ap.error("--batches must include 1 (the targets are at batch 1)")
     args.batches = sorted(set(args.batches))
@@ -679,11 +782,15 @@ def main(argv: list[str] | None = None) -> int:
         for c in g.candidates.values():
             if "int8_setting" in c.extra:
                 print(f"  {g.title} / {c.name}: {_setting_text(c.extra['int8_setting'])}")
-    lines = targets(groups, facts, onnx, threads_list, args.batches)
+    led = baseline_checks(groups, threads_list, args.batches)
+    print(f"\n{rules_text(AA_TOLERANCE)}:")
+    for line in led.lines():
+        print(f"  {line}")
+    lines = targets(groups, facts, onnx, threads_list, args.batches, led)
     print("\ntargets:")
-    for ok, line in lines:
-        print(f"{'PASS' if ok else 'FAIL'}  {line}")
-    result = to_json(groups, facts, onnx, lines, args)
+    for r in lines:
+        print(f"{r.status:<10}  {r.line()}")
+    result = to_json(groups, facts, onnx, lines, args, led)
     print("\nJSON:")
     print(json.dumps(result, default=str))
     if args.json:

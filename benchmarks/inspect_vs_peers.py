@@ -25,7 +25,9 @@ How to read the output:
   ours): the median of 3 runs (5 for calls under 0.5 s, 1 for calls over 3 s), the tools
   interleaved so a slow spell of the machine hits them alike, on one torch thread by default
   (--threads). Ratios only: absolute times are in the --json file, and on a shared machine
-  they are noisy.
+  they are noisy; when other processes used more than a quarter of a core on average during
+  the run (``benchmarks/_trust.py``, issue 16) the time ratios are marked UNRELIABLE. The
+  PASS/FAIL counts MACs, which no load changes.
 * Summary: the fvcore cross-check, and for the transformer and the LSTM the fraction of our
   attention / recurrent MACs each peer reports.
 
@@ -59,6 +61,9 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/_trust.py, when imported from elsewhere
+from _trust import UNRELIABLE, LoadMonitor  # noqa: E402
+
 from torch_tricks.inspect.inputs import make_inputs
 from torch_tricks.inspect.summarize import Summary, summary
 from torch_tricks.models import get_model, list_models, model_spec
@@ -79,10 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     models = _select_models(args)
     torch.set_num_threads(args.threads)
-    results = run_benchmark(models, repeats=args.repeats, progress=not args.no_progress)
+    with LoadMonitor() as window:  # the time ratios are timings: watched for foreign load (issue 16)
+        results = run_benchmark(models, repeats=args.repeats, progress=not args.no_progress)
     print(render_table(results))
     print()
     print(render_times(results))
+    load = window.check("the whole run")
+    if not load.ok:  # the PASS/FAIL below counts MACs, which no load changes; only the times are affected
+        print(f"{UNRELIABLE} time ratios: {load}")
     print()
     print(render_summary(results))
     if args.json:

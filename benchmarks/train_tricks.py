@@ -11,6 +11,13 @@ the IQR column is the noise. "activations" is what autograd saves for backward
 (saved_tensors_hooks); "step peak" is the peak of live tensor bytes one training step
 allocates (exact on any device). Ratios below 1 are better.
 
+The checkpointing target is judged only on baselines this run checked first (issue 16,
+``benchmarks/_trust.py``); when one fails it is UNRELIABLE, not PASS or FAIL, with the check
+named: the plain step is timed twice (``plain fp32 (A/A)``, one more interleaved variant)
+and the two must agree within 10%; with several threads, the plain step is also timed on
+one thread (``plain fp32, 1 thread``), which the multi-thread one must not be slower than;
+and other processes may use at most a quarter of a core on average while the steps are timed.
+
     python benchmarks/train_tricks.py                 # ResNet-50, batch 8, 224x224
     python benchmarks/train_tricks.py --model resnet18 --batch 8 --size 128 --repeats 3
     python benchmarks/train_tricks.py --png train_tricks.png --json train_tricks.json
@@ -23,10 +30,14 @@ import copy
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_trust.py, when imported from elsewhere
+from _trust import UNRELIABLE, LoadMonitor, aa_check, rules_text, thread_check, verdict, why  # noqa: E402
 
 from torch_tricks._format import human_bytes, table
 from torch_tricks.inspect.memory import memory_report, saved_activation_bytes
@@ -65,6 +76,8 @@ def variants(model_name: str) -> dict[str, Callable[[], tuple[nn.Module, Callabl
 
 
 MEMORY_VARIANTS = ("plain fp32", "inplace", "memory-efficient BN", "inplace + mem-eff BN")
+AA = "plain fp32 (A/A)"  # the plain step timed twice: the A/A pair
+ONE_THREAD = "plain fp32, 1 thread"  # the plain step on one thread: the threads check
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,15 +98,25 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {args.model: run_model(args.model, args, skip)}
     ck = results[args.model].get("checkpointing", {})
+    checks = results[args.model].pop("_checks", [])
+    print(f"\n{rules_text()}:")
+    for c in checks:
+        print(f"  {'ok  ' if c.ok else 'FAIL'}  {c}")
     if "activation_ratio" in ck:
-        ok = ck["activation_ratio"] <= CHECKPOINT_MEMORY_TARGET and ck["time_ratio"] <= CHECKPOINT_TIME_TARGET
+        # the memory half needs no timing; the time half stands on the checked baseline
+        mem_ok = ck["activation_ratio"] <= CHECKPOINT_MEMORY_TARGET
+        ok = mem_ok and ck["time_ratio"] <= CHECKPOINT_TIME_TARGET
+        status = verdict(ok, checks, fail_regardless=not mem_ok)
+        ck["status"], ck["unreliable_because"] = status, why(checks)
         print(f"\ncheckpointing target (activations <= {CHECKPOINT_MEMORY_TARGET:.0%} of plain at <= "
               f"{CHECKPOINT_TIME_TARGET:.2f}x step time): activations {ck['activation_ratio']:.0%}, "
-              f"time {ck['time_ratio']:.2f}x -> {'MET' if ok else 'NOT MET'}")
+              f"time {ck['time_ratio']:.2f}x -> {status}"
+              + (f" -- {UNRELIABLE}: {why(checks)}" if status == UNRELIABLE else ""))
     if args.memory_model:
         print()
         only = set(variants(args.memory_model)) - set(MEMORY_VARIANTS)
         results[args.memory_model] = run_model(args.memory_model, args, skip | only)
+        results[args.memory_model].pop("_checks", None)
     if args.json:
         from torch_tricks._io import atomic_path
 
@@ -150,7 +173,25 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
         except Exception as exc:  # a trick that cannot run here is reported, not fatal
             rows[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
 
-    timings = compare(steps, warmup=args.warmup, repeats=args.repeats)
+    # the baselines the time ratios stand on (issue 16): the plain step again (A/A) and on one thread
+    threads = torch.get_num_threads()
+    steps[AA] = steps["plain fp32"]
+    if threads > 1:
+        def one_thread(step: Callable[[], Any] = steps["plain fp32"]) -> None:
+            torch.set_num_threads(1)
+            try:
+                step()
+            finally:
+                torch.set_num_threads(threads)
+
+        steps[ONE_THREAD] = one_thread
+    with LoadMonitor() as window:
+        timings = compare(steps, warmup=args.warmup, repeats=args.repeats)
+    checks = [window.check(f"{model_name} steps"),
+              aa_check(timings["plain fp32"].median_s, timings[AA].median_s, what=f"{model_name} plain fp32 step")]
+    if threads > 1:
+        checks.append(thread_check(timings[ONE_THREAD].median_s, timings["plain fp32"].median_s, threads,
+                                   what=f"{model_name} plain fp32 step"))
     plain = rows["plain fp32"]
     base_t = timings["plain fp32"]
     table_rows = []
@@ -179,8 +220,14 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
         ])
     print(f"{model_name}, batch {args.batch}, {args.size}x{args.size}, CPU ({torch.get_num_threads()} threads), "
           f"median of {args.repeats} interleaved steps (ms ± IQR/2)")
+    for name in (AA, ONE_THREAD):
+        if name in timings:
+            t = timings[name]
+            table_rows.append([name, f"{t.median_s * 1e3:.0f} ± {t.iqr_s * 5e2:.0f}", f"{t.ratio_to(base_t):.2f}",
+                               "-", "-", "baseline check (issue 16)"])
     print(table(["trick", "step ms", "time ratio", "activations (ratio)", "step peak (ratio)", "note"],
                 table_rows, "lrrrrl"))
+    rows["_checks"] = checks  # type: ignore[assignment]  # taken out by main before the JSON
     return rows
 
 

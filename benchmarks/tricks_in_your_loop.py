@@ -41,6 +41,14 @@ and a small GPT-2 (4 layers, 256 wide, 128 tokens, batch 8), each in one run:
    realised half-interval, the tune's min effect)``, else DISAGREE; the script prints the
    rule, one line per model and an overall line. The exit code is 0 unless something
    raised: it is a benchmark, not a test.
+5. Before a verdict counts, the run checks its baselines (issue 16, ``benchmarks/_trust.py``);
+   a model whose check fails is UNRELIABLE, neither AGREE nor DISAGREE, and the overall
+   line is not PASS: the tune's A/A (plain against an identical plain, its "noise") must
+   be within 10% (a wider noise widens the tolerance until anything agrees); and other
+   processes may use at most a quarter of a core on average during the tune and during
+   the interleaved rounds of the loops (``/proc/stat`` less this process tree's CPU time;
+   the loop process measures its own). The threads check does not apply: every arm runs
+   on ``--threads`` threads, none on one for comparison.
 
 ``--threads`` defaults to 1: on 2 shared cores, two OpenMP threads per process next to
 any other busy process make each step 10-20x slower and erratic; the tune and the loop
@@ -81,6 +89,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # benchmarks/_trust.py, when imported from elsewhere
+from _trust import UNRELIABLE, ForeignLoad, LoadMonitor, aa_check, load_check, why  # noqa: E402
+from _trust import verdict as trust_verdict  # noqa: E402  (verdict below is this benchmark's AGREE rule)
 
 # name -> (load_model reference, hf_config, input spec with {size}/{seq}, batch option, default tune budget s)
 MODELS = {
@@ -168,8 +179,9 @@ def run_tune(name: str, args: argparse.Namespace, out_root: Path) -> dict[str, A
     from torch_tricks import tune
 
     model, batch, loss_fn, what = build(name, args)
-    report = tune(model, batch, loss_fn, device=torch.device(args.device), budget_s=budget(name, args), seed=args.seed,
-                  progress=False, name=name)
+    with LoadMonitor() as window:
+        report = tune(model, batch, loss_fn, device=torch.device(args.device), budget_s=budget(name, args),
+                      seed=args.seed, progress=False, name=name)
     out = out_root / name
     report.write(out)
     (out / "plain.json").write_text(json.dumps(plain_config(report), indent=2))
@@ -186,6 +198,7 @@ def run_tune(name: str, args: argparse.Namespace, out_root: Path) -> dict[str, A
         "tune_rounds": report.rounds, "tune_stop": report.stop_reason, "tune_s": report.elapsed_s,
         "tune_plain_step_s": report.baseline.step_s if report.baseline else None,
         "report_dir": str(out), "fingerprint": fingerprint(model, batch),
+        "tune_load": _load_dict(window.load),
     }
 
 
@@ -236,10 +249,11 @@ def run_loops(name: str, args: argparse.Namespace, report_dir: Path) -> dict[str
             step(arm)
     rng = random.Random(args.seed)
     order = list(arms)
-    for _ in tqdm(range(args.rounds), desc=f"{name}: interleaved rounds", file=sys.stderr, leave=False):
-        rng.shuffle(order)
-        for k in order:
-            arms[k]["times"].append(step(arms[k]))
+    with LoadMonitor() as window:  # foreign load while the rounds are timed (this process and its children are ours)
+        for _ in tqdm(range(args.rounds), desc=f"{name}: interleaved rounds", file=sys.stderr, leave=False):
+            rng.shuffle(order)
+            for k in order:
+                arms[k]["times"].append(step(arms[k]))
     realised, real_half = paired_ratio(arms["plain"]["times"], arms["tuned"]["times"])  # per round plain / tuned
     return {
         "realised": realised, "realised_half": real_half, "rounds": args.rounds,
@@ -250,6 +264,7 @@ def run_loops(name: str, args: argparse.Namespace, report_dir: Path) -> dict[str
         "final_loss": {k: float(a["losses"][-1]) for k, a in arms.items()},
         "faults_per_step": {k: _median(a["faults"][-args.rounds:]) if a["faults"] else None for k, a in arms.items()},
         "steps": 1 + args.warmup + args.rounds,
+        "loop_load": _load_dict(window.load),
     }
 
 
@@ -277,8 +292,22 @@ def verdict(t: dict[str, Any], loop: dict[str, Any]) -> dict[str, Any]:
              "realised half-interval": loop["realised_half"], "min effect": t["min_effect"]}
     tolerance = max(v for v in terms.values() if v is not None and not math.isnan(v))
     diff = loop["realised"] - t["predicted"]
+    checks = [load_check(ForeignLoad(**t["tune_load"]), what=f"{t['model']} tune"),
+              load_check(ForeignLoad(**loop["loop_load"]), what=f"{t['model']} loops")]
+    if t["noise"] is not None:
+        checks.append(aa_check(None, None, ratio=1.0 + t["noise"],
+                               what=f"{t['model']}: the tune's plain step (its noise, max(|A/A - 1|, half-interval))"))
+    agree = abs(diff) <= tolerance
+    status = trust_verdict(agree, checks)
     return {**t, **loop, "tolerance": tolerance, "tolerance_from": next(k for k, v in terms.items() if v == tolerance),
-            "diff": diff, "agree": abs(diff) <= tolerance}
+            "diff": diff, "agree": agree, "status": "AGREE" if status == "PASS" else "DISAGREE" if status == "FAIL"
+            else UNRELIABLE, "unreliable_because": why(checks), "checks": [c.to_dict() for c in checks]}
+
+
+def _load_dict(load: ForeignLoad) -> dict[str, Any]:
+    """A :class:`ForeignLoad` as JSON (the loop process sends its own back)."""
+    return {"wall_s": load.wall_s, "own_s": load.own_s, "foreign_s": load.foreign_s, "source": load.source,
+            "loadavg": load.loadavg}
 
 
 def budget(name: str, args: argparse.Namespace) -> float:
@@ -319,7 +348,7 @@ def print_results(results: list[dict[str, Any]], args: argparse.Namespace) -> No
     rows = [[r["model"], ", ".join(r["switches"]) or "nothing (plain)", _pm(r["predicted"], r["predicted_half"]),
              _pm(r["realised"], r["realised_half"]), f"±{r['noise']:.1%}" if r["noise"] is not None else "n/a",
              f"{r['diff']:+.3f}", f"±{r['tolerance']:.3f} ({r['tolerance_from']})",
-             "AGREE" if r["agree"] else "DISAGREE"] for r in results]
+             r["status"]] for r in results]
     print(table(["model", "tricks.toml switches on", "predicted", "realised in loop", "tune noise",
                  "realised - pred.", "tolerance", "verdict"], rows, "llrrrrll"))
     print("\npredicted: the tune's speed-up of its recommendation over its plain step (± half its ~95% interval); "
@@ -346,15 +375,21 @@ def print_results(results: list[dict[str, Any]], args: argparse.Namespace) -> No
         print(f"  Tricks applied: plain [{', '.join(r['applied']['plain'])}], "
               f"tuned [{', '.join(r['applied']['tuned'])}]; loss after {r['steps']} steps on the batch: "
               f"plain {r['final_loss']['plain']:.4f}, tuned {r['final_loss']['tuned']:.4f}")
-        print(f"  {'AGREE' if r['agree'] else 'DISAGREE'}: predicted {_pm(r['predicted'], r['predicted_half'])}, "
+        for c in r["checks"]:
+            print(f"  baseline check {'ok  ' if c['ok'] else 'FAIL'}  {c['kind']}: {c['detail']}")
+        print(f"  {r['status']}: predicted {_pm(r['predicted'], r['predicted_half'])}, "
               f"realised {_pm(r['realised'], r['realised_half'])}: |{r['diff']:+.3f}| "
-              f"{'<=' if r['agree'] else '>'} {r['tolerance']:.3f} ({r['tolerance_from']})")
+              f"{'<=' if r['agree'] else '>'} {r['tolerance']:.3f} ({r['tolerance_from']})"
+              + (f" -- {UNRELIABLE}: {r['unreliable_because']}" if r["status"] == UNRELIABLE else ""))
         if not r["agree"] and pf["plain"] and "keep_heap" not in r["applied"]["plain"]:
             print("  hint: the loop's steps page-fault in fresh memory, which the tune's process (its heap kept) does "
                   "not; keep_heap = true (the default) runs the loop as the tune timed it (see the module doc)")
-    n_ok = sum(r["agree"] for r in results)
-    print(f"\noverall: {'PASS' if n_ok == len(results) else 'FAIL'}: the tune's prediction and the speed-up realised "
-          f"in the user's loop agree for {n_ok} of {len(results)} models")
+    n_ok = sum(r["status"] == "AGREE" for r in results)
+    n_bad = sum(r["status"] == UNRELIABLE for r in results)
+    overall = "PASS" if n_ok == len(results) else "FAIL" if n_ok + n_bad < len(results) else UNRELIABLE
+    print(f"\noverall: {overall}: the tune's prediction and the speed-up realised "
+          f"in the user's loop agree for {n_ok} of {len(results)} models"
+          + (f" ({n_bad} {UNRELIABLE}: a baseline check failed)" if n_bad else ""))
 
 
 def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> Path | None:
@@ -382,7 +417,7 @@ def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
                     ha="center", va="bottom", fontsize=9, zorder=4)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(results)),
-                  [f"{r['model']}\n{', '.join(r['switches']) or 'plain'}\n{'AGREE' if r['agree'] else 'DISAGREE'}"
+                  [f"{r['model']}\n{', '.join(r['switches']) or 'plain'}\n{r['status']}"
                    for r in results])
     ax.set_ylabel("training-step speed-up over the plain step")
     lo = min(min(r["predicted"], r["realised"]) - r["tolerance"] for r in results)

@@ -605,3 +605,18 @@ def test_missing_lmdb_is_a_clear_error(tree, packs, tmp_path, monkeypatch):
         pack(tree, tmp_path / "l", fmt="lmdb", progress=False)
     with pytest.raises(UserError, match="pip install lmdb"):
         PackedDataset(packs["lmdb", "encoded"][0])
+
+
+def test_lmdb_view_gives_each_samples_bytes_from_any_thread(packs):
+    """LMDBReader.view (no copy, one transaction per thread) returns the bytes read() returns, in every
+    thread that asks, and still checks the crc."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    src, _ = packs["lmdb", "raw_fixed"]
+    reader = open_reader(src)
+    n = len(reader)
+    want = [bytes(reader.read(i)) for i in range(n)]
+    assert [bytes(reader.view(i)) for i in range(n)] == want
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda i: bytes(reader.view(i)), range(n)))
+    assert got == want

@@ -213,7 +213,11 @@ class PackedDataset(Dataset):
         since the result is copied out at once. ``out`` must have the item's shape.
         """
         i = self._check(int(i))
-        img = self._image(i, self._stored(i), transient=True)
+        if isinstance(self.reader, LMDBReader) and not self._cache.active:
+            stored = self.reader.view(i)  # no copy, no transaction per sample: decoded at once
+        else:
+            stored = self._stored(i)
+        img = self._image(i, stored, transient=True)
         copy_row(i, self.transform(img) if self.transform is not None else img, out)
         return self._label(i)
 

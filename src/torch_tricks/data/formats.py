@@ -832,6 +832,26 @@ class LMDBReader(_ReaderBase):
             for k, i in enumerate(indices):
                 out[k] = np.frombuffer(self._payload(txn, i), dtype=np.uint8)
 
+    def view(self, i: int) -> memoryview:
+        """Sample ``i``'s stored bytes without a copy (checked as ``verify`` says), for a caller that
+        decodes them at once (:meth:`~torch_tricks.data.dataset.PackedDataset.load_into`, which
+        :class:`~torch_tricks.data.threads.ThreadLoader` calls).
+
+        Read in a transaction this thread keeps open for as long as it lives, instead of one
+        transaction and one copy per sample (:meth:`read`: 5.6 us against 1.6 us for a native
+        pack's read, on one thread, and more with two loader threads sharing the GIL); measured,
+        ThreadLoader read a crop-ready JPEG pack in LMDB at 0.95x the same pack in native shards
+        that way, and at 0.99x through this. A pack is never written while it is read, so the
+        open snapshot is the pack. The bytes stay valid while this thread's transaction does
+        (until the thread ends or the reader is closed).
+        """
+        st = self._state()
+        local = st["local"]
+        txn = getattr(local, "txn", None)
+        if txn is None:
+            txn = local.txn = st["env"].begin(db=st["samples"], buffers=True)
+        return self._payload(txn, i)
+
     def name(self, i: int) -> str:
         st = self._state()
         with st["env"].begin(db=st["names"]) as txn:
@@ -853,7 +873,7 @@ class LMDBReader(_ReaderBase):
 
     def _open_handles(self) -> dict[str, Any]:
         env, dbs = _reader_env(self.path)
-        return {"env": env, "index": self._index, **dbs}
+        return {"env": env, "index": self._index, "local": threading.local(), **dbs}  # local: view()'s transactions
 
 
 # py-lmdb allows one Environment per file per process (and remembers the parent's after a

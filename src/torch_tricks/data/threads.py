@@ -156,17 +156,18 @@ class ThreadLoader:
         self._skip = 0
         pool = self._threads()
         inflight: deque[_Batch] = deque()
+        last = len(plan) - 1
         try:
-            todo = iter(plan)
-            for idx in todo:
-                inflight.append(self._start(pool, idx))
+            todo = iter(enumerate(plan))
+            for k, idx in todo:
+                inflight.append(self._start(pool, idx, last=k == last))
                 if len(inflight) > self.prefetch:
                     break
             while inflight:
                 batch = inflight.popleft()
                 nxt = next(todo, None)
                 if nxt is not None:
-                    inflight.append(self._start(pool, nxt))
+                    inflight.append(self._start(pool, nxt[1], last=nxt[0] == last))
                 out = batch.result()
                 self._yielded += 1
                 yield out
@@ -197,7 +198,7 @@ class ThreadLoader:
 
     # ------------------------------------------------------------------ internals
 
-    def _start(self, pool: ThreadPoolExecutor, idx: np.ndarray) -> "_Batch":
+    def _start(self, pool: ThreadPoolExecutor, idx: np.ndarray, last: bool = False) -> "_Batch":
         b = _Batch(len(idx), self.pin_memory, self._buffers)
         if self._raw is not None:
             b.allocate(self._raw)
@@ -205,8 +206,12 @@ class ThreadLoader:
             b.allocate(*self._item)
         # a thread fills whole batches: fewer hand-offs between threads, each writing a buffer of its own
         # (1.14x for raw rows, 1.04x for JPEGs on 2 cores, measured); a batch is split only when fewer
-        # batches are in flight than there are threads
+        # batches are in flight than there are threads, and the epoch's last batch is split in parts of
+        # 8 samples, so that no thread idles while another decodes it alone (on average half a batch's
+        # time per epoch: ~1% of an epoch of 50 batches on 2 cores)
         parts = min(len(idx), -(-self.num_threads // (self.prefetch + 1)))
+        if last and self.num_threads > 1:
+            parts = max(parts, min(-(-len(idx) // 8), 4 * self.num_threads))
         bounds = np.linspace(0, len(idx), parts + 1).astype(int)
         for k0, k1 in zip(bounds[:-1], bounds[1:]):
             if k1 > k0:
