@@ -353,13 +353,9 @@ _KILLED_SAVER = textwrap.dedent(
 )
 
 
-def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
-    torch.manual_seed(0)
-    old = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
-    path = save_checkpoint(tmp_path / "ckpt.pt", model=old)
-    old_bytes = path.read_bytes()
-    ready = tmp_path / "ready.flag"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVER, str(path), str(ready)])
+def _kill_mid_save(script: str, path, ready) -> None:
+    """Run ``script`` (a saver that touches ``ready`` in the middle of its save) and SIGKILL it there."""
+    proc = subprocess.Popen([sys.executable, "-c", script, str(path), str(ready)])
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -371,6 +367,15 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=30)
+
+
+def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    old = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+    path = save_checkpoint(tmp_path / "ckpt.pt", model=old)
+    old_bytes = path.read_bytes()
+    ready = tmp_path / "ready.flag"
+    _kill_mid_save(_KILLED_SAVER, path, ready)
     ready.unlink()
 
     temps = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
@@ -526,18 +531,7 @@ def test_sigkill_mid_save_with_keep_leaves_the_previous_ones_intact(tmp_path):
     _save_steps(path, [1, 2, 3], keep=2)
     before = {n: (tmp_path / n).read_bytes() for n in _names(tmp_path)}
     ready = tmp_path.parent / f"{tmp_path.name}.ready"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_KEEPING_SAVER, str(path), str(ready)])
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, f"saver exited early with {proc.returncode}"
-            assert time.monotonic() < deadline, "saver never reached the middle of its save"
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
+    _kill_mid_save(_KILLED_KEEPING_SAVER, path, ready)
     after = {n: (tmp_path / n).read_bytes() for n in _names(tmp_path) if not n.endswith(".tmp")}
     assert after == before
     os.utime(next(tmp_path.glob(".last.pt.*.tmp")), (time.time() - 3600, time.time() - 3600))

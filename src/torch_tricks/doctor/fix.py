@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from torch_tricks.doctor import Finding
+from torch_tricks.doctor.analysis import dotted
 from torch_tricks.doctor.static import DoctorConfig, lint_paths, lint_source
 
 __all__ = ["FIXABLE", "Edit", "Unfixed", "FixResult", "FileFix", "FixError", "fix_source", "fix_paths"]
@@ -467,7 +468,7 @@ class _Doc:
     def call_at(self, f: Finding) -> ast.Call | None:
         """The call reported at ``f``: the one whose callee is a plain dotted name (the outer call of
         a chain such as ``torch.load(f).keys()`` calls an attribute of a call)."""
-        calls = [c for c in self.nodes_at(f, ast.Call) if _dotted(c.func)]
+        calls = [c for c in self.nodes_at(f, ast.Call) if dotted(c.func)]
         return calls[0] if len(calls) == 1 else None
 
     def parent_of(self, node: ast.AST) -> ast.AST | None:
@@ -530,25 +531,14 @@ class _Doc:
 
     def resolve(self, node: ast.AST) -> str | None:
         """The imported dotted name ``node`` spells (``F`` -> ``torch.nn.functional``)."""
-        dotted = _dotted(node)
-        if dotted is None:
+        spelled = dotted(node)
+        if spelled is None:
             return None
-        head, _, rest = dotted.partition(".")
+        head, _, rest = spelled.partition(".")
         base = self.imports().get(head)
         if base is None or _rebinds_anywhere(self.tree, head):
             return None
         return f"{base}.{rest}" if rest else base
-
-
-def _dotted(node: ast.AST) -> str | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
 
 
 def _rebinds_anywhere(tree: ast.AST, name: str) -> bool:
@@ -664,7 +654,7 @@ def _fix_load(doc: _Doc, call: ast.Call, group: list[Finding]) -> tuple[_Fix | N
 
     def mutate(m: dict) -> None:
         m[id(call)].keywords.extend(ast.keyword(arg=k, value=_value(v)) for _, k, v in add)
-    return _Fix(tuple(r for r, _, _ in add), call.lineno, f"{_dotted(call.func)}(...): added {text}", [edit],
+    return _Fix(tuple(r for r, _, _ in add), call.lineno, f"{dotted(call.func)}(...): added {text}", [edit],
                 mutate), why
 
 
@@ -685,7 +675,7 @@ def _fix_dropout(doc: _Doc, f: Finding) -> _Fix:
             inner.append(anc)
     if method is None:
         raise _NotFixable("not inside a method, so there is no self.training to pass")
-    decorators = [(_dotted(d.func if isinstance(d, ast.Call) else d) or "").rsplit(".", 1)[-1]
+    decorators = [(dotted(d.func if isinstance(d, ast.Call) else d) or "").rsplit(".", 1)[-1]
                   for d in method.decorator_list]
     if {"staticmethod", "classmethod"} & set(decorators):
         raise _NotFixable("in a static or class method, which has no instance")
@@ -699,7 +689,7 @@ def _fix_dropout(doc: _Doc, f: Finding) -> _Fix:
 
     def mutate(m: dict) -> None:
         m[id(call)].keywords.append(ast.keyword(arg="training", value=_value(f"{me}.training")))
-    return _Fix(("TT102",), f.line, f"{_dotted(call.func)}(...): added {text}", [_insertion(doc, call, text)], mutate)
+    return _Fix(("TT102",), f.line, f"{dotted(call.func)}(...): added {text}", [_insertion(doc, call, text)], mutate)
 
 
 def _binds_in_body(func: ast.AST, name: str) -> bool:
@@ -735,7 +725,7 @@ def _fix_legacy_reduction(doc: _Doc, f: Finding) -> _Fix:
     call = doc.call_at(f)
     if call is None:
         raise _NotFixable("no call to rewrite at this position")
-    name = _dotted(call.func).rsplit(".", 1)[-1]
+    name = dotted(call.func).rsplit(".", 1)[-1]
     if name not in _LEGACY_SLOT:
         raise _NotFixable(f"the signature of {name} is not known here")
     legacy = [k for k in call.keywords if k.arg in ("size_average", "reduce")]
@@ -852,7 +842,7 @@ def _fix_discarded_move(doc: _Doc, f: Finding) -> _Fix:
     recv = call.func.value
     if stmt.lineno != stmt.end_lineno:
         raise _NotFixable("the statement spans several lines")
-    if _dotted(recv) is None:
+    if dotted(recv) is None:
         raise _NotFixable("the receiver is not a name or a plain attribute chain")
     scope = next((a for a in doc.ancestors(stmt) if isinstance(a, _SCOPES + (ast.Module,))), None)
     if isinstance(scope, ast.ClassDef):
@@ -890,10 +880,10 @@ def _is_parameter_attr(doc: _Doc, attr: str) -> bool:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(isinstance(t, ast.Attribute) and t.attr == attr for t in targets) and any(
-                    isinstance(c, ast.Call) and (_dotted(c.func) or "").endswith("Parameter")
+                    isinstance(c, ast.Call) and (dotted(c.func) or "").endswith("Parameter")
                     for c in ast.walk(node.value)):
                 return True
-        if isinstance(node, ast.Call) and (_dotted(node.func) or "").endswith("register_parameter") and node.args \
+        if isinstance(node, ast.Call) and (dotted(node.func) or "").endswith("register_parameter") and node.args \
                 and isinstance(node.args[0], ast.Constant) and node.args[0].value == attr:
             return True
     return False

@@ -315,17 +315,26 @@ class TuneReport:
                     f"with the first is the noise ({_noise(self.noise)})", "")
         for r in self.results + self.combos:
             add(r.name, r.verdict or r.status, r.decision, r.why, r.advice)
+        for folded, kind, status, reason, items in self._skipped_rows(compact):
+            advice = self._skip_advice(items[0].name, kind, reason, status)
+            if folded:
+                add(f"{len(items)} {kind} tricks ({', '.join(s.name for s in items)})", status, status, reason, advice)
+            else:
+                add(items[0].name, status, status, reason, advice)
+        return out
+
+    def _skipped_rows(self, compact: bool) -> list[tuple[bool, str, str, str, list[Any]]]:
+        """(folded, kind, status, reason, items) per row of skipped tricks: one each, except that under
+        ``compact`` the skipped data and deploy tricks of one reason fold into one row."""
+        rows: list[tuple[bool, str, str, str, list[Any]]] = []
         groups: dict[tuple[str, str], list[Any]] = {}
         for s in self.skipped:
             status = getattr(s, "status", "skipped")
             if compact and s.kind in ("data", "deploy") and status == "skipped":
                 groups.setdefault((s.kind, s.reason), []).append(s)
-                continue
-            add(s.name, status, status, s.reason, self._skip_advice(s.name, s.kind, s.reason, status))
-        for (kind, reason), items in groups.items():
-            add(f"{len(items)} {kind} tricks ({', '.join(s.name for s in items)})", "skipped", "skipped", reason,
-                self._skip_advice(items[0].name, kind, reason, "skipped"))
-        return out
+            else:
+                rows.append((False, s.kind, status, s.reason, [s]))
+        return rows + [(True, kind, "skipped", reason, items) for (kind, reason), items in groups.items()]
 
     def payback(self, r: Result) -> dict[str, Any] | None:
         """What a one-off cost (compile's first call) buys back, from measured figures only; None where
@@ -603,18 +612,14 @@ class TuneReport:
                             str(self.rounds), "", "", "", "", _drift(aa), "the noise: identical steps"])
         for r in self.results + self.combos:
             out.append(self._row(r))
-        groups: dict[tuple[str, str], list[Any]] = {}
-        for s in self.skipped:
-            status = getattr(s, "status", "skipped")
-            if compact and s.kind in ("data", "deploy") and status == "skipped":
-                groups.setdefault((s.kind, s.reason), []).append(s)
-                continue
-            out.append([s.name, ",".join(s.ids), s.kind, "", "", "", "", "", "", "",
-                        _with_advice(f"{status}: {s.reason}", self._skip_advice(s.name, s.kind, s.reason, status))])
-        for (kind, reason), items in groups.items():
-            out.append([f"{len(items)} {kind} tricks", "", kind, "", "", "", "", "", "", "",
-                        _with_advice(f"skipped: {reason}: {', '.join(s.name for s in items)}",
-                                     self._skip_advice(items[0].name, kind, reason, "skipped"))])
+        for folded, kind, status, reason, items in self._skipped_rows(compact):
+            advice = self._skip_advice(items[0].name, kind, reason, status)
+            if folded:
+                out.append([f"{len(items)} {kind} tricks", "", kind, "", "", "", "", "", "", "",
+                            _with_advice(f"skipped: {reason}: {', '.join(s.name for s in items)}", advice)])
+            else:
+                out.append([items[0].name, ",".join(items[0].ids), kind, "", "", "", "", "", "", "",
+                            _with_advice(f"{status}: {reason}", advice)])
         return out
 
     def _row(self, r: Result) -> list[str]:
