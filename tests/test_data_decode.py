@@ -221,9 +221,9 @@ def test_pillow_alone_is_enough(monkeypatch):
         D.decode(data, decoder="simplejpeg")
 
 
-def test_no_decoder_at_all_says_install_pillow(monkeypatch):
+def test_no_decoder_at_all_names_the_data_extra(monkeypatch):
     monkeypatch.setattr(D, "_load", lambda name: None)
-    with pytest.raises(UserError, match="pip install Pillow"):
+    with pytest.raises(UserError, match=r'pip install "torch-tricks\[data\]"'):
         D.fastest_decoder()
 
 

@@ -601,9 +601,9 @@ def test_pillow_alone_packs_and_reads(tree, tmp_path, monkeypatch):
 
 def test_missing_lmdb_is_a_clear_error(tree, packs, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "lmdb", None)  # import lmdb now raises ImportError
-    with pytest.raises(UserError, match="pip install lmdb"):
+    with pytest.raises(UserError, match=r"needs lmdb: pip install \"torch-tricks\[data\]\""):
         pack(tree, tmp_path / "l", fmt="lmdb", progress=False)
-    with pytest.raises(UserError, match="pip install lmdb"):
+    with pytest.raises(UserError, match=r"needs lmdb: pip install \"torch-tricks\[data\]\""):
         PackedDataset(packs["lmdb", "encoded"][0])
 
 

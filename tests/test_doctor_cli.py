@@ -75,6 +75,9 @@ def test_explain_gives_the_explanation_fix_source_and_how_to_silence(capsys):
     assert out.startswith("TT101 module-in-plain-container (static, error)")
     assert "nn.ModuleList" in out and "Fix:" in out and "Source:" in out
     assert "# noqa: TT101" in out and "[tool.torch-tricks.doctor]" in out
+    assert "seeds/" not in out  # internal source notes stay in rule.source, not in what users read
+    code, out, _ = run(capsys, "doctor", "--explain", "TT110")  # a rule whose source names tricks: linked to the docs
+    assert code == 0 and "T20, T26" in out and "docs/tricks.md#t20" in out and "seeds/" not in out
     code, out, _ = run(capsys, "doctor", "--explain", "TT207", "--json")
     (rule,) = json.loads(out)["rules"]
     assert code == 0 and rule["id"] == "TT207" and rule["kind"] == "runtime"

@@ -7,6 +7,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -190,16 +191,8 @@ def test_export_onnx_transformer_encoder(tmp_path):
 
 
 def test_export_onnx_missing_packages_or_bad_args(tmp_path, monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_onnx(name, *args, **kwargs):
-        if name in ("onnx", "onnxscript"):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_onnx)
+    monkeypatch.setitem(sys.modules, "onnx", None)  # `import onnx` now raises ImportError
+    monkeypatch.setitem(sys.modules, "onnxscript", None)
     with pytest.raises(UserError, match=r"torch-tricks\[onnx\]"):
         export_onnx(mlp(), torch.randn(2, 4), tmp_path / "m.onnx")
     monkeypatch.undo()

@@ -229,11 +229,11 @@ def test_bad_input_from_python_is_a_user_error():
 
 def test_missing_transformers_names_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
-    with pytest.raises(UserError, match=r"pip install 'torch-tricks\[hf\]'"):
+    with pytest.raises(UserError, match=r'pip install "torch-tricks\[hf\]"'):
         load_model("hf:gpt2")
     assert main(["summary", "--model", "hf:gpt2"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "pip install 'torch-tricks[hf]'" in err
+    assert err.count("\n") == 1 and 'pip install "torch-tricks[hf]"' in err
     assert main(["models", "--json"]) == 0  # the listing still works, and says what to install
     names = [m["name"] for m in json.loads(capsys.readouterr().out)["models"]]
     assert "hf:TYPE[:HEAD]" in names and "resnet18" in names

@@ -810,6 +810,20 @@ def _rule_dict(rule) -> dict[str, Any]:
             "fixable": rule.id in FIXABLE}
 
 
+def _rule_source(rule) -> str:
+    """The rule's source for users: its catalogue ids and public references, linked to docs/tricks.md;
+    the internal source notes (``seeds/...``, kept in ``rule.source``) are left out."""
+    import re
+
+    from torch_tricks._docs import doc_link
+
+    parts = [p.strip() for p in rule.source.split(";") if p.strip() and not p.strip().startswith("seeds/")]
+    ids = dict.fromkeys(re.findall(r"\b([TDIP]\d+)\b", "; ".join(parts)))
+    links = [link for link in map(doc_link, ids) if link]
+    text = f"Source: {'; '.join(parts) or rule.source.split(';')[0]}."
+    return text + (f" See {', '.join(links)}." if links else "")
+
+
 def _explain_text(rule) -> str:
     import textwrap
 
@@ -819,10 +833,10 @@ def _explain_text(rule) -> str:
     from torch_tricks.doctor.fix import FIXABLE
 
     if rule.id in FIXABLE:
-        silence = f"`torch-tricks doctor --fix` rewrites it where the file shows the fix is safe (--diff to preview). " \
+        silence = "`torch-tricks doctor --fix` rewrites it where the file shows the fix is safe (--diff to preview). " \
                   + silence
     return "\n".join([f"{rule.id} {rule.name} ({rule.kind}, {rule.severity})", "", rule.message, "",
-                      textwrap.fill(rule.explanation, 88), "", textwrap.fill(f"Source: {rule.source}", 88), "",
+                      textwrap.fill(rule.explanation, 88), "", textwrap.fill(_rule_source(rule), 88), "",
                       textwrap.fill(silence[0].upper() + silence[1:], 88)])
 
 

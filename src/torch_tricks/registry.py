@@ -2,8 +2,9 @@
 
 A trick is a small function that takes a model / optimizer / loader and returns the same
 kind of thing; :func:`register_trick` records what it is for (catalogue id, what it
-trades, what it needs, which ``fit`` config key switches it on, and whether it can run
-on a given device) without changing the function itself.
+trades, what it needs, which ``fit`` config key switches it on, which benchmark measures it, and whether it can
+run on a given device) without changing the function itself. ``docs/tricks.md`` is
+generated from this registry (:mod:`torch_tricks._docs`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Trick:
     needs: str  # what it requires of the model / hardware, one line
     fn: Callable[..., Any]
     config_key: str | None = None  # the fit() config field that switches it on
+    measured_in: str = ""  # the benchmark script that measures it: "benchmarks/train_tricks.py"
+    switch_on: str = ""  # how to switch it on where config_key does not say: "torch-tricks optimize --steps fuse"
     available: Callable[[torch.device], tuple[bool, str]] = always
 
     def check(self, device: torch.device | str) -> tuple[bool, str]:
@@ -52,6 +55,8 @@ def register_trick(
     trades: str,
     needs: str = "",
     config_key: str | None = None,
+    measured_in: str = "",
+    switch_on: str = "",
     available: Callable[[torch.device], tuple[bool, str]] = always,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register ``fn`` as the trick ``name``; the function is returned unchanged."""
@@ -61,7 +66,7 @@ def register_trick(
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in _TRICKS:
             raise ValueError(f"trick {name!r} is registered twice")
-        _TRICKS[name] = Trick(name, tuple(ids), kind, trades, needs, fn, config_key, available)
+        _TRICKS[name] = Trick(name, tuple(ids), kind, trades, needs, fn, config_key, measured_in, switch_on, available)
         return fn
 
     return deco

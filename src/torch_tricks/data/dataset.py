@@ -46,6 +46,7 @@ __all__ = ["PackedDataset", "collate_packed"]
     trades="nothing at read time: random access into a pack, files opened per worker, whole raw batches "
     "as one array; cache_bytes spends RAM to pin samples in memory",
     needs="a pack made by `torch-tricks pack`; lmdb for LMDB packs",
+    measured_in="benchmarks/data_loading.py",
 )
 class PackedDataset(Dataset):
     """A packed data set (native or LMDB, detected) as ``(image, label)`` pairs.

@@ -39,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from torch_tricks.errors import UserError
+from torch_tricks._optional import install_hint
+from torch_tricks.errors import UserError, one_line
 from torch_tricks.registry import register_trick
 
 __all__ = [
@@ -104,7 +105,7 @@ def fastest_decoder() -> str:
     names = available_decoders()
     if not names:
         raise UserError(
-            "no image decoder is installed: pip install Pillow (or 'torch-tricks[data]' for the fast ones)"
+            f"no image decoder is installed: {install_hint('data')}"
         )
     return names[0]
 
@@ -221,7 +222,7 @@ def resize_shorter(
     if backend == "cv2":
         cv2 = _load("cv2")
         if cv2 is None:
-            raise UserError("resize backend 'cv2' needs opencv: pip install opencv-python-headless, or use 'pil'")
+            raise UserError(f"resize backend 'cv2' needs opencv: {install_hint('data')}, or use 'pil'")
         flag = {"linear": cv2.INTER_LINEAR, "area": cv2.INTER_AREA, "nearest": cv2.INTER_NEAREST,
                 "cubic": cv2.INTER_CUBIC}[interpolation]
         return cv2.resize(np.ascontiguousarray(img), (new_w, new_h), interpolation=flag)
@@ -398,7 +399,7 @@ def _encode_restarts(img: np.ndarray, quality: int) -> bytes:
         out = f.getvalue()
     if out is None or _restart_layout(out) is None:
         raise UserError("crop-ready JPEGs need opencv or Pillow >= 10.2 (restart markers): "
-                        "pip install opencv-python-headless")
+                        f"{install_hint('data')}")
     return _with_trailer(out)
 
 
@@ -462,11 +463,11 @@ def _resolve(decoder: str | None) -> str:
         raise UserError(f"unknown decoder {decoder!r}: choose one of {', '.join(DECODERS)}")
     if _load(name) is None:
         hint = {
-            "simplejpeg": "pip install simplejpeg",
+            "simplejpeg": install_hint("data"),
             "turbojpeg": "pip install PyTurboJPEG and install libjpeg-turbo (Debian: apt-get install libturbojpeg0; "
             "with libjpeg-turbo < 3.0 use 'PyTurboJPEG<2')",
-            "cv2": "pip install opencv-python-headless",
-            "pil": "pip install Pillow",
+            "cv2": install_hint("data"),
+            "pil": install_hint("data"),
         }[name]
         raise UserError(f"decoder {name!r} is not installed or does not load: {hint}")
     return name
@@ -530,7 +531,7 @@ def _decode_cv2(buf: Any, info: tuple[int, int, int] | None, scale: int, *, fast
     opencv has no IDCT switch: ``fast_dct`` is ignored (the accurate IDCT is within its tolerance)."""
     cv2 = _load("cv2")
     if cv2 is None:
-        raise UserError("no decoder for this image format: pip install Pillow")
+        raise UserError(f"no decoder for this image format: {install_hint('data')}")
     flag = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
             8: cv2.IMREAD_REDUCED_COLOR_8}[scale]
     out = cv2.imdecode(np.frombuffer(buf, dtype=np.uint8), flag | cv2.IMREAD_IGNORE_ORIENTATION)
@@ -708,7 +709,7 @@ def _as_buffer(data: Any) -> Any:
 def _require_pil(what: str) -> Any:
     Image = _load("pil")
     if Image is None:
-        raise UserError(f"{what} needs Pillow (or opencv): pip install Pillow")
+        raise UserError(f"{what} needs Pillow (or opencv): {install_hint('data')}")
     return Image
 
 
@@ -719,5 +720,4 @@ def _label(name: str | None, buf: Any) -> str:
 def _reason(exc: BaseException) -> str:
     if type(exc).__name__ == "UnidentifiedImageError":  # its message is a BytesIO repr
         return "not an image format Pillow knows (corrupt or not an image)"
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text[:200]
+    return one_line(exc, 200)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from torch_tricks._optional import require
 from torch_tricks.errors import UserError
 
 __all__ = ["DATASETS", "load_dataset", "digits"]
@@ -20,10 +21,7 @@ __all__ = ["DATASETS", "load_dataset", "digits"]
 
 def digits(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """(train, val) TensorDatasets of (image (1, 8, 8) float32, label int64)."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        raise UserError("--data digits needs scikit-learn: pip install 'torch-tricks[digits]'") from None
+    load_digits = require("sklearn.datasets", "digits", "--data digits").load_digits
     bunch = load_digits()
     images = bunch.images.astype(np.float32) / 16.0
     labels = bunch.target.astype(np.int64)

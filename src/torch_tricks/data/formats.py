@@ -63,6 +63,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from torch_tricks._io import atomic_path, fsync_dir
+from torch_tricks._optional import require
 from torch_tricks.errors import UserError
 
 __all__ = [
@@ -1060,11 +1061,7 @@ _LOCKED: dict[str, int] = {}  # pack directories this process holds a writer loc
 
 
 def _require_lmdb() -> Any:
-    try:
-        import lmdb
-    except ImportError:
-        raise UserError("the LMDB format needs the lmdb package: pip install lmdb (or use fmt='native')") from None
-    return lmdb
+    return require("lmdb", "data", "the LMDB format")
 
 
 def _sha256_file(path: Path) -> str:

@@ -8,7 +8,7 @@ reading one sample). :class:`HDF5Dataset` reads its length with a short-lived ha
 ``__init__``, opens lazily, re-opens when it finds itself in a new process
 (``os.getpid()`` changed), and drops the handle when pickled.
 
-Needs ``h5py`` (``pip install 'torch-tricks[data]'``).
+Needs ``h5py`` (the ``data`` extra).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from torch_tricks._io import atomic_path
+from torch_tricks._optional import require
 from torch_tricks.errors import UserError
 
 __all__ = ["HDF5Dataset", "write_hdf5"]
@@ -233,8 +234,4 @@ def _as_numpy(x: Any) -> np.ndarray:
 
 
 def _h5py() -> Any:
-    try:
-        import h5py
-    except ImportError:
-        raise UserError("HDF5 support needs h5py: pip install 'torch-tricks[data]' (or pip install h5py)") from None
-    return h5py
+    return require("h5py", "data", "HDF5 support")

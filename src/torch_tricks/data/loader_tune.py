@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils.data import Dataset, IterableDataset, RandomSampler, default_collate
 
+from torch_tricks._optional import require
 from torch_tricks.data.loader import _cpu_count, _dataset_collate, _describe, make_loader
 from torch_tricks.data.prefetch import batch_nbytes, to_device
 from torch_tricks.errors import UserError
@@ -270,10 +271,7 @@ class ImageFolderDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         import numpy as np
 
-        try:
-            from PIL import Image
-        except ImportError:
-            raise UserError("reading an ImageFolder tree needs Pillow: pip install pillow") from None
+        Image = require("PIL.Image", "data", "reading an ImageFolder tree")
         path, label = self.samples[index]
         with Image.open(path) as im:
             arr = np.asarray(im.convert("RGB"))

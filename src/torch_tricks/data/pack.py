@@ -41,6 +41,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from torch_tricks._optional import install_hint
 from torch_tricks.data import decode as _dec
 from torch_tricks.data.formats import STORAGES, LMDBWriter, NativeWriter
 from torch_tricks.errors import UserError
@@ -80,6 +81,8 @@ class PackReport:
     trades="a one-off packing pass and a second copy on disk, for no per-file opens, no resize at read "
     "time (--resize) and optionally no decode at all (raw storage)",
     needs="an ImageFolder tree, a list file or a map-style Dataset; lmdb for fmt='lmdb'",
+    measured_in="benchmarks/data_loading.py",
+    switch_on="torch-tricks pack",
 )
 def pack(
     source: Any,
@@ -462,7 +465,7 @@ def _encode_png(img: np.ndarray) -> bytes:
         return out.getvalue()
     cv2 = _dec._load("cv2")
     if cv2 is None:
-        raise UserError("storing arrays with storage='encoded' needs Pillow or opencv: pip install Pillow")
+        raise UserError(f"storing arrays with storage='encoded' needs Pillow or opencv: {install_hint('data')}")
     ok, buf = cv2.imencode(".png", cv2.cvtColor(img, cv2.COLOR_RGB2BGR))
     return buf.tobytes()
 

@@ -51,6 +51,7 @@ __all__ = ["ThreadLoader", "thread_loader", "keep_freed_heap"]
     trades="the GIL for the IPC of worker processes: threads decode straight into the batch buffer, so "
     "per-sample work must release the GIL (JPEG decoders, crc32 and copies do) and be deterministic",
     needs="a map-style dataset of (image array, label) items of one shape, e.g. a PackedDataset with a crop",
+    measured_in="benchmarks/data_loading.py",
 )
 def thread_loader(dataset: Any, batch_size: int, **kwargs: Any) -> "ThreadLoader":
     """A :class:`ThreadLoader` over ``dataset`` (the registered form of the trick)."""

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from torch_tricks._io import atomic_path
+from torch_tricks._optional import available, require
 from torch_tricks.deploy.cpu_int8 import Int8Setting, int8_setting
 from torch_tricks.errors import UserError
 from torch_tricks.inspect.inputs import as_input_tuple
@@ -76,6 +77,8 @@ class ExportReport:
     kind="deploy",
     trades="a file other engines run (ONNX Runtime, TensorRT, Netron) for an export step and a fixed graph",
     needs="the onnx, onnxscript and onnxruntime packages; a model torch.export can capture",
+    measured_in="benchmarks/deploy.py",
+    switch_on="torch-tricks optimize --steps onnx",
 )
 def export_onnx_checked(
     model: nn.Module,
@@ -197,14 +200,12 @@ def onnx_size_bytes(path: str | os.PathLike[str]) -> int:
     """Size of an ONNX file plus the external-data files it references (what it costs on disk)."""
     p = Path(path)
     total = p.stat().st_size
-    try:
+    if available("onnx"):
         import onnx
 
         m = onnx.load(str(p), load_external_data=False)
         side = {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"}
         total += sum((p.parent / s).stat().st_size for s in side if (p.parent / s).is_file())
-    except ImportError:
-        pass
     return total
 
 
@@ -342,13 +343,7 @@ def _qtype(setting: Int8Setting) -> Any:
 
 
 def _ort() -> Any:
-    try:
-        import onnxruntime
-    except ImportError:
-        raise UserError(
-            "running ONNX files needs onnxruntime: pip install 'torch-tricks[onnx]' (or onnxruntime)"
-        ) from None
-    return onnxruntime
+    return require("onnxruntime", "onnx", "running ONNX files")
 
 
 def _existing(path: str | os.PathLike[str]) -> str:

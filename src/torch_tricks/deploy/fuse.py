@@ -56,7 +56,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 
-from torch_tricks.errors import UserError
+from torch_tricks.errors import UserError, one_line
 from torch_tricks.registry import register_trick
 
 __all__ = ["FuseReport", "fuse", "fuse_with_report", "count_batchnorm"]
@@ -92,6 +92,8 @@ class FuseReport:
     kind="deploy",
     trades="one operator and one pass over the activations less per Conv/Linear+BN pair, for losing train-mode BN",
     needs="eval mode; a BN right after a conv/linear; a torch.fx-traceable model (else nn.Sequential pairs only)",
+    measured_in="benchmarks/deploy.py",
+    switch_on="torch-tricks optimize --steps fuse",
 )
 def fuse(model: nn.Module, *, inplace: bool = False, example_inputs: Any = None) -> nn.Module:
     """``model`` in eval mode with every safe Conv+BN / Linear+BN pair folded into one layer.
@@ -174,7 +176,7 @@ def _plan(model: nn.Module, example_inputs: Any) -> tuple[list[tuple[str, str]],
     try:
         gm = fx.symbolic_trace(model)
     except Exception as exc:  # TraceError, TypeError, ... from user code under tracing
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = one_line(exc, 10_000)
         pairs = _eager_pairs(model)
         names = {b for _, b in pairs}
         kept = [f"{n}: not in an nn.Sequential or a known block (eager fallback)"

@@ -75,7 +75,8 @@ import torch.nn as nn
 
 from torch_tricks._io import atomic_path
 from torch_tricks.deploy.step_report import Agreement, agreement, compare_latency, model_size_bytes, param_count
-from torch_tricks.errors import UserError
+from torch_tricks._optional import install_hint, require
+from torch_tricks.errors import UserError, one_line
 from torch_tricks.inspect.inputs import as_input_tuple
 
 __all__ = [
@@ -972,16 +973,13 @@ def _check_device(p: _Planned, dev: torch.device) -> None:
 
 def _check_dependencies(p: _Planned) -> None:
     if p.name.startswith("onnx"):
-        for mod, pkg in (("onnx", "onnx"), ("onnxscript", "onnxscript"), ("onnxruntime", "onnxruntime")):
-            try:
-                __import__(mod)
-            except ImportError:
-                raise UserError(f"step {p.name!r} needs the {pkg} package: pip install 'torch-tricks[onnx]'") from None
+        for mod in ("onnx", "onnxscript", "onnxruntime"):
+            require(mod, "onnx", f"step {p.name!r}")
     if p.name == "int8" and p.mode == "pt2e":
-        from torch_tricks.deploy.quantize import TORCHAO_REQUIREMENT, _import_torchao_pt2e
+        from torch_tricks.deploy.quantize import _import_torchao_pt2e
 
         if _import_torchao_pt2e() is None:
-            raise UserError(f"step 'int8:pt2e' needs torchao: pip install '{TORCHAO_REQUIREMENT}', or use int8:fx")
+            raise UserError(f"step 'int8:pt2e' needs torchao: {install_hint('deploy')}, or use int8:fx")
 
 
 def _check_inputs_match(example: tuple[Any, ...], check: tuple[Any, ...]) -> None:
@@ -1184,11 +1182,8 @@ _CANNOT_APPLY = re.compile(r"^[\w ()-]{0,40}? cannot apply: ")
 
 
 def _one_line(exc: BaseException, with_type: bool = True) -> str:
-    text = " ".join(_ANSI.sub("", str(exc)).split())  # torch colours some messages for terminals
-    text = text if len(text) <= 300 else text[:297] + "..."
-    if not with_type:
-        return text or type(exc).__name__
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    """:func:`one_line` without the colour codes torch puts in some messages for terminals."""
+    return _ANSI.sub("", one_line(exc, 300, with_type=with_type))
 
 
 @contextlib.contextmanager

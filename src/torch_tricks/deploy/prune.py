@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.nn.utils.prune as tprune
 
-from torch_tricks.errors import UserError
+from torch_tricks.errors import UserError, one_line
 from torch_tricks.inspect.inputs import as_input_tuple
 from torch_tricks.registry import register_trick
 
@@ -174,6 +174,8 @@ class ChannelPruneReport:
     kind="deploy",
     trades="a physically smaller, faster model for accuracy (fine-tune afterwards to recover it)",
     needs="a torch.fx-traceable conv model and example inputs",
+    measured_in="benchmarks/deploy.py",
+    switch_on="torch-tricks optimize --steps prune",
 )
 def prune_channels(
     model: nn.Module,
@@ -269,7 +271,7 @@ def prune_channels_with_report(
             new_out = work(*args)  # still in eval mode
     except Exception as exc:
         raise UserError(
-            f"prune_channels: the pruned model fails to run ({str(exc).splitlines()[0][:200]}); "
+            f"prune_channels: the pruned model fails to run ({one_line(exc)}); "
             "its forward probably hard-codes a channel count"
         ) from None
     if _shapes(new_out) != _shapes(ref_out):

@@ -51,7 +51,8 @@ import torch.nn.functional as F
 from torch_tricks.deploy.cpu_int8 import Int8Setting, int8_setting
 from torch_tricks.deploy.cpu_int8 import torch_cpu_flag as _cpu_flag
 from torch_tricks.deploy.step_report import Agreement, agreement, model_size_bytes
-from torch_tricks.errors import UserError
+from torch_tricks._optional import install_hint
+from torch_tricks.errors import UserError, one_line
 from torch_tricks.inspect.inputs import as_input_tuple
 from torch_tricks.registry import register_trick
 
@@ -112,6 +113,8 @@ class QuantReport:
     trades="int8 weights (about 4x smaller Linear/LSTM layers) and faster matmuls for a small output error; activations are quantized per batch at run time",
     needs="a model with nn.Linear / LSTM / GRU layers, run on CPU (x86 fbgemm or ARM qnnpack kernels)",
     available=lambda d: (d.type == "cpu", "" if d.type == "cpu" else "torch.ao int8 kernels run on CPU only"),
+    measured_in="benchmarks/deploy.py",
+    switch_on="torch-tricks optimize --steps int8-dynamic",
 )
 def quantize_dynamic_int8(model: nn.Module) -> tuple[nn.Module, QuantReport]:
     """Int8 weights for ``nn.Linear``/``nn.LSTM``/``nn.GRU``, activations quantized per call.
@@ -329,6 +332,8 @@ def _rewritable(mha: nn.MultiheadAttention) -> bool:
     trades="int8 weights and activations (about 4x smaller, 2-4x faster on x86 CPUs) for a calibration pass and a small accuracy loss",
     needs="calibration batches from the real input distribution; a model torch.export (PT2E) or torch.fx (fallback) can trace; CPU",
     available=lambda d: (d.type == "cpu", "" if d.type == "cpu" else "x86 int8 kernels (inductor / fbgemm) run on CPU only"),
+    measured_in="benchmarks/deploy.py",
+    switch_on="torch-tricks optimize --steps int8",
 )
 def quantize_static_int8(
     model: nn.Module,
@@ -511,7 +516,7 @@ def _static_pt2e(
 ) -> tuple[nn.Module, dict[str, int], list[str]]:
     ao = _import_torchao_pt2e()
     if ao is None:
-        raise _PT2EFailed(f"torchao is not installed (pip install '{TORCHAO_REQUIREMENT}')")
+        raise _PT2EFailed(f"torchao is not installed ({install_hint('deploy')})")
     prepare_pt2e, convert_pt2e, xiq = ao
     notes = []
     work = copy.deepcopy(model).eval()
@@ -533,7 +538,7 @@ def _static_pt2e(
             dynamic_batch = dynamic
             break
         except Exception as exc:  # torch.export raises many kinds; all mean "not exportable"
-            why = _one_line(exc)
+            why = one_line(exc, with_type=True)
     if exported is None:
         raise _PT2EFailed(f"torch.export failed: {why}")
     if not dynamic_batch:
@@ -557,7 +562,7 @@ def _static_pt2e(
     except (UserError, _PT2EFailed):
         raise
     except Exception as exc:
-        raise _PT2EFailed(f"quantize / compile failed: {_one_line(exc)}") from None
+        raise _PT2EFailed(f"quantize / compile failed: {one_line(exc, with_type=True)}") from None
     int8 = sum(1 for t in converted.state_dict().values() if t.dtype == torch.int8)
     if int8 == 0:
         raise _PT2EFailed("the X86InductorQuantizer found no conv/linear to quantize")
@@ -584,7 +589,7 @@ def _static_fx(
         with _quiet():
             prepared = prepare_fx(work, mapping, example)
     except Exception as exc:
-        raise _FXFailed(f"torch.fx cannot trace {type(model).__name__}: {_one_line(exc)}") from None
+        raise _FXFailed(f"torch.fx cannot trace {type(model).__name__}: {one_line(exc, with_type=True)}") from None
     try:
         with _quiet(), torch.no_grad():
             for args in batches:
@@ -592,7 +597,7 @@ def _static_fx(
             qmodel = convert_fx(prepared)
             qmodel(*example)
     except Exception as exc:
-        raise _FXFailed(f"FX int8 conversion failed: {_one_line(exc)}") from None
+        raise _FXFailed(f"FX int8 conversion failed: {one_line(exc, with_type=True)}") from None
     return qmodel, _count_quantized(qmodel), setting
 
 
@@ -741,7 +746,7 @@ def quantize_qat(model: nn.Module, example_inputs: Any) -> tuple[nn.Module, Quan
         with _quiet():
             prepared = prepare_qat_fx(work, get_default_qat_qconfig_mapping(torch.backends.quantized.engine), example)
     except Exception as exc:
-        raise UserError(f"qat cannot apply: torch.fx cannot trace {type(model).__name__}: {_one_line(exc)}") from None
+        raise UserError(f"qat cannot apply: torch.fx cannot trace {type(model).__name__}: {one_line(exc, with_type=True)}") from None
     fq = sum(1 for m in prepared.modules() if isinstance(m, torch.ao.quantization.FakeQuantizeBase))
     return prepared, QuantReport(
         step="qat_prepare",
@@ -798,6 +803,7 @@ def convert_qat(model: nn.Module, example_inputs: Any | None = None) -> tuple[nn
     kind="deploy",
     trades="half the weight memory and faster matmuls where the hardware has native bf16/fp16 for about 3 significant digits of output",
     needs="a GPU (fp16 or bf16), or a CPU with AVX512-BF16/AMX for bf16; fp16 on CPU is refused",
+    switch_on="torch-tricks optimize --steps fp16 (or bf16)",
 )
 def cast_half(
     model: nn.Module,
@@ -915,12 +921,6 @@ def _freezing(cpp_wrapper: bool = False) -> Any:
 
 def _is_compile_error(exc: BaseException) -> bool:
     return type(exc).__module__.startswith(("torch._inductor", "torch._dynamo"))
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    text = text if len(text) <= 200 else text[:197] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 @contextlib.contextmanager

@@ -132,6 +132,8 @@ class ACBlock(nn.Module):
     kind="deploy",
     trades="one conv per block at inference (faster, no branch outputs kept) for a multi-branch training-time block",
     needs="blocks with a reparameterize() method (RepVGGBlock, ACBlock); eval-mode BN statistics",
+    measured_in="benchmarks/deploy.py",
+    switch_on="torch-tricks optimize --steps reparam",
 )
 def reparameterize_model(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     """``model`` in eval mode with every block that has a ``reparameterize()`` method folded.

@@ -51,7 +51,7 @@ from torch_tricks.doctor.rules.runtime import (  # noqa: F401  (declared apart: 
     MIN_BN_BATCH, UNUSED_PARAMS, DECAY_ON_NO_DECAY, UNREGISTERED, BN_SMALL_BATCH, INPLACE, DIMS, LOSS_PAIRING,
     MODE_MISMATCH, RANDOM_IN_EVAL, NON_FINITE, MEMORY_GROWTH, COUPLED_L2, NOT_OPTIMIZED, TARGET_BROADCAST, RULES,
 )
-from torch_tricks.errors import UserError
+from torch_tricks.errors import UserError, one_line
 from torch_tricks.inspect.inputs import call_model, describe_inputs, input_tensors, normalize_inputs
 from torch_tricks.inspect.memory import leak_check
 from torch_tricks.inspect.step import default_loss
@@ -227,7 +227,7 @@ class _Checker:
                 self.work, self.work_opt = copy.deepcopy((self.model, self.optimizer))
             except Exception as exc:
                 raise UserError(
-                    f"cannot deep-copy the model or optimizer ({type(exc).__name__}: {_first_line(exc)}): "
+                    f"cannot deep-copy the model or optimizer ({type(exc).__name__}: {one_line(exc)}): "
                     "check_model trains a copy so your weights stay untouched; remove the un-copyable attribute"
                 ) from None
             self.work_loss = self.loss_fn
@@ -295,7 +295,7 @@ class _Checker:
             try:
                 loss.backward()
             except Exception as exc:
-                raise UserError(f"backward of the training step failed: {_first_line(exc)}") from None
+                raise UserError(f"backward of the training step failed: {one_line(exc)}") from None
         self._gradient_findings(rec, trainable, forward_finite)
         self._optimizer_step()
         del rec, watch, out, loss
@@ -309,7 +309,7 @@ class _Checker:
         except TypeError as exc:  # LBFGS and friends want a closure
             self.opt_can_step = False
             self.report.notes.append(
-                f"the optimizer's step() needs arguments ({_first_line(exc)}): steps ran without it"
+                f"the optimizer's step() needs arguments ({one_line(exc)}): steps ran without it"
             )
 
     def _plain_step(self) -> None:
@@ -343,7 +343,7 @@ class _Checker:
                 hint = "pass target=" if not self.target_note.startswith("given") else "check the target"
                 raise UserError(
                     f"loss_fn failed on output {describe_inputs(_tensors(out))} and target {given} "
-                    f"({self.target_note or 'none'}): {_first_line(exc)}; {hint}"
+                    f"({self.target_note or 'none'}): {one_line(exc)}; {hint}"
                 ) from None
             finally:
                 self._loss_warnings(caught, first)
@@ -418,7 +418,7 @@ class _Checker:
         if unregistered and "device" in str(exc):
             hint = f" (note: the unregistered modules in {', '.join(unregistered)} are not moved by .to())"
         return UserError(
-            f"the model fails on inputs {describe_inputs(self.inputs)}{where}: {_first_line(exc)}; "
+            f"the model fails on inputs {describe_inputs(self.inputs)}{where}: {one_line(exc)}; "
             f"{fix}{hint}"
         )
 
@@ -531,7 +531,7 @@ class _Checker:
         except UserError:
             raise
         except Exception as exc:
-            self.report.skipped["memory-growth"] = f"a later training step failed: {_first_line(exc)}"
+            self.report.skipped["memory-growth"] = f"a later training step failed: {one_line(exc)}"
             return
         self.report.steps_run += self.steps + 1
         self.report.memory = rep.to_dict()
@@ -564,7 +564,7 @@ class _Checker:
                 first = _Fingerprints.run(work, self._fresh_inputs())
                 second = _Fingerprints.run(work, self._fresh_inputs())
         except Exception as exc:
-            self.report.skipped["random-output-in-eval"] = f"the eval-mode forward failed: {_first_line(exc)}"
+            self.report.skipped["random-output-in-eval"] = f"the eval-mode forward failed: {one_line(exc)}"
             return
         finally:
             for m, mode in modes:
@@ -593,7 +593,7 @@ class _Checker:
         try:
             inplace_activations(work)
         except Exception as exc:
-            self.report.skipped["activation-could-be-inplace"] = f"the model could not be analysed: {_first_line(exc)}"
+            self.report.skipped["activation-could-be-inplace"] = f"the model could not be analysed: {one_line(exc)}"
             return
         for name, m in work.named_modules():
             if name in before and not before[name] and m.inplace and name in self.called:
@@ -1415,7 +1415,3 @@ def _count(items: list[Any], noun: str) -> str:
     n = len(items)
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

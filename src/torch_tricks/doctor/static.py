@@ -43,7 +43,7 @@ from torch_tricks.doctor.config import DoctorConfig, load_config
 from torch_tricks.doctor.registry import (Finding, Rule, check_rule_codes, get_rule, list_rules, severity_rank,
                                           static_checks)
 from torch_tricks.doctor.sarif import to_sarif
-from torch_tricks.errors import UserError
+from torch_tricks.errors import UserError, one_line
 
 __all__ = ["LintResult", "lint_source", "lint_paths", "format_text", "exit_code", "check_rule_codes",
            "filter_findings", "static_rules", "load_config", "DoctorConfig", "to_sarif"]
@@ -263,4 +263,4 @@ def _reason(exc: BaseException) -> str:
         return f"cannot read: {exc.strerror or exc}"
     if isinstance(exc, (RecursionError, MemoryError)):
         return "nested too deeply to analyse"
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return one_line(exc)

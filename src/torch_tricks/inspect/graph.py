@@ -29,6 +29,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from torch_tricks._io import atomic_path
+from torch_tricks._optional import require
 from torch_tricks.errors import UserError
 from torch_tricks.inspect.inputs import call_model, split_inputs
 
@@ -204,13 +205,8 @@ def export_onnx(
     Weights above ~1.8 GB go to a ``.data`` side file next to ``path``. Export errors from
     torch are raised as they are.
     """
-    try:
-        import onnx  # noqa: F401
-        import onnxscript  # noqa: F401
-    except ImportError:
-        raise UserError(
-            "ONNX export needs the onnx and onnxscript packages: pip install 'torch-tricks[onnx]'"
-        ) from None
+    require("onnx", "onnx", "ONNX export")
+    require("onnxscript", "onnx", "ONNX export")
     if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset < 7):
         raise UserError(f"opset must be an ONNX opset number such as 18, got {opset!r}")
     args, kwargs = split_inputs(inputs)
@@ -256,12 +252,8 @@ def tensorboard_graph(model: torch.nn.Module, inputs: Any, logdir: str | os.Path
     Keyword inputs are traced through a module that takes them positionally (the tracer
     behind ``add_graph`` has no keyword inputs), so the graph's top scope is ``KeywordInputs``.
     """
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise UserError(
-            "TensorBoard export needs the tensorboard package: pip install 'torch-tricks[tensorboard]'"
-        ) from None
+    require("tensorboard", "tensorboard", "TensorBoard export")
+    from torch.utils.tensorboard import SummaryWriter
     logdir = Path(logdir)
     if logdir.exists() and not logdir.is_dir():
         raise UserError(f"TensorBoard log dir {str(logdir)!r} is a file: give a directory")

@@ -57,7 +57,8 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-from torch_tricks.errors import UserError
+from torch_tricks._optional import install_hint, require
+from torch_tricks.errors import UserError, one_line
 
 __all__ = [
     "HEADS",
@@ -71,7 +72,7 @@ __all__ = [
 ]
 
 PREFIX = "hf:"
-INSTALL = "pip install 'torch-tricks[hf]'"
+INSTALL = install_hint("hf")
 
 # head suffix -> (Auto class, the modeling_auto mapping of model types it supports)
 HEADS: dict[str, tuple[str, str]] = {
@@ -149,11 +150,7 @@ def parse_hf_config(text: str | Mapping[str, Any] | None) -> dict[str, Any]:
 # -- transformers -------------------------------------------------------------------------
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise UserError(f"hf: models need the transformers library: {INSTALL}") from None
-    return transformers
+    return require("transformers", "hf", "hf: models")
 
 
 def _mappings(tf) -> dict[str, Mapping[str, Any]]:
@@ -211,10 +208,6 @@ def _read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [""])[0]
-
-
 def _make_config(tf, model_type: str, base: dict[str, Any], overrides: dict[str, Any], what: str):
     from transformers import CONFIG_MAPPING
 
@@ -224,7 +217,7 @@ def _make_config(tf, model_type: str, base: dict[str, Any], overrides: dict[str,
     try:
         probe = cls(**base)
     except Exception as exc:
-        raise UserError(f"bad config for --model {what}: {type(exc).__name__}: {_first_line(exc)}") from None
+        raise UserError(f"bad config for --model {what}: {type(exc).__name__}: {one_line(exc)}") from None
     aliases = getattr(cls, "attribute_map", {}) or {}
     kwargs = dict(base)
     for key, val in overrides.items():
@@ -241,7 +234,7 @@ def _make_config(tf, model_type: str, base: dict[str, Any], overrides: dict[str,
     try:
         return cls(**kwargs)
     except Exception as exc:
-        raise UserError(f"bad --hf-config for --model {what}: {type(exc).__name__}: {_first_line(exc)}") from None
+        raise UserError(f"bad --hf-config for --model {what}: {type(exc).__name__}: {one_line(exc)}") from None
 
 
 # -- default input ------------------------------------------------------------------------
@@ -386,7 +379,7 @@ def build(ref: str, hf_config: str | Mapping[str, Any] | None = None) -> tuple[n
     except UserError:
         raise
     except Exception as exc:
-        raise UserError(f"cannot build --model {ref}: {type(exc).__name__}: {_first_line(exc)}") from None
+        raise UserError(f"cannot build --model {ref}: {type(exc).__name__}: {one_line(exc)}") from None
     if getattr(model.config, "is_encoder_decoder", False):
         model.register_forward_pre_hook(_fill_decoder_ids, with_kwargs=True)
     return model, default_input(model.config, getattr(model, "main_input_name", "input_ids"))

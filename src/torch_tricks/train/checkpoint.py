@@ -49,7 +49,8 @@ import torch
 from torch import nn
 
 from torch_tricks._io import atomic_path, fsync_dir
-from torch_tricks.errors import UserError
+from torch_tricks._optional import available
+from torch_tricks.errors import UserError, one_line
 from torch_tricks.registry import register_trick
 from torch_tricks.train.distributed import any_rank, get_rank, get_world_size, is_dist, is_main_process, unwrap_model
 
@@ -315,7 +316,7 @@ def load_checkpoint(
             target.load_state_dict(state)
         except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as exc:
             raise UserError(
-                f"the {name} state in {str(p)!r} does not fit the {name} given ({_one_line(exc)}): "
+                f"the {name} state in {str(p)!r} does not fit the {name} given ({one_line(exc, 160)}): "
                 f"build it as when saving, or pass {name}=None to skip it"
             ) from None
         report.restored.append(name)
@@ -457,11 +458,9 @@ def previous_checkpoints(path: str | os.PathLike[str]) -> list[Path]:
 def capture_rng_state() -> dict[str, Any]:
     """This process's python / numpy / torch / CUDA generator states, in a weights_only-loadable form."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
+    if available("numpy"):  # numpy is optional at runtime
         import numpy as np
-    except ImportError:  # numpy is optional at runtime
-        np = None  # type: ignore[assignment]
-    if np is not None:
+
         s = np.random.get_state(legacy=False)
         if isinstance(s, dict) and isinstance(s.get("state"), dict) and "key" in s["state"]:  # MT19937
             state["numpy"] = {
@@ -712,7 +711,7 @@ def _torch_load(path: Path, *, map_location: Any, weights_only: bool, encoding: 
     except UnicodeDecodeError:
         raise UserError(_not_utf8(name, encoding, weights_only)) from None
     except (ModuleNotFoundError, AttributeError) as exc:
-        why = _one_line(exc)
+        why = one_line(exc, 160)
         raise UserError(f"checkpoint {name} refers to code not importable here ({why}): import it first") from None
     except pickle.UnpicklingError as exc:
         text = str(exc)
@@ -756,7 +755,7 @@ def _corrupt(name: str, exc: BaseException) -> str:
 
 
 def _corrupt_reason(exc: BaseException) -> str:
-    return f"is corrupt or truncated ({_one_line(exc)})"
+    return f"is corrupt or truncated ({one_line(exc, 160)})"
 
 
 def _weights_only_reason(text: str) -> str:
@@ -767,11 +766,6 @@ def _weights_only_reason(text: str) -> str:
         if "WeightsUnpickler error:" in line:
             return line.split("WeightsUnpickler error:", 1)[1].strip()[:160]
     return "objects weights_only does not allow"
-
-
-def _one_line(exc: BaseException, limit: int = 160) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _few(keys: list[str], n: int = 3) -> str:

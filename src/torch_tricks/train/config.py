@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from torch_tricks.errors import UserError
+from torch_tricks.errors import UserError, one_line
 
 __all__ = ["TrainConfig", "load_config", "DISTRIBUTED_MODES"]
 
@@ -138,7 +138,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
     except UserError:
         raise
     except Exception as exc:
-        raise UserError(f"config file {str(p)!r} does not parse: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"config file {str(p)!r} does not parse: {one_line(exc, 10_000)}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {str(p)!r} must hold a table of keys")
     data = data.get("train", data)

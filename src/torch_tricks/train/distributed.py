@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_tricks.errors import UserError
+from torch_tricks.errors import UserError, one_line
 from torch_tricks.registry import register_trick
 
 __all__ = [
@@ -259,6 +259,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     trades="one process per device and a gradient all-reduce overlapped with backward, for near-linear scaling",
     needs="launched by torchrun (one process per device); a DistributedSampler for the data",
     config_key="distributed",
+    measured_in="benchmarks/distributed.py",
 )
 def wrap_ddp(model: nn.Module, info: DistInfo, *, sync_bn: bool = False, **kw: Any) -> nn.Module:
     """Move ``model`` to this rank's device and wrap it in DDP; unchanged when not distributed.
@@ -410,7 +411,7 @@ def watch_ranks(step: Any, last_good: Any = lambda: "", *, wait_s: float = 3.0) 
         lost = lost_ranks(wait_s)
         if not lost:
             raise
-        raise RankLost(_lost_message(lost, step(), last_good(), str(exc).strip().splitlines()[0][:200])) from None
+        raise RankLost(_lost_message(lost, step(), last_good(), one_line(exc))) from None
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

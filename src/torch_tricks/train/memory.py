@@ -84,6 +84,7 @@ INPLACE_ACTIVATIONS: tuple[type[nn.Module], ...] = (
     trades="one transient buffer per activation (and the saved input of LeakyReLU/ELU/SELU) for nothing, where safe",
     needs="activation modules (nn.ReLU...) rather than functional calls",
     config_key="inplace",
+    measured_in="benchmarks/train_tricks.py",
 )
 def inplace_activations(model: nn.Module, *, return_count: bool = False) -> Any:
     """Set ``inplace=True`` on every activation module of ``model`` where it is safe.
@@ -217,6 +218,7 @@ _ELEMENTWISE_ACTS = INPLACE_ACTIVATIONS + (nn.GELU, nn.Sigmoid, nn.Tanh)
     trades="saved BN outputs (and activation outputs not kept downstream) for one more BN+activation forward",
     needs="BatchNorm followed by a parameter-free activation (in an nn.Sequential, or BN -> inplace ReLU in a block)",
     config_key="memory_efficient_bn",
+    measured_in="benchmarks/train_tricks.py",
 )
 def memory_efficient_bn_act(model: nn.Module, *, return_count: bool = False) -> Any:
     """Replace BatchNorm -> activation pairs of ``model`` by :class:`MemoryEfficientBNAct`.
@@ -277,6 +279,7 @@ def memory_efficient_bn_act(model: nn.Module, *, return_count: bool = False) -> 
     trades="most activation memory for about one more forward pass per step",
     needs="a model built from repeated blocks (or name them with types=/names=)",
     config_key="checkpointing",
+    measured_in="benchmarks/train_tricks.py",
 )
 def checkpoint_blocks(
     model: nn.Module,

@@ -34,7 +34,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from torch_tricks.errors import UserError
+from torch_tricks.errors import UserError, one_line
 from torch_tricks.registry import register_trick
 
 __all__ = [
@@ -341,8 +341,8 @@ def _construct(
         except (RuntimeError, ValueError) as exc:
             last_error = exc
             if impl == "for-loop" or (impl == "fused" and fused is True) or (impl == "foreach" and foreach is True):
-                raise UserError(f"cannot build {cls.__name__} ({impl}): {_one_line(exc)}") from None
-    raise UserError(f"cannot build {cls.__name__}: {_one_line(last_error)}")  # pragma: no cover
+                raise UserError(f"cannot build {cls.__name__} ({impl}): {one_line(exc)}") from None
+    raise UserError(f"cannot build {cls.__name__}: {one_line(last_error) if last_error else 'unknown error'}")  # pragma: no cover
 
 
 def _fused_possible(
@@ -456,6 +456,3 @@ def _check_number(name: str, value: Any, *, minimum: float) -> float:
         raise UserError(f"{name} must be a finite number >= {minimum:g}, got {value!r}")
     return v
 
-
-def _one_line(exc: BaseException | None) -> str:
-    return " ".join(str(exc).split()) if exc is not None else "unknown error"

@@ -203,6 +203,7 @@ def precision_available(device: torch.device) -> tuple[bool, str]:
     needs="CUDA (fp16 or Ampere+ bf16), or a CPU autocast; fp16 adds loss scaling",
     config_key="precision",
     available=precision_available,
+    measured_in="benchmarks/train_tricks.py",
 )
 def mixed_precision(precision: str = "bf16", device: torch.device | str = "cpu") -> MixedPrecision:
     """Check ``precision`` on ``device`` and return its autocast + grad scaler bundle."""

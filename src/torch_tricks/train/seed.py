@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from torch_tricks._optional import available
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 
@@ -88,13 +89,11 @@ def seed_everything(seed: int, *, deterministic: bool = False, warn_only: bool =
 
     seeded = ["random"]
     random.seed(seed)
-    try:
+    if available("numpy"):  # numpy is optional for seeding
         import numpy as np
 
         np.random.seed(seed)
         seeded.append("numpy")
-    except ImportError:  # numpy is optional for seeding
-        pass
     torch.manual_seed(seed)  # seeds the CPU generator and, lazily, every CUDA device's
     seeded.append("torch")
     if torch.cuda.is_available():
@@ -154,12 +153,10 @@ def worker_init_fn(worker_id: int) -> None:
     """
     seed = torch.initial_seed()
     random.seed(seed)
-    try:
+    if available("numpy"):
         import numpy as np
 
         np.random.seed(np.random.SeedSequence(seed).generate_state(4))
-    except ImportError:
-        pass
     cv2 = sys.modules.get("cv2")  # only if the dataset already uses OpenCV; never import it
     if cv2 is not None and hasattr(cv2, "setRNGSeed"):
         cv2.setRNGSeed(seed % 2**31)

@@ -57,6 +57,7 @@ def sharding_available(device: torch.device) -> tuple[bool, str]:
     needs="torchrun with several processes; repeated blocks to shard one by one",
     config_key="distributed",
     available=sharding_available,
+    measured_in="benchmarks/distributed.py",
 )
 def shard_fsdp(model: nn.Module, *, mesh: Any = None, precision: str = "fp32", reshard_after_forward: bool = True,
                blocks: list[nn.Module] | None = None) -> nn.Module:
@@ -97,6 +98,7 @@ def shard_fsdp(model: nn.Module, *, mesh: Any = None, precision: str = "fp32", r
     needs="torchrun with several processes",
     config_key="distributed",
     available=sharding_available,
+    measured_in="benchmarks/distributed.py",
 )
 def zero1_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A :class:`~torch.distributed.optim.ZeroRedundancyOptimizer` with ``optimizer``'s class,

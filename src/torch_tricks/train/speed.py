@@ -68,6 +68,7 @@ __all__ = [
     trades="faster convolutions (tensor cores, no layout reorders) for a one-off weight conversion",
     needs="a model with 4-D conv weights and 4-D (NCHW) image inputs",
     config_key="channels_last",
+    measured_in="benchmarks/train_tricks.py",
 )
 def channels_last(model: nn.Module) -> nn.Module:
     """Convert ``model``'s 4-D parameters and buffers to ``torch.channels_last`` in place.
@@ -131,6 +132,7 @@ def probe_compile(device: torch.device | str = "cpu", timeout: float = 300.0) ->
     needs="torch.compile's inductor: a C++ compiler on CPU, Triton on CUDA",
     config_key="compile",
     available=lambda device: compile_available(device),
+    measured_in="benchmarks/train_tricks.py",
 )
 def compile_model(model: nn.Module, *, check: bool = True, **compile_kwargs: Any) -> nn.Module:
     """``torch.compile`` ``model`` in place (``nn.Module.compile``) and return it.

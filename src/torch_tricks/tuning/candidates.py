@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from torch_tricks.errors import one_line
 from torch_tricks.registry import Trick, list_tricks
 
 __all__ = ["Candidate", "Skipped", "training_candidates"]
@@ -244,7 +245,7 @@ def _mem_bn(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | 
     try:
         _, n = memory_efficient_bn_act(copy.deepcopy(model), return_count=True)
     except Exception as exc:  # a model the pass cannot handle
-        return f"cannot apply: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        return f"cannot apply: {one_line(exc, 10_000)}"
     if not n:
         return ("no BatchNorm -> activation pair it can convert (in an nn.Sequential, or a BatchNorm whose "
                 "only user is an inplace ReLU)")

@@ -44,8 +44,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from torch_tricks.errors import UserError
-from torch_tricks.tuning.measure import error_line
+from torch_tricks.errors import UserError, one_line
 
 __all__ = ["MODES", "DistJob", "launched_world", "check_world", "launch", "unsendable", "measure_modes", "recommend",
            "usable_cores", "local_bytes", "optimizer_state_bytes"]
@@ -144,7 +143,7 @@ def unsendable(job: DistJob) -> str:
         pickle.dumps(job)
     except Exception as exc:
         return (f"the model, batch or loss/optimizer functions cannot be sent to the ranks (they must pickle: define "
-                f"them at module level, or run the tune under torchrun yourself): {error_line(exc)}")
+                f"them at module level, or run the tune under torchrun yourself): {one_line(exc, with_type=True)}")
     return ""
 
 
@@ -169,7 +168,7 @@ def _rank_entry(job: DistJob) -> dict[str, Any]:
 
             gc.collect()  # what holds the group goes first (see train.distributed.cleanup)
             dist.destroy_process_group()
-        return _failed(error_line(exc))
+        return _failed(one_line(exc, with_type=True))
     cleanup()
     return result
 
@@ -235,7 +234,7 @@ def measure_modes(job: DistJob) -> dict[str, Any]:
                 with _threads(lane.threads):
                     _build(lane, job, {**cfg, "distributed": lane.mode, "batch_size": B.batch_size(lane.batch)})
             except Exception as exc:
-                error = error_line(exc)
+                error = one_line(exc, with_type=True)
         if lane.everyone:  # every rank knows whether any failed; then every rank drops it
             errors: list[Any] = [None] * world
             dist.all_gather_object(errors, (error, lane.row.get("state"), lane.row.get("peak_bytes"),

@@ -42,13 +42,7 @@ from torch_tricks.inspect.timing import synchronize
 from torch_tricks.train.loop import TrainStep, micro_batches
 
 __all__ = ["Runner", "Memory", "TooSlow", "build_runner", "probe_seconds", "measure_memory", "paired_ratio",
-           "relative_diff", "error_line"]
-
-
-def error_line(exc: BaseException) -> str:
-    """``Type: first line of the message`` (what a report shows for a failure)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+           "relative_diff"]
 
 
 # -- process-wide switches ---------------------------------------------------------------------

@@ -49,7 +49,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from torch_tricks.tuning.measure import error_line, paired_ratio
+from torch_tricks.errors import one_line
+from torch_tricks.tuning.measure import paired_ratio
 
 __all__ = ["Lane", "Race", "margin", "race"]
 
@@ -226,7 +227,7 @@ class Race:
         try:
             lane.runner()
         except Exception as exc:  # a runner that breaks mid-race is reported, not fatal to the others
-            lane.error = error_line(exc)
+            lane.error = one_line(exc, with_type=True)
             if hasattr(lane.runner, "error"):
                 lane.runner.error = lane.error
             if lane.left_round is None:

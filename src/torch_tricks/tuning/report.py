@@ -19,6 +19,7 @@ from typing import Any
 
 from torch_tricks._format import human_bytes, table
 from torch_tricks._io import atomic_path
+from torch_tricks._optional import available, install_hint
 
 __all__ = ["Result", "TuneReport"]
 
@@ -413,7 +414,13 @@ class TuneReport:
         return ""
 
     def _explain(self, r: Result) -> tuple[str, str, str]:
-        """(decision, why, advice) of one row."""
+        """(decision, why, advice) of one row: the first question that settles it, in order: what
+        the row is (skipped, the baseline, the best, part of it, over a limit, a memory or cost
+        trick), then its speed against plain and what it extends, then against the best."""
+        return self._explain_kind(r) or self._explain_speed(r)
+
+    def _explain_kind(self, r: Result) -> tuple[str, str, str] | None:
+        """The verdict settled by what the row is, before its speed is looked at; None otherwise."""
         best, base = self.best_throughput, self.baseline
         if r.status in ("skipped", "failed"):
             return r.status, r.reason or r.status, self._skip_advice(r.name, "train", r.reason, r.status)
@@ -460,6 +467,12 @@ class TuneReport:
             return ("not recommended", "a memory trick: not a throughput choice while the plain step fits under the "
                     f"memory limit{where}", "" if in_bb else
                     "it is chosen where the plain step does not fit: a larger --batch or a lower --memory-limit")
+        return None
+
+    def _explain_speed(self, r: Result) -> tuple[str, str, str]:
+        """The verdict of a timed candidate that is not the recommendation: against plain, against what
+        it extends, the price of compile, then against the best (:meth:`_explain_against_best`)."""
+        best, plain_fits = self.best_throughput, self._plain_fits()
         ref = r.vs_current_name or "plain"
         ratio, half = (r.vs_current, r.vs_current_half_ci) if r.vs_current_name else (r.ratio, r.ratio_half_ci)
         if not _measured(r.ratio):
@@ -499,7 +512,11 @@ class TuneReport:
                         f"rounds) is {best.name}, on top of which it was not measured",
                         "raise --budget-seconds (a longer tune settles the best first)")
             return "not recommended", f"faster than {ref}, but {best.name if best else 'plain'} was kept", ""
-        # ... or a single trick that is not the fastest
+        return self._explain_against_best(r)
+
+    def _explain_against_best(self, r: Result) -> tuple[str, str, str]:
+        """A single trick, faster than plain but not the fastest: why the best was kept instead."""
+        best, base, plain_fits = self.best_throughput, self.baseline, self._plain_fits()
         if best is None or best is base:
             return ("not recommended", "faster than plain, but the plain step is kept: "
                     + ("it does not fit the memory limit, and no configuration tried does" if not plain_fits
@@ -821,14 +838,10 @@ class TuneReport:
 
     def plot(self, path: str | Path) -> Path | None:
         """Bars per trick: speed-up (with its interval) and peak / activation memory against plain fp32."""
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            self.notes.append("no plot: matplotlib is not installed (pip install matplotlib)")
+        if not available("matplotlib"):
+            self.notes.append(f"no plot: matplotlib is not installed ({install_hint('plot')})")
             return None
+        plt = _pyplot()
         rows = list(self.results)
         chosen = self.best_throughput
         extra = [r for r in self.combos if r.speedup is not None]  # the timed combinations (compile on top of the best)
@@ -885,13 +898,9 @@ class TuneReport:
     def plot_distributed(self, path: str | Path) -> Path | None:
         """Two panels: throughput against one process (scaling efficiency on each bar), and per-rank state
         (parameters, gradients, optimizer state) with the peak and the per-rank limit."""
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
+        if not available("matplotlib"):
             return None
+        plt = _pyplot()
         d = self.distributed or {}
         rows = [r for r in d.get("rows", []) if r.get("status") == "measured"]
         if not rows:
@@ -957,6 +966,16 @@ def _with_advice(text: str, advice: str) -> str:
     """``text`` and what would change it, unless the text says so already (a skip reason "...: raise it")."""
     said = advice in text or ("--budget-seconds" in advice and "--budget-seconds" in text and "raise" in text)
     return f"{text}; what would change it: {advice}" if advice and not said else text
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend (imported lazily: plotting is optional)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _one_line(text: str) -> str:

@@ -47,13 +47,12 @@ import torch
 import torch.nn as nn
 
 from torch_tricks.batches import example_batch  # the CLI's way in, re-exported
-from torch_tricks.errors import UserError
+from torch_tricks.errors import UserError, one_line
 from torch_tricks.tuning.candidates import Candidate, training_candidates
 from torch_tricks.tuning.measure import (
     Runner,
     TooSlow,
     build_runner,
-    error_line,
     measure_memory,
     paired_ratio,
     probe_seconds,
@@ -181,7 +180,7 @@ def tune(
         except UserError:
             raise
         except Exception as exc:
-            raise UserError(f"building the model raised {error_line(exc)}") from None
+            raise UserError(f"building the model raised {one_line(exc, with_type=True)}") from None
         if not isinstance(model, nn.Module):
             raise UserError(f"model_fn returned {type(model).__name__}, not an nn.Module")
     inputs_t = parts.inputs
@@ -366,7 +365,7 @@ class _Tune:
         except UserError:
             raise
         except Exception as exc:
-            raise UserError(f"{report.model} cannot run a training step on the given input: {error_line(exc)}") from None
+            raise UserError(f"{report.model} cannot run a training step on the given input: {one_line(exc, with_type=True)}") from None
         if not all(math.isfinite(x) for x in base.losses):
             raise UserError(f"{report.model}: the plain fp32 loss is not finite on the given batch ({base.losses})")
         self.base = base
@@ -439,7 +438,7 @@ class _Tune:
             try:
                 self._setup_candidate(res, c, end)
             except Exception as exc:
-                res.status, res.verdict, res.reason = "failed", "failed", error_line(exc)
+                res.status, res.verdict, res.reason = "failed", "failed", one_line(exc, with_type=True)
             built += res.runner is not None
             self.bar.update(1)
         if compile_res is not None:
@@ -651,7 +650,7 @@ class _Tune:
         try:
             self._memory_into(res, cfg)
         except Exception as exc:
-            res.status, res.verdict, res.reason = "failed", "failed", error_line(exc)
+            res.status, res.verdict, res.reason = "failed", "failed", one_line(exc, with_type=True)
             return res
         if not self._fits(res):
             res.status, res.verdict = "measured (memory)", "over the memory limit"
@@ -664,7 +663,7 @@ class _Tune:
             self._race_side_by_side(res, None, end, contender=False,
                                     why_not="the configuration that fits (plain does not): timed for its cost")
         except Exception as exc:
-            res.status, res.verdict, res.reason = "failed", "failed", error_line(exc)
+            res.status, res.verdict, res.reason = "failed", "failed", one_line(exc, with_type=True)
         return res
 
     def _measure_combo(self, a: Result, b: Result, end: float, share: float = 0.5) -> Result:
@@ -679,7 +678,7 @@ class _Tune:
             res.runner = r
             self._race_side_by_side(res, a if a is not self.report.baseline else None, end, share=share)
         except Exception as exc:
-            res.status, res.verdict, res.reason = "failed", "failed", error_line(exc)
+            res.status, res.verdict, res.reason = "failed", "failed", one_line(exc, with_type=True)
             res.runner = None
         return res
 
@@ -762,7 +761,7 @@ class _Tune:
                     if (combo.max_batch or 0) > (best.max_batch or 0):
                         best = combo
                 except Exception as exc:
-                    combo.status, combo.verdict, combo.reason = "failed", "failed", error_line(exc)
+                    combo.status, combo.verdict, combo.reason = "failed", "failed", one_line(exc, with_type=True)
                     report.combos.append(combo)
             else:
                 report.notes.append("memory tricks not combined for the largest batch: over --budget-seconds")
@@ -789,7 +788,7 @@ class _Tune:
             target.note = (f"first call {target.first_call_s:.1f} s (compilation), not in the step time; "
                            "memory not measured under compile")
         except Exception as exc:
-            target.status, target.verdict, target.reason = "failed", "failed", error_line(exc)
+            target.status, target.verdict, target.reason = "failed", "failed", one_line(exc, with_type=True)
         if on_best:
             report.combos.append(target)
             res.status, res.verdict = target.status, target.verdict
@@ -1023,7 +1022,7 @@ class _Tune:
             try:
                 result = D.measure_modes(job)
             except Exception as exc:
-                result = D._failed(error_line(exc))
+                result = D._failed(one_line(exc, with_type=True))
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         else:
             result = D.launch(job, world)
@@ -1051,7 +1050,7 @@ class _Tune:
             lt = tune_loader_path(path, batch_sizes=(report.batch,), seconds_per_trial=min(max(left / 8, 0.5), 3.0),
                                   progress=False, cold_read=False)
         except Exception as exc:
-            return {"path": path, "status": "failed", "reason": error_line(exc)}
+            return {"path": path, "status": "failed", "reason": one_line(exc, with_type=True)}
         best = report.best_throughput or report.baseline
         step_rate = report.batch / best.step_s if best and best.step_s else None
         load_rate = lt.best.samples_per_s if lt.best else None
@@ -1089,7 +1088,7 @@ class _Tune:
                 res = optimize(copy.deepcopy(self.model).eval(), chain, example, batches=(1, batch), warmup=2,
                                repeats=7)
             except Exception as exc:
-                out["steps"].append({"steps": chain, "status": "not applicable", "reason": error_line(exc)})
+                out["steps"].append({"steps": chain, "status": "not applicable", "reason": one_line(exc, with_type=True)})
                 continue
             d = res.as_dict()
             for s in d["steps"]:
