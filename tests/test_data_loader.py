@@ -33,7 +33,7 @@ from torch_tricks.data.loader import (
 )
 from torch_tricks.errors import UserError
 from torch_tricks.registry import get_trick
-from torch_tricks.train.seed import worker_init_fn
+from torch_tricks.seed import worker_init_fn
 
 
 class RandomDraws(Dataset):

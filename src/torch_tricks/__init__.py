@@ -35,7 +35,7 @@ _EXPORTS = {
     "Tricks": "torch_tricks.train.tricks",
     "TrainConfig": "torch_tricks.train.config",
     "load_config": "torch_tricks.train.config",
-    "seed_everything": "torch_tricks.train.seed",
+    "seed_everything": "torch_tricks.seed",
     # tune: which tricks help here
     "tune": "torch_tricks.tuning.tuner",
     "TuneReport": "torch_tricks.tuning.report",

@@ -102,13 +102,13 @@ def split(batch: Any, parts: int) -> list[Any]:
         return [batch]
     n = batch_size(batch)
     size = math.ceil(n / parts)
-    return [_map(batch, lambda t, i=i: t[i: i + size] if t.dim() > 0 else t) for i in range(0, n, size)]
+    return [map_tensors(batch, lambda t, i=i: t[i: i + size] if t.dim() > 0 else t) for i in range(0, n, size)]
 
 
 def to_device(batch: Any, device: torch.device, *, channels_last: bool = False) -> Any:
     """``batch`` (of any form above) on ``device``; 4-d floating inputs in channels_last if asked (T4)."""
     nb = device.type == "cuda"
-    moved = _map(batch, lambda t: t.to(device, non_blocking=nb))
+    moved = map_tensors(batch, lambda t: t.to(device, non_blocking=nb))
     if channels_last:
         from torch_tricks.train.speed import to_channels_last
 
@@ -149,7 +149,7 @@ def example_batch(model: nn.Module, inputs: Any, *, seed: int = 0, loss: str | N
     if not xs or not isinstance(xs[0], torch.Tensor) or xs[0].dim() == 0:
         raise UserError("a training batch needs batched tensor inputs (batch dimension first)")
     n = int(xs[0].shape[0])
-    one = _map(dict(inputs) if named else xs, lambda t: t[:1] if t.dim() > 0 else t)
+    one = map_tensors(dict(inputs) if named else xs, lambda t: t[:1] if t.dim() > 0 else t)
     probe = _probe_copy(model)
     try:
         with torch.no_grad():
@@ -206,17 +206,17 @@ def _model_loss(loss_fn: Callable[..., Any]) -> bool:
     return loss_fn is get_loss("auto") or loss_fn is get_loss("none")
 
 
-def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with ``fn`` applied to every tensor in it (tuples, lists and dicts keep their form)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, Mapping):
-        return type(value)((k, _map(v, fn)) for k, v in value.items()) if type(value) is not dict \
-            else {k: _map(v, fn) for k, v in value.items()}
+        return type(value)((k, map_tensors(v, fn)) for k, v in value.items()) if type(value) is not dict \
+            else {k: map_tensors(v, fn) for k, v in value.items()}
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_map(v, fn) for v in value))
+        return type(value)(*(map_tensors(v, fn) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_map(v, fn) for v in value)
+        return type(value)(map_tensors(v, fn) for v in value)
     return value
 
 

@@ -544,7 +544,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                    if getattr(args, f.name) is not None})
     config = TrainConfig.from_dict(values).validate()
     train_set, val_set = load_dataset(args.data)
-    from torch_tricks.train.seed import seed_everything
+    from torch_tricks.seed import seed_everything
 
     seed_everything(config.seed)  # the initial weights too come from the seed
     model, _ = load_model(args.model, hf_config=getattr(args, "hf_config", None))

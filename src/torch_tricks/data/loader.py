@@ -18,10 +18,10 @@ chosen for them, each for a reason:
 * ``drop_last=True`` when training: a last batch of one sample makes BatchNorm fail
   ("Expected more than 1 value per channel") and a small one gives noisy statistics; it
   also keeps shapes fixed for ``cudnn.benchmark`` and ``torch.compile``.
-* a seeded ``generator`` and :func:`torch_tricks.train.seed.worker_init_fn` (D11): the
+* a seeded ``generator`` and :func:`torch_tricks.seed.worker_init_fn` (D11): the
   shuffle order and every worker's ``random`` / numpy / torch streams are reproducible
   from ``seed`` and distinct between workers. (With 0 workers samples are drawn in the
-  main process, whose generators only :func:`~torch_tricks.train.seed.seed_everything`
+  main process, whose generators only :func:`~torch_tricks.seed.seed_everything`
   controls.)
 
 Bad samples (D10): with ``skip_failed=True`` a sample whose loading raises, or that is
@@ -48,7 +48,7 @@ from torch.utils.data import (
 
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
-from torch_tricks.train.seed import seeded_generator, worker_init_fn
+from torch_tricks.seed import seeded_generator, worker_init_fn
 
 __all__ = [
     "make_loader",
@@ -362,7 +362,7 @@ def skip_failed(loader: DataLoader, *, catch: tuple[type[BaseException], ...] = 
     needs="a DataLoader; random numbers drawn inside the dataset (numpy, random, torch)",
 )
 def seed_workers(loader: DataLoader, seed: int = 0) -> DataLoader:
-    """The same loader rebuilt with a generator seeded by ``seed`` and :func:`~torch_tricks.train.seed.worker_init_fn`.
+    """The same loader rebuilt with a generator seeded by ``seed`` and :func:`~torch_tricks.seed.worker_init_fn`.
 
     The generator fixes the shuffle order and each epoch's worker ``base_seed`` (without
     it both come from the global RNG, so they change with anything else that drew from

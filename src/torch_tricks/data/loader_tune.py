@@ -50,7 +50,7 @@ from torch_tricks._optional import require
 from torch_tricks.data.loader import _cpu_count, _dataset_collate, _describe, make_loader
 from torch_tricks.data.prefetch import batch_nbytes, to_device
 from torch_tricks.errors import UserError
-from torch_tricks.train.seed import seeded_generator
+from torch_tricks.seed import seeded_generator
 
 __all__ = ["tune_loader", "tune_loader_path", "open_dataset", "LoaderTrial", "LoaderTuneReport", "ImageFolderDataset"]
 

@@ -1023,7 +1023,7 @@ def _export_program(model: nn.Module, example: tuple[Any, ...], dynamic_batch: b
 
     ``eval_mode=False`` for an already exported graph (PT2E), which refuses ``.eval()``.
     """
-    from torch_tricks.inspect.graph import _eval_mode
+    from torch_tricks.inspect.graph import in_eval_mode
 
     last: Exception | None = None
     for dynamic in ((True, False) if dynamic_batch else (False,)):
@@ -1031,7 +1031,7 @@ def _export_program(model: nn.Module, example: tuple[Any, ...], dynamic_batch: b
         if dynamic:
             args, shapes = _dynamic_batch(example)
         try:
-            with (_eval_mode(model) if eval_mode else contextlib.nullcontext()), _quiet_torch():
+            with (in_eval_mode(model) if eval_mode else contextlib.nullcontext()), _quiet_torch():
                 return torch.export.export(model, args, dynamic_shapes=shapes)
         except Exception as exc:
             last = exc

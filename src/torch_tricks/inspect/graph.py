@@ -223,7 +223,7 @@ def export_onnx(
     # side file is referenced by name), then move the files into place.
     tmpdir = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
-        with _eval_mode(model), _quiet_export():
+        with in_eval_mode(model), _quiet_export():
             torch.onnx.export(
                 model,
                 args,
@@ -263,7 +263,7 @@ def tensorboard_graph(model: torch.nn.Module, inputs: Any, logdir: str | os.Path
     writer = SummaryWriter(log_dir=str(logdir))
     try:
         # add_graph prints the exception before re-raising it; the library must not print.
-        with _eval_mode(model), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        with in_eval_mode(model), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             # add_graph has no other tracer; its deprecation is torch's to solve, not the user's.
             warnings.filterwarnings("ignore", r"`torch\.jit\.trace", DeprecationWarning)
@@ -387,7 +387,7 @@ def _batch_dynamic(
 
 
 @contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+def in_eval_mode(model: torch.nn.Module) -> Iterator[None]:
     """Eval mode and no MHA fast path for the duration; each module's own mode is restored."""
     modes = [(m, m.training) for m in model.modules()]
     get_fast = getattr(torch.backends.mha, "get_fastpath_enabled", None)

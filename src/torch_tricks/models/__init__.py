@@ -13,12 +13,12 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch.nn as nn
 
 from torch_tricks.errors import UserError
+from torch_tricks.models.registry import _REGISTRY, ModelSpec, register_model
 
 __all__ = [
     "ModelSpec",
@@ -28,34 +28,6 @@ __all__ = [
     "model_spec",
     "load_model",
 ]
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the registry knows about a built-in model."""
-
-    name: str
-    factory: Callable[..., nn.Module]
-    default_input: str
-    description: str = ""
-    tags: tuple[str, ...] = field(default_factory=tuple)
-
-
-_REGISTRY: dict[str, ModelSpec] = {}
-
-
-def register_model(
-    name: str, *, default_input: str, description: str = "", tags: tuple[str, ...] = ()
-) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
-    """Decorator: register ``factory`` under ``name`` (once; a second name clash is a bug)."""
-
-    def deco(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        if name in _REGISTRY:
-            raise ValueError(f"model {name!r} is registered twice")
-        _REGISTRY[name] = ModelSpec(name, factory, default_input, description, tuple(tags))
-        return factory
-
-    return deco
 
 
 def list_models(tag: str | None = None) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from torch_tricks.models import register_model
+from torch_tricks.models.registry import register_model
 
 __all__ = ["MLP", "mlp"]
 

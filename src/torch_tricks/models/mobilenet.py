@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from torch_tricks.models import register_model
+from torch_tricks.models.registry import register_model
 
 __all__ = ["InvertedResidual", "MobileNetV2", "mobilenet_v2"]
 

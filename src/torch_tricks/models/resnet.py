@@ -13,7 +13,7 @@ from typing import Type, Union
 import torch
 import torch.nn as nn
 
-from torch_tricks.models import register_model
+from torch_tricks.models.registry import register_model
 
 __all__ = ["BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet34", "resnet50"]
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from torch_tricks.errors import UserError
-from torch_tricks.models import register_model
+from torch_tricks.models.registry import register_model
 
 __all__ = ["TransformerClassifier", "transformer"]
 

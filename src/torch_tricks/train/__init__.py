@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 # the modules whose import registers their tricks with torch_tricks.registry
-TRICK_MODULES = ("checkpoint", "distributed", "ema", "loop", "memory", "optim", "precision", "schedule", "seed",
+TRICK_MODULES = ("checkpoint", "distributed", "ema", "loop", "memory", "optim", "precision", "schedule",
                  "sharding", "speed", "syncbn")
 
 _EXPORTS = {
@@ -25,6 +25,7 @@ __all__ = ["fit", "History", "TrainConfig", "TrainingDiverged", "Tricks", "load_
 
 def register_all() -> None:
     """Import every module that registers a trick (idempotent)."""
+    importlib.import_module("torch_tricks.seed")  # seeding is shared with data and tune: it lives a floor below
     for name in TRICK_MODULES:
         importlib.import_module(f"{__name__}.{name}")
 

@@ -311,7 +311,7 @@ def checkpoint_blocks(
         if not (isinstance(t, type) and issubclass(t, nn.Module)):
             raise UserError(f"checkpoint_blocks: types must be nn.Module classes, got {t!r}")
     if types is None and names is None:
-        chosen = _default_blocks(model)
+        chosen = default_blocks(model)
         if not chosen:
             raise UserError(
                 f"checkpoint_blocks found no repeated blocks in {type(model).__name__}: "
@@ -339,7 +339,7 @@ def checkpoint_blocks(
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(qualified name, block)`` of the repeated blocks of ``model`` (see :func:`checkpoint_blocks`),
     outermost only, in module order: the unit of activation checkpointing and of FSDP sharding."""
-    return _outermost(model, _default_blocks(model))
+    return _outermost(model, default_blocks(model))
 
 
 def checkpoint_sequential_sqrt(seq: nn.Sequential, segments: int | None = None) -> nn.Sequential:
@@ -481,7 +481,7 @@ def _unique_buffers(modules: Iterable[nn.Module]) -> Iterator[tuple[torch.Tensor
                     yield b, norm
 
 
-def _default_blocks(model: nn.Module) -> set[int]:
+def default_blocks(model: nn.Module) -> set[int]:
     """Children of Sequential/ModuleList stacks that have submodules, with a class (plain
     ``nn.Sequential`` children count as one class) occurring at least twice."""
     cands = []

@@ -55,7 +55,7 @@ _ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16",
     "fp16": "fp16", "float16": "fp16", "16": "fp16", "half": "fp16",
 }
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def normalize_precision(precision: str) -> str:
@@ -69,7 +69,7 @@ def normalize_precision(precision: str) -> str:
 
 def precision_dtype(precision: str) -> torch.dtype:
     """The autocast dtype of ``precision`` (``torch.float32`` for fp32)."""
-    return _DTYPES[normalize_precision(precision)]
+    return DTYPES[normalize_precision(precision)]
 
 
 def check_precision(precision: str, device: torch.device | str) -> None:
@@ -83,7 +83,7 @@ def check_precision(precision: str, device: torch.device | str) -> None:
     p = normalize_precision(precision)
     if p == "fp32":
         return
-    ok, reason = _precision_support(p, torch.device(device))
+    ok, reason = precision_support(p, torch.device(device))
     if not ok:
         raise UserError(reason)
 
@@ -94,7 +94,7 @@ def autocast(precision: str, device: torch.device | str) -> ContextManager[Any]:
     p = normalize_precision(precision)
     if p == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=_DTYPES[p])
+    return torch.autocast(device_type=torch.device(device).type, dtype=DTYPES[p])
 
 
 def make_grad_scaler(precision: str, device: torch.device | str) -> torch.amp.GradScaler:
@@ -160,7 +160,7 @@ class MixedPrecision:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _DTYPES[self.precision]
+        return DTYPES[self.precision]
 
     def autocast(self) -> ContextManager[Any]:
         return autocast(self.precision, self.device)
@@ -183,8 +183,8 @@ def precision_available(device: torch.device) -> tuple[bool, str]:
     (bf16 on a CPU without native bf16 instructions).
     """
     dev = torch.device(device)
-    ok_bf16, why_bf16 = _precision_support("bf16", dev)
-    ok_fp16, why_fp16 = _precision_support("fp16", dev)
+    ok_bf16, why_bf16 = precision_support("bf16", dev)
+    ok_fp16, why_fp16 = precision_support("fp16", dev)
     if not (ok_bf16 or ok_fp16):
         return False, f"{why_bf16}; {why_fp16}"
     if dev.type == "cpu" and ok_bf16 and not cpu_has_bf16():
@@ -230,7 +230,7 @@ def cpu_has_bf16() -> bool:
 
 # -- internals --------------------------------------------------------------------------
 
-def _precision_support(p: str, dev: torch.device) -> tuple[bool, str]:
+def precision_support(p: str, dev: torch.device) -> tuple[bool, str]:
     """(can ``p`` in {bf16, fp16} run on ``dev``, one-line reason if not)."""
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -262,7 +262,7 @@ def _cpu_autocast_works(p: str) -> bool:
     """
     import warnings
 
-    dtype = _DTYPES[p]
+    dtype = DTYPES[p]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -193,7 +193,7 @@ class Tricks:
     def prepare_data(self, data: Any, *, train: bool = True) -> Any:
         """A loader for ``data``: a Dataset gets a seeded DataLoader of ``batch_size``; under ``torchrun``
         a DataLoader is rebuilt with a DistributedSampler; any other iterable is kept as it is."""
-        from torch_tricks.train.seed import seeded_generator, worker_init_fn
+        from torch_tricks.seed import seeded_generator, worker_init_fn
 
         cfg = self.config
         if isinstance(data, DataLoader):
@@ -332,7 +332,7 @@ class Tricks:
     def _setup_runtime(self) -> None:
         from torch_tricks.train.distributed import init_distributed
         from torch_tricks.train.precision import check_precision
-        from torch_tricks.train.seed import seed_everything
+        from torch_tricks.seed import seed_everything
 
         cfg = self.config
         launched = int(os.environ.get("WORLD_SIZE", "1")) > 1

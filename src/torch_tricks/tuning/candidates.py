@@ -153,11 +153,11 @@ _MEASURED_ELSEWHERE = {"packed_dataset", "loader_defaults", "fast_decode", "onnx
 
 def _precision(trick: Trick, model, inputs, device, batch, own_opt) -> list[Candidate | Skipped]:
     """bf16 and fp16 autocast, each measured where it runs, else skipped with the reason."""
-    from torch_tricks.train.precision import _precision_support
+    from torch_tricks.train.precision import precision_support
 
     out: list[Candidate | Skipped] = []
     for p in ("bf16", "fp16"):
-        ok, why = _precision_support(p, device)
+        ok, why = precision_support(p, device)
         name = f"{trick.name}:{p}"
         if ok:
             note = "fp16 with a grad scaler" if p == "fp16" else ""
@@ -179,7 +179,7 @@ def _autocast_slowdown(p: str, model: nn.Module) -> tuple[float, str]:
     """
     import time
 
-    from torch_tricks.train.precision import _DTYPES
+    from torch_tricks.train.precision import DTYPES
 
     gen = torch.Generator().manual_seed(0)
     if any(isinstance(m, nn.Conv2d) for m in model.modules()):
@@ -191,7 +191,7 @@ def _autocast_slowdown(p: str, model: nn.Module) -> tuple[float, str]:
         best = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
-            with torch.autocast("cpu", dtype=_DTYPES[p], enabled=enabled):
+            with torch.autocast("cpu", dtype=DTYPES[p], enabled=enabled):
                 y = layer(x)
             y.float().sum().backward()
             best = min(best, time.perf_counter() - t0)
@@ -211,11 +211,11 @@ def _channels_last(trick: Trick, model, inputs, device, batch, own_opt) -> Candi
 
 
 def _checkpointing(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
-    from torch_tricks.train.memory import _default_blocks
+    from torch_tricks.train.memory import default_blocks
 
-    if isinstance(model, nn.Sequential) and not _default_blocks(model):
+    if isinstance(model, nn.Sequential) and not default_blocks(model):
         return Candidate(trick.name, {"checkpointing": "sqrt"}, "memory")
-    if not _default_blocks(model):
+    if not default_blocks(model):
         return "no repeated blocks found to checkpoint (name them: --checkpointing 'layer*.*')"
     return Candidate(trick.name, {"checkpointing": "blocks"}, "memory")
 
@@ -282,7 +282,7 @@ _MAKERS: dict[str, Callable[..., Candidate | str]] = {
 def _deterministic(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
     import os
 
-    from torch_tricks.train.seed import CUBLAS_DETERMINISTIC_CONFIGS
+    from torch_tricks.seed import CUBLAS_DETERMINISTIC_CONFIGS
 
     if device.type == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_DETERMINISTIC_CONFIGS:
         # cuBLAS reads it when CUDA starts, which it has by now: setting it here would be too late

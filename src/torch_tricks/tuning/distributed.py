@@ -212,7 +212,7 @@ def measure_modes(job: DistJob) -> dict[str, Any]:
     total = B.batch_size(job.batch)
     check_world(world, total, torch.device("cpu"))
     per = total // world
-    local = B._map(job.batch, lambda t: t[rank * per:(rank + 1) * per] if t.dim() > 0 else t)
+    local = B.map_tensors(job.batch, lambda t: t[rank * per:(rank + 1) * per] if t.dim() > 0 else t)
     cfg = {**job.config, "device": str(dev), "seed": job.seed}
     cfg.pop("compile", None)  # one compilation per lane and rank would eat the phase: measured eagerly
     lanes = [_Lane(ONE_PROCESS, "off", False, job.batch, job.one_process_threads),

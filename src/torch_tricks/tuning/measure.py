@@ -381,9 +381,9 @@ def _batch_len(batch: Any) -> int:
 
 
 def _slice(batch: Any, n: int) -> Any:
-    from torch_tricks.batches import _map
+    from torch_tricks.batches import map_tensors
 
-    return _map(batch, lambda t: t[:n] if t.dim() > 0 else t)
+    return map_tensors(batch, lambda t: t[:n] if t.dim() > 0 else t)
 
 
 def _device_of(config: dict[str, Any]) -> torch.device:

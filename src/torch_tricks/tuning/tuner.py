@@ -162,7 +162,7 @@ def tune(
 
     parts = B.unpack(example_batch)  # a UserError for what is not a batch
     from torch_tricks.registry import get_trick
-    from torch_tricks.train.seed import seed_everything
+    from torch_tricks.seed import seed_everything
 
     for name_ in skip:
         get_trick(name_.split(":")[0])  # an unknown name is a UserError listing the tricks

@@ -1,4 +1,4 @@
-"""torch_tricks.train.seed: seeding, deterministic mode, DataLoader workers (T17, D11)."""
+"""torch_tricks.seed: seeding, deterministic mode, DataLoader workers (T17, D11)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from torch_tricks.errors import UserError
 from torch_tricks.registry import get_trick
-from torch_tricks.train import seed as seed_mod
-from torch_tricks.train.seed import restore_determinism, seed_everything, seeded_generator, worker_init_fn
+from torch_tricks import seed as seed_mod
+from torch_tricks.seed import restore_determinism, seed_everything, seeded_generator, worker_init_fn
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none here")
 
@@ -153,7 +153,7 @@ def test_registered():
 def test_cuda_initialised_first_is_refused_in_a_fresh_process():
     code = (
         "import torch; torch.zeros(1, device='cuda')\n"
-        "from torch_tricks.train.seed import seed_everything\n"
+        "from torch_tricks.seed import seed_everything\n"
         "from torch_tricks.errors import UserError\n"
         "try:\n    seed_everything(0, deterministic=True)\nexcept UserError:\n    print('refused')\n"
     )

@@ -1,0 +1,75 @@
+"""The package's import graph, read with ast (nothing imported): no circles among the modules at
+import time, no feature package importing another's private name, and ``data`` below ``train``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch_tricks
+
+ROOT = Path(torch_tricks.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ("torch_tricks",) + path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, str | None, bool]]:
+    """(imported module, imported name or None, at module level) for each import of our own modules."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for n in ast.walk(f)}
+    out = []
+    for node in ast.walk(tree):
+        top = id(node) not in in_function
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("torch_tricks"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.append((sub, None, top) if sub in modules else (node.module, alias.name, top))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, None, top) for a in node.names if a.name.startswith("torch_tricks")]
+    return out
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else module
+
+
+def test_no_import_circles_at_module_level():
+    """Imports inside functions (optional dependencies, the CLI's start-up) are left out: they run later."""
+    modules = _modules()
+    graph = {m: {t for t, _, top in _imports(p, modules) if top and t in modules} for m, p in modules.items()}
+    cycles, state = [], {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = "done"
+
+    for m in sorted(modules):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+
+
+def test_no_feature_package_imports_a_private_name_of_another():
+    modules = _modules()
+    bad = [(m, t, name) for m, p in modules.items() for t, name, _ in _imports(p, modules)
+           if name and name.startswith("_") and not name.startswith("__") and _package(t) != _package(m)]
+    assert bad == []
+
+
+def test_data_does_not_import_train():
+    modules = _modules()
+    bad = [(m, t) for m, p in modules.items() if _package(m) == "data"
+           for t, _, _ in _imports(p, modules) if _package(t) == "train"]
+    assert bad == []
