@@ -31,11 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        if verbose:
-            return int(args.func(args) or 0)
+        import contextlib
+
         from torch_tricks._quiet import install
 
-        with install():  # other libraries' import noise stays off the terminal (-v shows it)
+        with contextlib.nullcontext() if verbose else install():  # others' import noise stays off unless -v
             return int(args.func(args) or 0)
     except UserError as exc:
         if args.debug:

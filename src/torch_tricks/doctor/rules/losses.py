@@ -223,8 +223,7 @@ class LogSoftmaxIntoCrossEntropy(StaticRule):
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for call, loss, act in _activation_losses(f):
             if loss == "ce" and act == "log_softmax":
-                yield call, ("log_softmax output fed to cross-entropy, which applies log_softmax itself: use nll_loss, "
-                             "or pass the logits")
+                yield call, self.message
 
 
 @static_rule
