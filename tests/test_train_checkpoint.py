@@ -73,8 +73,9 @@ def _seed_all(seed: int) -> None:
 
 
 def _state_equal(a: nn.Module, b: nn.Module) -> bool:
+    """Same keys, same values; on the CPU (nn.DataParallel moves a module to cuda:0 where there is one)."""
     sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
 
 
 # --------------------------------------------------------------------------- round trip

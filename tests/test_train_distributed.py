@@ -202,13 +202,14 @@ def test_convert_sync_batchnorm_on_cpu_keeps_tensors_and_keys():
     keys = list(model.state_dict())
     weight = model[1].weight
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = convert_sync_batchnorm(model)
+    # auto picks ours for a CPU model on a machine without CUDA (with CUDA, torch's: the model will move there)
+    out = convert_sync_batchnorm(model, impl="auto" if not torch.cuda.is_available() else "cpu")
     assert isinstance(out[1], CPUSyncBatchNorm) and isinstance(out[5], CPUSyncBatchNorm)
     assert out[1].weight is weight  # an optimizer built before the conversion still updates it
     assert list(out.state_dict()) == keys
     assert out[5].weight is None
     assert any(p is weight for g in opt.param_groups for p in g["params"])
-    assert isinstance(convert_sync_batchnorm(nn.BatchNorm1d(3)), CPUSyncBatchNorm)  # a bare BN is replaced
+    assert isinstance(convert_sync_batchnorm(nn.BatchNorm1d(3), impl="cpu"), CPUSyncBatchNorm)  # a bare BN is replaced
     with pytest.raises(UserError, match="impl"):
         convert_sync_batchnorm(model, impl="apex")
 

@@ -107,7 +107,9 @@ def test_registered_tricks():
 
     assert _TRICKS["compile"].ids == ("T24",) and _TRICKS["compile"].config_key == "compile"
     assert _TRICKS["cudnn_benchmark"].ids == ("T2",)
-    assert _TRICKS["cudnn_benchmark"].check("cpu")[0] is torch.cuda.is_available()
+    assert _TRICKS["cudnn_benchmark"].check("cpu")[0] is False  # cuDNN serves CUDA devices only
+    if torch.cuda.is_available():
+        assert _TRICKS["cudnn_benchmark"].check("cuda")[0] is torch.backends.cudnn.is_available()
     assert _TRICKS["channels_last"].config_key == "channels_last"
     ok, why = _TRICKS["compile"].check("cpu")
     assert ok or why  # a reason whenever it cannot run
@@ -145,7 +147,7 @@ import torch_tricks as tt
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(8)], nn.Linear(512, 10))
-tricks = tt.Tricks({"keep_heap": sys.argv[1] == "1", "fused_optimizer": False})  # the for-loop AdamW: temporaries
+tricks = tt.Tricks({"keep_heap": sys.argv[1] == "1", "fused_optimizer": False, "device": "cpu"})  # the for-loop AdamW: temporaries
 model, opt = tricks.prepare(model)
 x, y = torch.randn(256, 512), torch.randint(0, 10, (256,))
 def step():

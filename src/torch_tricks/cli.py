@@ -320,17 +320,11 @@ def _add_config_flags(sp: argparse.ArgumentParser) -> None:
 
 def _load(args: argparse.Namespace):
     """Model and example inputs from --model/--input/--batch/--device."""
-    import torch
-
+    from torch_tricks.device import resolve as resolve_device
     from torch_tricks.inspect.inputs import check_input_names, make_inputs, parse_input_specs
     from torch_tricks.models import load_model
 
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise UserError(f"unknown --device {args.device!r}: use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda asked for, but this torch sees no CUDA device: use --device cpu")
+    device = resolve_device(args.device, what="--device")
     model, default_input = load_model(args.model, hf_config=getattr(args, "hf_config", None))
     spec = args.input or default_input
     if not spec:

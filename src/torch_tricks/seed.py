@@ -48,7 +48,8 @@ _MAX_SEED = 2**32 - 1  # numpy's legacy seed range
     needs="call before the model or any tensor touches CUDA",
     config_key="deterministic",
 )
-def seed_everything(seed: int, *, deterministic: bool = False, warn_only: bool = False) -> dict[str, Any]:
+def seed_everything(seed: int, *, deterministic: bool = False, warn_only: bool = False,
+                    device: str | torch.device | None = None) -> dict[str, Any]:
     """Seed ``random``, numpy, torch (CPU and every CUDA device); optionally make kernels deterministic.
 
     ``PYTHONHASHSEED`` is set for child processes (this interpreter's string hashing was
@@ -58,8 +59,9 @@ def seed_everything(seed: int, *, deterministic: bool = False, warn_only: bool =
     ``cudnn.deterministic=True``, ``cudnn.benchmark=False``. If CUDA has already started
     without the cuBLAS setting, that cannot be fixed in this process: a :class:`UserError`
     is raised before anything is changed, or with ``warn_only=True`` the reason is listed
-    under ``"problems"`` and the rest is done. ``deterministic=False`` leaves the
-    determinism switches as they are.
+    under ``"problems"`` and the rest is done; that check is left out when ``device`` says
+    the run computes on the CPU (no cuBLAS call of it can be nondeterministic).
+    ``deterministic=False`` leaves the determinism switches as they are.
 
     Returns what was done: ``seed``, ``seeded`` (the generators), ``env`` (variables
     set), ``deterministic``, ``problems``, and ``previous`` (the prior switches, for
@@ -72,7 +74,8 @@ def seed_everything(seed: int, *, deterministic: bool = False, warn_only: bool =
     if deterministic:
         current = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
         if current not in CUBLAS_DETERMINISTIC_CONFIGS:
-            if _cuda_initialized():
+            on_cpu = device is not None and torch.device(device).type == "cpu"
+            if _cuda_initialized() and not on_cpu:
                 problem = (
                     "deterministic mode: CUDA was initialised before CUBLAS_WORKSPACE_CONFIG was set, so cuBLAS may stay "
                     "nondeterministic; call seed_everything(deterministic=True) before any CUDA work, or export "

@@ -197,7 +197,7 @@ def check_collectives(info, res):
 
 def main() -> int:
     out_dir = Path(sys.argv[1])
-    info = init_distributed(timeout=60)
+    info = init_distributed(timeout=60, device="cpu")  # the CPU (gloo) paths, on a machine with GPUs too
     res = {"info": {"rank": info.rank, "world_size": info.world_size, "local_rank": info.local_rank,
                     "device": str(info.device), "is_main": info.is_main, "initialized": info.initialized,
                     "backend": info.backend}}

@@ -46,6 +46,7 @@ from torch.utils.data import (
     default_collate,
 )
 
+from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 from torch_tricks.seed import seeded_generator, worker_init_fn
@@ -104,7 +105,7 @@ def make_loader(
     _check_dataset(dataset)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    dev = _device(device)
+    dev = resolve_device(device)
     iterable = isinstance(dataset, IterableDataset)
     if iterable and sampler is not None:
         raise UserError("an IterableDataset decides its own order: drop sampler= (DataLoader cannot use one)")
@@ -496,15 +497,6 @@ def _cpu_count() -> int:
         return len(os.sched_getaffinity(0))  # the CPUs this process may use (containers, taskset)
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def _device(device: torch.device | str | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError):
-        raise UserError(f"unknown device {device!r}: use e.g. 'cpu', 'cuda' or 'cuda:1'") from None
 
 
 def _describe(exc: BaseException) -> str:

@@ -49,6 +49,7 @@ from torch.utils.data import Dataset, IterableDataset, RandomSampler, default_co
 from torch_tricks._optional import require
 from torch_tricks.data.loader import _cpu_count, _dataset_collate, _describe, make_loader
 from torch_tricks.data.prefetch import batch_nbytes, to_device
+from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError
 from torch_tricks.seed import seeded_generator
 
@@ -155,12 +156,7 @@ def tune_loader(
     sizes = _positive_ints(batch_sizes, "batch_sizes", minimum=1)
     cpus = _cpu_count()
     counts = _positive_ints(workers, "workers", minimum=0) if workers is not None else _default_workers(cpus)
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise UserError(f"unknown device {device!r}: use 'cpu' or 'cuda'") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("device='cuda' but CUDA is not available: use device='cpu'")
+    dev = resolve_device(device)
 
     from tqdm.auto import tqdm
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 
@@ -76,12 +77,7 @@ class Prefetcher:
     ) -> None:
         if not isinstance(loader, collections.abc.Iterable):
             raise UserError(f"Prefetcher needs an iterable of batches (e.g. a DataLoader), got {type(loader).__name__}")
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise UserError(f"unknown device {device!r}: use e.g. 'cpu' or 'cuda'") from None
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise UserError(f"device {device!r} asked for but CUDA is not available: use device='cpu'")
+        self.device = resolve_device(device)
         if transform is not None and not callable(transform):
             raise UserError(f"transform must be callable, got {type(transform).__name__}")
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:

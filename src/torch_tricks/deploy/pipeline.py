@@ -76,6 +76,7 @@ import torch.nn as nn
 from torch_tricks._io import atomic_path
 from torch_tricks.deploy.step_report import Agreement, agreement, compare_latency, model_size_bytes, param_count
 from torch_tricks._optional import install_hint, require
+from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.inspect.inputs import as_input_tuple
 
@@ -935,12 +936,7 @@ def _like(a: Any, gen: torch.Generator) -> Any:
 
 
 def _device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise UserError(f"bad device {device!r}: use cpu or cuda") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("device cuda is not available in this PyTorch build or machine: use device='cpu'")
+    dev = resolve_device(device)
     if dev.type not in ("cpu", "cuda"):
         raise UserError(f"optimize runs on cpu or cuda, not {dev.type}")
     return dev

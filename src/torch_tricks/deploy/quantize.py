@@ -52,6 +52,7 @@ from torch_tricks.deploy.cpu_int8 import Int8Setting, int8_setting
 from torch_tricks.deploy.cpu_int8 import torch_cpu_flag as _cpu_flag
 from torch_tricks.deploy.step_report import Agreement, agreement, model_size_bytes
 from torch_tricks._optional import install_hint
+from torch_tricks.device import module_device
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.inspect.inputs import as_input_tuple
 from torch_tricks.registry import register_trick
@@ -822,7 +823,7 @@ def cast_half(
     _check_module(model, "cast_half")
     if dtype not in (torch.bfloat16, torch.float16):
         raise UserError(f"cast_half: dtype must be torch.bfloat16 or torch.float16, not {dtype}")
-    dev = torch.device(device) if device is not None else _model_device(model)
+    dev = torch.device(device) if device is not None else module_device(model)
     notes = []
     if dev.type == "cpu" and dtype == torch.float16:
         if not _cpu_flag("_is_amx_fp16_supported"):
@@ -887,14 +888,8 @@ def _check_module(model: Any, what: str) -> None:
         raise UserError(f"{what} needs an nn.Module, got {type(model).__name__}")
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
 def _check_cpu(model: nn.Module, what: str) -> None:
-    dev = _model_device(model)
+    dev = module_device(model)
     if dev.type != "cpu":
         raise UserError(f"{what} runs on CPU kernels, the model is on {dev}: move it with model.cpu() first")
 

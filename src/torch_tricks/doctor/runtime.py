@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from torch_tricks.device import module_device
+from torch_tricks.device import resolve as resolve_device
 from torch_tricks.doctor.registry import Finding, Rule, severity_rank
 from torch_tricks.doctor.rules.runtime import (  # noqa: F401  (declared apart: no torch needed to list them)
     MIN_BN_BATCH, UNUSED_PARAMS, DECAY_ON_NO_DECAY, UNREGISTERED, BN_SMALL_BATCH, INPLACE, DIMS, LOSS_PAIRING,
@@ -233,7 +235,7 @@ class _Checker:
             self.work_loss = self.loss_fn
             self.report.notes.append("loss_fn could not be deep-copied: the check called the original")
         work = self.work
-        if _module_device(work) != self.device:
+        if module_device(work) != self.device:
             work.to(self.device)
             if self.work_opt is not None:  # optimizer state follows its parameters' device
                 self.work_opt.load_state_dict(self.work_opt.state_dict())
@@ -1121,23 +1123,11 @@ def _finding(rule: Rule, path: str, message: str, *, severity: str = "", **extra
 
 def _resolve_device(device: torch.device | str | None, model: nn.Module) -> torch.device:
     if device is None:
-        return _module_device(model)
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise UserError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"device {device!r} asked for but no CUDA device is available here: use device='cpu'")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+        return module_device(model)
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
-
-
-def _module_device(model: nn.Module) -> torch.device:
-    for t in chain(model.parameters(), model.buffers()):
-        return t.device
-    return torch.device("cpu")
 
 
 def _prepare_inputs(batch: Any, device: torch.device) -> tuple[Any, ...] | dict[str, Any]:

@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from torch_tricks.device import module_device
 from torch_tricks.inspect.inputs import input_tensors
 from torch_tricks.inspect.step import Workloads
 
@@ -96,7 +97,7 @@ def memory_report(
     work_model = copy.deepcopy(model) if copy_model else model
     work_model.train()
     wl = Workloads(work_model, inputs, loss_fn=loss_fn, optimizer=optimizer, target=target)
-    device = _device_of(work_model, input_tensors(wl.inputs))
+    device = module_device(work_model, input_tensors(wl.inputs))
 
     # Step 1: saved activations, gradients, optimizer state.
     wl.optimizer.zero_grad(set_to_none=True)
@@ -517,15 +518,6 @@ def _optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
                 seen.add(id(v))
                 total += v.numel() * v.element_size()
     return total
-
-
-def _device_of(model: nn.Module, inputs: list[torch.Tensor]) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    for t in inputs:
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")
 
 
 

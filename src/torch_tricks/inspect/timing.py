@@ -21,39 +21,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from torch_tricks.device import parse as parse_device
+from torch_tricks.device import synchronize
 from torch_tricks.errors import UserError
 
 __all__ = ["Timing", "benchmark", "compare", "synchronize", "format_seconds"]
-
-
-def synchronize(device: torch.device | str | int | None = None) -> None:
-    """Wait until all queued work on ``device`` has finished; a no-op on CPU.
-
-    ``None`` means "whatever accelerator is in use": CUDA only if it has been initialised
-    (no kernels can be pending otherwise, and initialising it would cost seconds), else the
-    current ``torch.accelerator`` (MPS, XPU, ...) where this torch has one.
-    """
-    if device is None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-            return
-        acc = _current_accelerator()
-        if acc is not None and acc.type != "cuda":
-            torch.accelerator.synchronize()
-        return
-    dev = _as_device(device)
-    if dev.type in ("cpu", "meta"):
-        return
-    if dev.type == "cuda":
-        if torch.cuda.is_available():
-            torch.cuda.synchronize(dev)
-        return
-    if hasattr(torch, "accelerator"):
-        torch.accelerator.synchronize(dev)
-        return
-    backend = getattr(torch, dev.type, None)  # torch < 2.6: torch.mps / torch.xpu
-    if backend is not None and hasattr(backend, "synchronize"):
-        backend.synchronize()
 
 
 @dataclass
@@ -134,7 +106,7 @@ def benchmark(
         raise UserError(f"benchmark needs a callable, got {type(fn).__name__}: pass the function itself")
     warmup, repeats, min_time_s = _check_counts(warmup, repeats, min_time_s)
     if device is not None:
-        _as_device(device)  # validate early, before any call
+        parse_device(device)  # validate early, before any call
 
     def call() -> None:
         fn(*args, **kwargs)
@@ -175,7 +147,7 @@ def compare(
             raise UserError(f"compare: candidate {name!r} is a {type(fn).__name__}, not a callable")
     warmup, repeats, min_time_s = _check_counts(warmup, repeats, min_time_s)
     if device is not None:
-        _as_device(device)
+        parse_device(device)
 
     names = list(fns)
     for _ in range(warmup):
@@ -227,25 +199,6 @@ def _check_counts(warmup: Any, repeats: Any, min_time_s: Any) -> tuple[int, int,
     if not math.isfinite(min_time) or min_time < 0:
         raise UserError(f"min_time_s must be a finite number of seconds >= 0, got {min_time_s!r}")
     return warmup, repeats, min_time
-
-
-def _as_device(device: torch.device | str | int) -> torch.device:
-    if isinstance(device, torch.device):
-        return device
-    try:
-        if isinstance(device, int):
-            acc = _current_accelerator()
-            return torch.device(acc.type if acc is not None else "cuda", device)
-        return torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise UserError(f"unknown device {device!r}: use e.g. 'cpu', 'cuda' or 'cuda:0'") from None
-
-
-def _current_accelerator() -> torch.device | None:
-    acc = getattr(torch, "accelerator", None)
-    if acc is None or not acc.is_available():
-        return None
-    return acc.current_accelerator()
 
 
 def _unit_for(seconds: float) -> tuple[float, str]:

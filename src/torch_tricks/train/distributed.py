@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.registry import register_trick
 
@@ -75,15 +76,18 @@ def init_distributed(
     backend: str | None = None,
     *,
     timeout: float | datetime.timedelta | None = None,
+    device: str | torch.device | None = "auto",
 ) -> DistInfo:
     """Join the process group torchrun set up; a single-process :class:`DistInfo` otherwise.
 
     torchrun exports ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
     ``MASTER_PORT``; without ``RANK``/``WORLD_SIZE`` this returns ``DistInfo()`` (rank 0 of 1,
-    not initialised) and touches nothing, so one script serves both launches. The backend
-    is NCCL when CUDA is available and gloo otherwise; with CUDA the process's device is
-    ``cuda:LOCAL_RANK`` and is made current, so that NCCL and every ``.cuda()`` without an
-    index use this process's own device rather than all piling onto device 0.
+    not initialised) and touches nothing, so one script serves both launches. ``device``
+    ``"auto"`` trains on CUDA when this torch sees it, with NCCL, else on the CPU with
+    gloo; ``"cpu"`` keeps the ranks on the CPU (gloo) on a machine with GPUs too. On CUDA
+    the process's device is ``cuda:LOCAL_RANK`` and is made current, so that NCCL and every
+    ``.cuda()`` without an index use this process's own device rather than all piling
+    onto device 0.
     ``timeout`` (seconds or a timedelta) bounds every collective: a rank that never arrives
     then raises instead of hanging the others forever. Calling it again returns the
     existing group's info.
@@ -92,7 +96,7 @@ def init_distributed(
         return _current_info()
     env = os.environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
-        return DistInfo(device=_default_device(0))
+        return DistInfo(device=resolve_device(device))
     if not dist.is_available():
         raise UserError("this torch build has no torch.distributed: install a build with distributed support")
     rank = _env_int("RANK")
@@ -104,7 +108,7 @@ def init_distributed(
     if not 0 <= rank < world_size:
         raise UserError(f"RANK={rank} is outside WORLD_SIZE={world_size}: check the launcher's environment")
 
-    cuda = torch.cuda.is_available()
+    cuda = resolve_device(device).type == "cuda"
     if backend is None:
         backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
     device = torch.device("cpu")
@@ -334,15 +338,12 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise UserError(f"{name}={raw!r} is not an integer: check the launcher's environment") from None
 
 
-def _default_device(local_rank: int) -> torch.device:
-    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def _current_info() -> DistInfo:
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = _env_int("LOCAL_RANK", default=rank)
     backend = str(dist.get_backend())
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    on_cuda = "nccl" in backend and torch.cuda.is_available()  # a gloo group on a GPU machine trains on the CPU
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     return DistInfo(rank, world, local_rank, device, rank == 0, True, backend)
 
 

@@ -39,6 +39,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset, DistributedSampler, RandomSampler
 
 from torch_tricks import batches as B
+from torch_tricks.device import synchronize
 from torch_tricks.errors import UserError
 from torch_tricks.outputs import get_loss, primary_output
 from torch_tricks.registry import register_trick
@@ -258,12 +259,12 @@ class _Trainer:
             loss = self._train_step(group)
             self._recent.append(loss)  # detached, on the device: no sync
             if self.step == 1 and not self.history.first_step_s:
-                _sync(self.device)
+                synchronize(self.device)
                 self.history.first_step_s = time.perf_counter() - t_step
             running += loss
             running_n += 1
             if self.step % cfg.log_every == 0:
-                _sync(self.device)
+                synchronize(self.device)
                 now = time.perf_counter()
                 if self.step > cfg.log_every or not cfg.compile:  # the compiling interval is not a step time
                     step_times.append((now - t_log) / running_n)
@@ -602,6 +603,3 @@ def _set_epoch(loader: Any, epoch: int, seed: int) -> None:
         sampler.generator.manual_seed(seed * 100_003 + epoch)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

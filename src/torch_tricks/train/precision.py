@@ -30,6 +30,7 @@ from typing import Any, ContextManager
 
 import torch
 
+from torch_tricks.device import no_cuda_message
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 
@@ -234,7 +235,7 @@ def precision_support(p: str, dev: torch.device) -> tuple[bool, str]:
     """(can ``p`` in {bf16, fp16} run on ``dev``, one-line reason if not)."""
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            return False, f"{p} on cuda asked for, but this torch sees no CUDA device: use device=cpu"
+            return False, no_cuda_message()
         if p == "bf16" and not torch.cuda.is_bf16_supported():
             name = torch.cuda.get_device_name(dev)
             return False, f"bf16 is not supported on {name} (needs compute capability 8.0+): use precision=fp16"

@@ -5,6 +5,7 @@
     tricks = torch_tricks.Tricks("tune-report/tricks.toml")   # or a TrainConfig / dict
     model, optimizer = tricks.prepare(model, optimizer)       # channels_last, checkpointing, compile, fused optim, EMA ...
     for batch in loader:
+        batch = tricks.to_device(batch)                       # the config's device; auto is CUDA where there is one
         with tricks.autocast():
             loss = model(**batch).loss
         tricks.backward(loss)      # grad scaler, accumulation scaling, no DDP sync on non-final micro-batches
@@ -52,6 +53,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError
 from torch_tricks.train.config import TrainConfig
 
@@ -340,23 +342,17 @@ class Tricks:
             raise UserError(f"distributed = {cfg.distributed} needs several processes: launch with `torchrun "
                             f"--nproc_per_node N ...` (or set distributed = off)")
         use_dist = cfg.distributed != "off" and launched
-        self.dist = init_distributed() if use_dist else None
+        self.dist = init_distributed(device=cfg.device) if use_dist else None
         if self.dist is not None:
             self.device = self.dist.device
-        elif cfg.device == "auto":
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
-            try:
-                self.device = torch.device(cfg.device)
-            except RuntimeError:
-                raise UserError(f"unknown device {cfg.device!r}: use auto, cpu, cuda or cuda:N") from None
-            if self.device.type == "cuda" and not torch.cuda.is_available():
-                raise UserError("device cuda asked for, but this torch sees no CUDA device: use device=cpu")
+            self.device = resolve_device(cfg.device)
         self.is_main = self.dist is None or self.dist.is_main
         check_precision(cfg.precision, self.device)
         if cfg.precision != "fp32":
             self.applied.append(f"precision={cfg.precision}")
-        seed_everything(cfg.seed + (self.dist.rank if self.dist else 0), deterministic=cfg.deterministic)
+        seed_everything(cfg.seed + (self.dist.rank if self.dist else 0), deterministic=cfg.deterministic,
+                        device=self.device)
         if cfg.cudnn_benchmark:
             from torch_tricks.train.speed import cudnn_benchmark
 

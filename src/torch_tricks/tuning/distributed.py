@@ -44,6 +44,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError, one_line
 
 __all__ = ["MODES", "DistJob", "launched_world", "check_world", "launch", "unsendable", "measure_modes", "recommend",
@@ -159,7 +160,7 @@ def _rank_entry(job: DistJob) -> dict[str, Any]:
     try:
         if job.threads:
             torch.set_num_threads(job.threads)
-        init_distributed(timeout=max(job.budget_s * 2, 60.0) + 120.0)
+        init_distributed(timeout=max(job.budget_s * 2, 60.0) + 120.0, device=job.config.get("device", "auto"))
         result = measure_modes(job)
     except Exception as exc:
         # no farewell barrier: the others may be inside a collective this rank left; its exit ends theirs
@@ -204,7 +205,7 @@ def measure_modes(job: DistJob) -> dict[str, Any]:
     from torch_tricks.train.distributed import barrier, init_distributed
 
     t_start = time.perf_counter()
-    info = init_distributed()
+    info = init_distributed(device=job.config.get("device", "auto"))
     if not info.initialized:
         raise UserError("the distributed rows need a process group: run under torchrun or with --processes N")
     rank, world = info.rank, info.world_size
@@ -304,9 +305,9 @@ def _build(lane: _Lane, job: DistJob, cfg: dict[str, Any]) -> None:
     """The lane's TrainStep on a copy of the model, with its memory and first losses measured."""
     from torch_tricks.train.distributed import is_dist, reduce_mean
     from torch_tricks.train.loop import TrainStep
-    from torch_tricks.tuning.measure import _Peak, _device_of
+    from torch_tricks.tuning.measure import _Peak
 
-    dev = _device_of(cfg)
+    dev = resolve_device(cfg.get("device", "cpu"))
     with _Peak(dev) as pk:
         step = TrainStep(copy.deepcopy(job.model), loss_fn=job.loss_fn, optimizer=job.optimizer_fn, config=cfg)
         grads = step.gradients(lane.batch)  # after backward, before a step frees them

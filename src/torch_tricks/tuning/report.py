@@ -30,6 +30,7 @@ or keep your own loop:
     tricks = torch_tricks.Tricks("tricks.toml")
     model, optimizer = tricks.prepare(model, optimizer)   # or tricks.prepare(model): the config's optimizer
     for batch in loader:
+        batch = tricks.to_device(batch)                    # the config's device (auto: CUDA where there is one)
         with tricks.autocast():
             loss = model(**batch).loss                     # or loss_fn(model(x), y)
         tricks.backward(loss)
@@ -724,7 +725,7 @@ class TuneReport:
         on = self.recommended_tricks("throughput") if self.baseline else []
         lines.append(f"tricks.toml switches on: {', '.join(on) if on else 'nothing (the plain step)'}; apply it with "
                      "`torch-tricks train --config tricks.toml`, fit(..., config='tricks.toml'), or in your own "
-                     "loop with torch_tricks.Tricks('tricks.toml') (five lines: see report.md or tricks.toml)")
+                     "loop with torch_tricks.Tricks('tricks.toml') (six lines: see report.md or tricks.toml)")
         spent = ", ".join(f"{k} {v:.0f} s" for k, v in self.phase_s.items())
         lines.append(f"tune took {self.elapsed_s:.0f} s (budget {self.budget_s:.0f} s" + (f": {spent})" if spent else ")"))
         return lines

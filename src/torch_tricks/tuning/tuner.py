@@ -47,6 +47,8 @@ import torch
 import torch.nn as nn
 
 from torch_tricks.batches import example_batch  # the CLI's way in, re-exported
+from torch_tricks.device import resolve as resolve_device
+from torch_tricks.device import synchronize
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.tuning.candidates import Candidate, training_candidates
 from torch_tricks.tuning.measure import (
@@ -58,7 +60,6 @@ from torch_tricks.tuning.measure import (
     probe_seconds,
     relative_diff,
 )
-from torch_tricks.inspect.timing import synchronize
 from torch_tricks.tuning.race import Lane, Race, margin
 from torch_tricks.tuning.report import Result, TuneReport
 
@@ -152,12 +153,7 @@ def tune(
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise UserError(f"steps (the training run's length in optimizer steps) must be a whole number >= 1, "
                         f"not {steps!r}")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise UserError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("device cuda asked for, but this torch sees no CUDA device: use --device cpu")
+    dev = resolve_device(device)
     from torch_tricks import batches as B
 
     parts = B.unpack(example_batch)  # a UserError for what is not a batch
@@ -244,7 +240,7 @@ def _tune_on_ranks(model, example_batch, loss_fn, optimizer_fn, kwargs: dict[str
 
     created = not (dist.is_available() and dist.is_initialized())
     # the others wait while rank 0 measures alone: the collectives' timeout must outlast the whole tune
-    info = init_distributed(timeout=max(1800.0, 3 * float(budget_s) + 600.0))
+    info = init_distributed(timeout=max(1800.0, 3 * float(budget_s) + 600.0), device=kwargs["device"])
     try:
         if info.rank == 0:
             channel = _RankChannel(threads=torch.get_num_threads())  # the launcher's: the ranks' threads
