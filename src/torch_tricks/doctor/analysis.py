@@ -272,13 +272,26 @@ class FileAnalysis:
         elif isinstance(node, ast.Call):
             if isinstance(node.func, ast.Name):
                 self.calls_by_name[node.func.id].append(node)
-        elif isinstance(node, ast.Assign):
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            self._record_import(node, scope)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.arguments)):
+            self._record_definition(node, scope)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            self.global_names[scope].update(node.names)
+        else:
+            self._record_binding(node, scope)
+
+    def _record_binding(self, node: ast.AST, scope: ast.AST | None) -> None:
+        """The names a statement binds: assignments, loop and ``with`` targets, ``except ... as``, ``del``."""
+        if isinstance(node, ast.Assign):
             for target in node.targets:
                 self._bind(scope, target, node.value, end(node), node)
-        elif isinstance(node, ast.AnnAssign) and node.value is not None:
-            self._bind(scope, node.target, node.value, end(node), node)
-        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
-            self._add(scope, node.target.id, (end(node), "aug", node, None))
+        elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)):
+            if node.value is not None:
+                self._bind(scope, node.target, node.value, end(node), node)
+        elif isinstance(node, ast.AugAssign):
+            if isinstance(node.target, ast.Name):
+                self._add(scope, node.target.id, (end(node), "aug", node, None))
         elif isinstance(node, (ast.For, ast.AsyncFor)):
             self._bind_loop(scope, node.target, node, end(node.iter))
         elif isinstance(node, ast.comprehension):
@@ -287,38 +300,40 @@ class FileAnalysis:
             for item in node.items:
                 if item.optional_vars is not None:
                     self._bind(scope, item.optional_vars, None, end(item.context_expr), node)
-        elif isinstance(node, ast.NamedExpr):
-            self._bind(scope, node.target, node.value, end(node), node)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            self._add(scope, node.name, (pos(node), "def", node, None))
-            if isinstance(node, ast.ClassDef):
-                self.classes[node.name] = node
-            elif not isinstance(self.parent.get(node), ast.ClassDef):
-                self.plain_functions[node.name].append(node)
-        elif isinstance(node, ast.arguments):
-            func = self.parent.get(node)
-            for arg in node.posonlyargs + node.args + node.kwonlyargs + [node.vararg, node.kwarg]:
-                if arg is not None:
-                    self._add(func, arg.arg, ((0, 0), "param", func, arg.arg))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                if isinstance(node, ast.Import):
-                    local = alias.asname or alias.name.split(".")[0]
-                    self.aliases[local] = alias.name if alias.asname else local
-                elif node.level == 0 and node.module and alias.name != "*":
-                    local = alias.asname or alias.name
-                    self.aliases[local] = f"{node.module}.{alias.name}"
-                else:
-                    continue
-                self._add(scope, local, (end(node), "import", node, None))
-        elif isinstance(node, (ast.Global, ast.Nonlocal)):
-            self.global_names[scope].update(node.names)
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            self._add(scope, node.name, (pos(node), "unknown", node, None))
+        elif isinstance(node, ast.ExceptHandler):
+            if node.name:
+                self._add(scope, node.name, (pos(node), "unknown", node, None))
         elif isinstance(node, ast.Delete):
             for t in node.targets:
                 if isinstance(t, ast.Name):
                     self._add(scope, t.id, (end(node), "unknown", node, None))
+
+    def _record_definition(self, node: ast.AST, scope: ast.AST | None) -> None:
+        """A function or class (its name, and the table it belongs in), or a function's parameters."""
+        if isinstance(node, ast.arguments):
+            func = self.parent.get(node)
+            for arg in node.posonlyargs + node.args + node.kwonlyargs + [node.vararg, node.kwarg]:
+                if arg is not None:
+                    self._add(func, arg.arg, ((0, 0), "param", func, arg.arg))
+            return
+        self._add(scope, node.name, (pos(node), "def", node, None))
+        if isinstance(node, ast.ClassDef):
+            self.classes[node.name] = node
+        elif not isinstance(self.parent.get(node), ast.ClassDef):
+            self.plain_functions[node.name].append(node)
+
+    def _record_import(self, node: ast.Import | ast.ImportFrom, scope: ast.AST | None) -> None:
+        """The local names an import binds, and the qualified names they stand for."""
+        for alias in node.names:
+            if isinstance(node, ast.Import):
+                local = alias.asname or alias.name.split(".")[0]
+                self.aliases[local] = alias.name if alias.asname else local
+            elif node.level == 0 and node.module and alias.name != "*":
+                local = alias.asname or alias.name
+                self.aliases[local] = f"{node.module}.{alias.name}"
+            else:
+                continue
+            self._add(scope, local, (end(node), "import", node, None))
 
     def _add(self, scope, name: str, binding: tuple) -> None:
         self.bindings[scope][name].append(binding)
@@ -337,11 +352,15 @@ class FileAnalysis:
         elif isinstance(target, ast.Starred):
             self._bind(scope, target.value, None, pos, stmt)
         elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and value is not None:
-            method = scope if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
-            cls = self.parent.get(method) if method is not None else None
-            args = method.args.posonlyargs + method.args.args if method is not None else []
-            if isinstance(cls, ast.ClassDef) and args and args[0].arg == target.value.id:
-                self.self_attrs[cls][target.attr].append((value, path, stmt))
+            self._bind_self_attr(scope, target, value, path, stmt)
+
+    def _bind_self_attr(self, scope, target: ast.Attribute, value: ast.AST, path: tuple, stmt: ast.AST) -> None:
+        """``self.x = value`` in a method (``self`` its first parameter): recorded for the class."""
+        method = scope if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        cls = self.parent.get(method) if method is not None else None
+        args = method.args.posonlyargs + method.args.args if method is not None else []
+        if isinstance(cls, ast.ClassDef) and args and args[0].arg == target.value.id:
+            self.self_attrs[cls][target.attr].append((value, path, stmt))
 
     def _bind_loop(self, scope, target, loop, pos, path: tuple = ()) -> None:
         if isinstance(target, ast.Name):
@@ -518,6 +537,18 @@ class FileAnalysis:
 
     def _element_kind(self, it: ast.AST, path: tuple) -> Kind | None:
         """The kind of the loop variable at ``path`` in ``for <target> in it``."""
+        unwrapped = self._unwrap_iterable(it, path)
+        if unwrapped is None:
+            return None
+        it, path = unwrapped
+        k = self.kind(it)
+        if k is None and self.looks_like_loader(it):
+            k = Kind("loader")
+        return _element_of(k, path) if k is not None else None
+
+    def _unwrap_iterable(self, it: ast.AST, path: tuple) -> tuple[ast.AST, tuple] | None:
+        """The iterable under ``enumerate(...)`` / ``tqdm(...)`` / ``iter(...)`` and the path into its
+        elements; None when the path picks ``enumerate``'s counter."""
         while isinstance(it, ast.Call) and it.args:
             fn = self.qualname(it.func) or (it.func.id if isinstance(it.func, ast.Name) else None)
             if fn == "enumerate":
@@ -528,22 +559,7 @@ class FileAnalysis:
                 it = it.args[0]
             else:
                 break
-        k = self.kind(it)
-        if k is None and self.looks_like_loader(it):
-            k = Kind("loader")
-        if k is None:
-            return None
-        if k.cat == "loader":
-            if path or (isinstance(k.ref, ast.Call) and kwarg(k.ref, "collate_fn", 6) is None):
-                return BATCH  # an element of a batch, or a default-collated batch: tensors
-            return Kind("batch")  # a whole batch from a custom collate: maybe an object with an in-place .to()
-        if k.cat == "params":
-            return PARAM if not path else None
-        if k.cat == "named_params":
-            return PARAM if path == (1,) else None
-        if k.cat == "tensor" and not path:
-            return TENSOR
-        return None
+        return it, path
 
     def looks_like_loader(self, node: ast.AST) -> bool:
         spelled = dotted(node)
@@ -565,6 +581,11 @@ class FileAnalysis:
             return self.module_by_use(func, name)
         if len(self.plain_functions.get(func.name, ())) != 1:
             return self.module_by_use(func, name)
+        return self._kind_passed_in(func, name, positional)
+
+    def _kind_passed_in(self, func: ast.AST, name: str, positional: list[ast.arg]) -> Kind | None:
+        """The kind every call of the plain function ``func`` in this file passes as its parameter
+        ``name``; :meth:`module_by_use` when none of them shows a kind (or there is no call)."""
         index = next((i for i, a in enumerate(positional) if a.arg == name), None)
         kinds = []
         for call in self.calls_by_name.get(func.name, ()):
@@ -574,11 +595,7 @@ class FileAnalysis:
             kinds.append(self.kind(arg))
         if not kinds or any(k is None for k in kinds):
             return self.module_by_use(func, name) if all(k is None for k in kinds) else None
-        if all(k.key() == kinds[0].key() for k in kinds):
-            return kinds[0]
-        if all((k.cat, k.detail) == (kinds[0].cat, kinds[0].detail) for k in kinds):
-            return Kind(kinds[0].cat, kinds[0].detail)
-        return None
+        return _agreed_kind(kinds)
 
     def tensor_by_use(self, node: ast.Name) -> bool:
         """The value ``node`` reads (a name whose kind is unknown: a parameter, an element
@@ -683,22 +700,23 @@ class FileAnalysis:
             if m in ("expand", "expand_as"):
                 return Kind("tensor", "expanded")
             rk = self.kind(func.value)
-            if rk is None or rk.cat in ("module", "self"):
-                if m in ("parameters", "buffers"):
-                    return Kind("params")
-                if m in ("named_parameters", "named_buffers"):
-                    return Kind("named_params")
-            if rk is not None:
-                if rk.cat == "tensor":
-                    if m in NON_TENSOR_METHODS:
-                        return None
-                    if m in VIEW_METHODS:
-                        return Kind("tensor", rk.detail if rk.detail in ACTS else None)
-                    return TENSOR
-                if rk.cat in ("module", "lossfn") and m in MODULE_SELF_METHODS:
-                    return rk
-                if rk.cat == "self" and m in MODULE_SELF_METHODS:
-                    return Kind("module", "local", rk.ref) if self.is_module_class(rk.ref) else None
+            if (rk is None or rk.cat in ("module", "self")) and m in _PARAMETER_METHODS:
+                return Kind(_PARAMETER_METHODS[m])
+            if rk is not None and rk.cat == "tensor":
+                return _tensor_method_kind(rk, m)
+            if rk is not None and rk.cat in ("module", "lossfn", "self") and m in MODULE_SELF_METHODS:
+                return self._module_itself(rk)
+        return self._callable_result_kind(func)
+
+    def _module_itself(self, k: Kind) -> Kind | None:
+        """What ``module.to(...)`` / ``.train()`` / ``.cuda()`` returns: the module (of a local class for ``self``)."""
+        if k.cat in ("module", "lossfn"):
+            return k
+        return Kind("module", "local", k.ref) if self.is_module_class(k.ref) else None
+
+    def _callable_result_kind(self, func: ast.AST) -> Kind | None:
+        """What calling the object ``func`` gives: a loss function's loss, a module's output, a local
+        module class's instance."""
         fk = self.kind(func)  # a callable object: a loss, a module (self.fc, model.encoder), a class
         if fk is None:
             return None
@@ -725,22 +743,7 @@ class FileAnalysis:
             return PARAM
         if is_torch_nn_class(q):
             return Kind("lossfn" if last.endswith("Loss") else "module", q, node)
-        if q == DATALOADER:
-            return Kind("loader", q, node)
-        if q == "torch.device":
-            return Kind("device", None, node)
-        if q.startswith("torch.optim.") and q.count(".") == 2 and last[:1].isupper():
-            return Kind("optimizer", q, node)
-        if q.startswith("torch.optim.lr_scheduler.") and last[:1].isupper():
-            return Kind("scheduler", q, node)
-        if q.startswith("torchvision.models.") and last[:1].islower():
-            return Kind("module", q, node)
-        if q == "torch.broadcast_to":
-            return Kind("tensor", "expanded")
-        if (q.startswith("torch.") and q.count(".") == 1 and last in TENSOR_FUNCS) or \
-                q.startswith(("torch.linalg.", "torch.fft.", "torch.special.")):
-            return TENSOR
-        return None
+        return _library_object_kind(q, node) or _tensor_function_kind(q)
 
     def output_activation(self, k: Kind) -> str | None:
         """``softmax``/``log_softmax``/``sigmoid`` if calling this module returns that."""
@@ -1116,3 +1119,69 @@ def exclusive_branches(f: FileAnalysis, a: ast.AST, b: ast.AST) -> bool:
     la, lb = labels(a), labels(b)
     return any(anc in lb and label not in ("test", "final") and lb[anc] not in ("test", "final") and label != lb[anc]
                for anc, label in la.items())
+
+
+_PARAMETER_METHODS = {"parameters": "params", "buffers": "params", "named_parameters": "named_params",
+                      "named_buffers": "named_params"}
+
+
+def _element_of(k: Kind, path: tuple) -> Kind | None:
+    """The kind of the element at ``path`` of one item of an iterable of kind ``k``."""
+    if k.cat == "loader":
+        if path or (isinstance(k.ref, ast.Call) and kwarg(k.ref, "collate_fn", 6) is None):
+            return BATCH  # an element of a batch, or a default-collated batch: tensors
+        return Kind("batch")  # a whole batch from a custom collate: maybe an object with an in-place .to()
+    if k.cat == "params":
+        return PARAM if not path else None
+    if k.cat == "named_params":
+        return PARAM if path == (1,) else None
+    if k.cat == "tensor" and not path:
+        return TENSOR
+    return None
+
+
+def _agreed_kind(kinds: list[Kind]) -> Kind | None:
+    """The kind all of ``kinds`` share (the same object, or at least the same category and detail)."""
+    if all(k.key() == kinds[0].key() for k in kinds):
+        return kinds[0]
+    if all((k.cat, k.detail) == (kinds[0].cat, kinds[0].detail) for k in kinds):
+        return Kind(kinds[0].cat, kinds[0].detail)
+    return None
+
+
+def _tensor_method_kind(rk: Kind, method: str) -> Kind | None:
+    """What ``t.method(...)`` gives for a tensor ``t`` of kind ``rk``: a tensor (a view keeps its
+    activation), or None for a method returning a number, a shape, a storage."""
+    if method in NON_TENSOR_METHODS:
+        return None
+    if method in VIEW_METHODS:
+        return Kind("tensor", rk.detail if rk.detail in ACTS else None)
+    return TENSOR
+
+
+def _library_object_kind(q: str, node: ast.Call) -> Kind | None:
+    """The kind of a data loader, device, optimizer, scheduler or torchvision model built by ``q(...)``."""
+    last = q.rsplit(".", 1)[-1]
+    if q == DATALOADER:
+        return Kind("loader", q, node)
+    if q == "torch.device":
+        return Kind("device", None, node)
+    if q.startswith("torch.optim.") and q.count(".") == 2 and last[:1].isupper():
+        return Kind("optimizer", q, node)
+    if q.startswith("torch.optim.lr_scheduler.") and last[:1].isupper():
+        return Kind("scheduler", q, node)
+    if q.startswith("torchvision.models.") and last[:1].islower():
+        return Kind("module", q, node)
+    return None
+
+
+def _tensor_function_kind(q: str) -> Kind | None:
+    """The kind of what a torch function ``q`` returns when it is a tensor (an expanded one for
+    ``broadcast_to``)."""
+    last = q.rsplit(".", 1)[-1]
+    if q == "torch.broadcast_to":
+        return Kind("tensor", "expanded")
+    if (q.startswith("torch.") and q.count(".") == 1 and last in TENSOR_FUNCS) or \
+            q.startswith(("torch.linalg.", "torch.fft.", "torch.special.")):
+        return TENSOR
+    return None

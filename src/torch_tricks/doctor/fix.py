@@ -556,42 +556,50 @@ def _rebinds_anywhere(tree: ast.AST, name: str) -> bool:
 def _binds(scope: ast.AST, name: str) -> bool:
     """``name`` is a local of ``scope`` (a function, lambda or comprehension): a parameter, an
     assignment target, a global/nonlocal declaration, an import, a def, an ``except ... as``."""
-    args = getattr(scope, "args", None)
-    if isinstance(args, ast.arguments):
-        if any(a.arg == name for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg]
-               if a is not None):
-            return True
-    if isinstance(scope, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
-        roots = [g.target for g in scope.generators]
-    elif isinstance(scope, ast.Lambda):
-        roots = [scope.body]
-    else:
-        roots = list(scope.body)
-    stack = list(roots)
+    if _has_parameter(scope, name):
+        return True
+    stack = _scope_roots(scope)
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, (ast.Store, ast.Del)):
-            return True
-        if isinstance(node, (ast.Global, ast.Nonlocal)) and name in node.names:
-            return True
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
-                (a.asname or a.name.split(".")[0]) == name for a in node.names):
-            return True
-        if isinstance(node, ast.ExceptHandler) and node.name == name:
+        if _binds_here(node, name):
             return True
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            if node.name == name:
-                return True
             stack.extend(node.decorator_list)  # the body is another scope
             continue
         if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
             continue  # another scope (a walrus inside one is not followed: then not fixable)
-        if isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name == name:
-            return True
-        if isinstance(node, ast.MatchMapping) and node.rest == name:
-            return True
         stack.extend(ast.iter_child_nodes(node))
     return False
+
+
+def _has_parameter(scope: ast.AST, name: str) -> bool:
+    args = getattr(scope, "args", None)
+    return isinstance(args, ast.arguments) and any(
+        a.arg == name for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg]
+        if a is not None)
+
+
+def _scope_roots(scope: ast.AST) -> list[ast.AST]:
+    """Where the code of ``scope`` starts: a comprehension's targets, a lambda's body, a block's statements."""
+    if isinstance(scope, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+        return [g.target for g in scope.generators]
+    if isinstance(scope, ast.Lambda):
+        return [scope.body]
+    return list(scope.body)
+
+
+def _binds_here(node: ast.AST, name: str) -> bool:
+    """``node`` itself binds ``name`` in the scope it is in (its children aside)."""
+    if isinstance(node, ast.Name):
+        return node.id == name and isinstance(node.ctx, (ast.Store, ast.Del))
+    if isinstance(node, (ast.Global, ast.Nonlocal)):
+        return name in node.names
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return any((a.asname or a.name.split(".")[0]) == name for a in node.names)
+    if isinstance(node, (ast.ExceptHandler, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.MatchAs,
+                         ast.MatchStar)):
+        return node.name == name
+    return isinstance(node, ast.MatchMapping) and node.rest == name
 
 
 def _kw(call: ast.Call, name: str) -> ast.keyword | None:
@@ -631,17 +639,15 @@ def _fix_load(doc: _Doc, call: ast.Call, group: list[Finding]) -> tuple[_Fix | N
     rules = {f.rule for f in group}
     add, why = [], {}
     if "TT110" in rules:
-        if any(isinstance(a, ast.Starred) for a in call.args) or _kw(call, "map_location") or len(call.args) > 1:
-            why["TT110"] = "*args may already pass map_location"
+        blocker = _map_location_blocker(call)
+        if blocker is not None:
+            why["TT110"] = blocker
         else:
             add.append(("TT110", "map_location", '"cpu"'))
     if "TT111" in rules:
-        pickle = _kw(call, "pickle_module")
-        pickle = pickle.value if pickle is not None else call.args[2] if len(call.args) > 2 else None
-        if pickle is not None and not (isinstance(pickle, ast.Constant) and pickle.value is None):
-            why["TT111"] = "a pickle_module is given, which weights_only=True refuses"
-        elif _kw(call, "weights_only") or any(k.arg is None for k in call.keywords):
-            why["TT111"] = "**kwargs may already pass weights_only"
+        blocker = _weights_only_blocker(call)
+        if blocker is not None:
+            why["TT111"] = blocker
         else:
             add.append(("TT111", "weights_only", "True"))
     if not add:
@@ -656,6 +662,24 @@ def _fix_load(doc: _Doc, call: ast.Call, group: list[Finding]) -> tuple[_Fix | N
         m[id(call)].keywords.extend(ast.keyword(arg=k, value=_value(v)) for _, k, v in add)
     return _Fix(tuple(r for r, _, _ in add), call.lineno, f"{dotted(call.func)}(...): added {text}", [edit],
                 mutate), why
+
+
+def _map_location_blocker(call: ast.Call) -> str | None:
+    """Why ``map_location`` cannot be added to this ``torch.load`` call; None if it can."""
+    if any(isinstance(a, ast.Starred) for a in call.args) or _kw(call, "map_location") or len(call.args) > 1:
+        return "*args may already pass map_location"
+    return None
+
+
+def _weights_only_blocker(call: ast.Call) -> str | None:
+    """Why ``weights_only=True`` cannot be added to this ``torch.load`` call; None if it can."""
+    pickle = _kw(call, "pickle_module")
+    pickle = pickle.value if pickle is not None else call.args[2] if len(call.args) > 2 else None
+    if pickle is not None and not (isinstance(pickle, ast.Constant) and pickle.value is None):
+        return "a pickle_module is given, which weights_only=True refuses"
+    if _kw(call, "weights_only") or any(k.arg is None for k in call.keywords):
+        return "**kwargs may already pass weights_only"
+    return None
 
 
 def _fix_dropout(doc: _Doc, f: Finding) -> _Fix:

@@ -487,6 +487,20 @@ class _Checker:
         self, rec: "_Recorder", trainable: list[tuple[str, nn.Parameter]], forward_finite: bool
     ) -> None:
         """Parameters without gradient (TT201) and the first non-finite gradient (TT210)."""
+        self._unused_parameter_findings(trainable)
+        bad = [n for n, p in trainable if p.grad is not None and not _finite(p.grad)]
+        if not bad or not forward_finite:
+            return
+        path, how = _nonfinite_grad_source(rec, self.work, bad)
+        self.findings.append(_finding(
+            NON_FINITE, path,
+            f"gradients become NaN/Inf {how} although the forward pass is finite: "
+            f"{_count(bad, 'parameter gradient')} non-finite ({_short(bad)})",
+            stage="backward", params=bad,
+        ))
+
+    def _unused_parameter_findings(self, trainable: list[tuple[str, nn.Parameter]]) -> None:
+        """TT201: one finding when no parameter gets a gradient, else one per group of them."""
         unused_ids = {id(p) for _, p in trainable if p.grad is None}
         self.unused = {n for n, p in trainable if p.grad is None}
         self.report.parameters_without_grad = [n for n, p in trainable if p.grad is None]
@@ -500,28 +514,22 @@ class _Checker:
             ))
         elif unused_ids:
             for path, module, names, numel in _group_params(self.work, unused_ids):
-                wds = sorted({decay[n] for n in names if decay.get(n, 0) > 0})
-                what = f"'{path}' ({type(module).__name__})" if module is not None else f"parameter '{path}'"
-                msg = f"{what} gets no gradient: {_count(names, 'parameter')} ({numel:,} values) never trained"
-                if wds:
-                    msg += (f"; the optimizer still holds {'them' if len(names) > 1 else 'it'} with weight_decay="
-                            f"{'/'.join(f'{w:g}' for w in wds)}, which shrinks them towards zero whenever their "
-                            ".grad is a zero tensor instead of None")
-                elif self.optimizer is not None and not any(n in decay for n in names):
-                    msg += f" (the optimizer does not hold {'them' if len(names) > 1 else 'it'})"
-                self.findings.append(_finding(UNUSED_PARAMS, path, msg, params=names,
-                                              weight_decay=wds[-1] if wds else 0.0))
+                self.findings.append(self._unused_group_finding(path, module, names, numel, decay))
 
-        bad = [n for n, p in trainable if p.grad is not None and not _finite(p.grad)]
-        if not bad or not forward_finite:
-            return
-        path, how = _nonfinite_grad_source(rec, self.work, bad)
-        self.findings.append(_finding(
-            NON_FINITE, path,
-            f"gradients become NaN/Inf {how} although the forward pass is finite: "
-            f"{_count(bad, 'parameter gradient')} non-finite ({_short(bad)})",
-            stage="backward", params=bad,
-        ))
+    def _unused_group_finding(self, path: str, module: nn.Module | None, names: list[str], numel: int,
+                              decay: dict[str, float]) -> Finding:
+        """TT201 for one group of parameters without gradient, saying whether weight decay still
+        shrinks them (a zero .grad instead of None) or the optimizer does not hold them."""
+        wds = sorted({decay[n] for n in names if decay.get(n, 0) > 0})
+        what = f"'{path}' ({type(module).__name__})" if module is not None else f"parameter '{path}'"
+        msg = f"{what} gets no gradient: {_count(names, 'parameter')} ({numel:,} values) never trained"
+        if wds:
+            msg += (f"; the optimizer still holds {'them' if len(names) > 1 else 'it'} with weight_decay="
+                    f"{'/'.join(f'{w:g}' for w in wds)}, which shrinks them towards zero whenever their "
+                    ".grad is a zero tensor instead of None")
+        elif self.optimizer is not None and not any(n in decay for n in names):
+            msg += f" (the optimizer does not hold {'them' if len(names) > 1 else 'it'})"
+        return _finding(UNUSED_PARAMS, path, msg, params=names, weight_decay=wds[-1] if wds else 0.0)
 
     # -- later checks ------------------------------------------------------------------------
 
@@ -620,39 +628,65 @@ def _unregistered_modules(model: nn.Module) -> list[Finding]:
         for attr, value in vars(module).items():
             if attr in _MODULE_INTERNALS or not isinstance(value, (list, tuple, dict)):
                 continue
-            mods, params = [], []
-            for item in _walk(value):
-                if isinstance(item, nn.Parameter):
-                    if id(item) not in registered_params:
-                        params.append(item)
-                elif isinstance(item, nn.Module) and id(item) not in registered:
-                    mods.append(item)
-            lost = [p for p in chain.from_iterable(m.parameters() for m in mods) if id(p) not in registered_params]
-            lost += params
-            lost = list({id(p): p for p in lost}.values())
-            buffers = [b for m in mods for b in m.buffers()]
-            moded = [s for m in mods for s in m.modules() if _mode_dependent(s)]
-            if not lost and not buffers and not moded:
-                continue  # e.g. a list of parameter-free activations: harmless
-            path = _join(mod_name, attr)
-            kind = type(value).__name__
-            held = []
-            if mods:
-                held.append(f"{_count(mods, 'module')} ({', '.join(sorted({type(m).__name__ for m in mods}))})")
-            if params:
-                held.append(_count(params, "parameter"))
-            msg = (f"'{path}' is a plain {kind} holding {' and '.join(held)} that "
-                   "model.parameters(), state_dict() and .to() never see")
-            if lost:
-                msg += f": {sum(p.numel() for p in lost):,} parameter values are never trained or saved"
-            if moded:
-                msg += "; train()/eval() does not reach its Dropout/BatchNorm"
-            fix = "nn.ModuleDict" if isinstance(value, dict) else "nn.ModuleList"
-            if params and not mods:
-                fix = "nn.ParameterDict" if isinstance(value, dict) else "nn.ParameterList"
-            out.append(_finding(UNREGISTERED, path, msg + f"; wrap it in {fix}",
-                                modules=len(mods), parameters=sum(p.numel() for p in lost)))
+            finding = _plain_container_finding(_join(mod_name, attr), value, registered, registered_params)
+            if finding is not None:
+                out.append(finding)
     return out
+
+
+def _plain_container_finding(path: str, value: list | tuple | dict, registered: set[int],
+                             registered_params: set[int]) -> Finding | None:
+    """TT203 for the plain container ``value`` at ``path`` if it holds modules or parameters the
+    model does not register and that matter (parameters, buffers, or a train/eval behaviour)."""
+    mods, params = _unregistered_items(value, registered, registered_params)
+    lost = [p for p in chain.from_iterable(m.parameters() for m in mods) if id(p) not in registered_params]
+    lost += params
+    lost = list({id(p): p for p in lost}.values())
+    buffers = [b for m in mods for b in m.buffers()]
+    moded = [s for m in mods for s in m.modules() if _mode_dependent(s)]
+    if not lost and not buffers and not moded:
+        return None  # e.g. a list of parameter-free activations: harmless
+    msg = _unregistered_message(path, value, mods, params, lost, moded)
+    fix = _registering_container(value, only_parameters=bool(params and not mods))
+    return _finding(UNREGISTERED, path, msg + f"; wrap it in {fix}",
+                    modules=len(mods), parameters=sum(p.numel() for p in lost))
+
+
+def _unregistered_message(path: str, value: Any, mods: list[nn.Module], params: list[nn.Parameter],
+                          lost: list[nn.Parameter], moded: list[nn.Module]) -> str:
+    """What the plain container at ``path`` holds and what the model loses by not registering it."""
+    held = []
+    if mods:
+        held.append(f"{_count(mods, 'module')} ({', '.join(sorted({type(m).__name__ for m in mods}))})")
+    if params:
+        held.append(_count(params, "parameter"))
+    msg = (f"'{path}' is a plain {type(value).__name__} holding {' and '.join(held)} that "
+           "model.parameters(), state_dict() and .to() never see")
+    if lost:
+        msg += f": {sum(p.numel() for p in lost):,} parameter values are never trained or saved"
+    if moded:
+        msg += "; train()/eval() does not reach its Dropout/BatchNorm"
+    return msg
+
+
+def _unregistered_items(value: Any, registered: set[int],
+                        registered_params: set[int]) -> tuple[list[nn.Module], list[nn.Parameter]]:
+    """The modules and parameters found in the container ``value`` that the model does not register."""
+    mods, params = [], []
+    for item in _walk(value):
+        if isinstance(item, nn.Parameter):
+            if id(item) not in registered_params:
+                params.append(item)
+        elif isinstance(item, nn.Module) and id(item) not in registered:
+            mods.append(item)
+    return mods, params
+
+
+def _registering_container(value: Any, only_parameters: bool) -> str:
+    """The nn container that registers what the plain list / tuple / dict ``value`` holds."""
+    if only_parameters:
+        return "nn.ParameterDict" if isinstance(value, dict) else "nn.ParameterList"
+    return "nn.ModuleDict" if isinstance(value, dict) else "nn.ModuleList"
 
 
 def _mode_mismatches(model: nn.Module) -> list[Finding]:
@@ -668,21 +702,31 @@ def _mode_mismatches(model: nn.Module) -> list[Finding]:
                     if m.training == module.training and _mode_dependent(m)]
         if not affected:
             continue
-        params = list(module.parameters())
-        if root and params and not any(p.requires_grad for p in params):
+        if root and _fully_frozen(module):
             continue  # a frozen part kept in eval on purpose
-        dropout = [n for n, m in affected if not _is_norm(m)]
-        norms = [n for n, m in affected if _is_norm(m)]
-        if root:
-            effects = ([f"Dropout is off ({_short(dropout)})"] if dropout else []) + (
-                [f"BatchNorm uses stale running statistics ({_short(norms)})"] if norms else [])
-            msg = f"'{name}' is in eval mode while the model trains: " + "; ".join(effects)
-        else:
-            effects = ([f"Dropout still drops ({_short(dropout)})"] if dropout else []) + (
-                [f"BatchNorm uses batch statistics and overwrites its running ones ({_short(norms)})"] if norms else [])
-            msg = f"'{name}' is in train mode while the model is in eval mode: " + "; ".join(effects)
+        msg = _mode_mismatch_message(name, root, affected)
         out.append(_finding(MODE_MISMATCH, name, msg, model_training=root, modules=[n for n, _ in affected]))
     return out
+
+
+def _fully_frozen(module: nn.Module) -> bool:
+    """``module`` has parameters and none of them requires grad."""
+    params = list(module.parameters())
+    return bool(params) and not any(p.requires_grad for p in params)
+
+
+def _mode_mismatch_message(name: str, training: bool, affected: list[tuple[str, nn.Module]]) -> str:
+    """What the submodule ``name`` in the other mode than the model (``training``) does wrong,
+    through its mode-dependent layers ``affected`` (name, module)."""
+    dropout = [n for n, m in affected if not _is_norm(m)]
+    norms = [n for n, m in affected if _is_norm(m)]
+    if training:
+        effects = ([f"Dropout is off ({_short(dropout)})"] if dropout else []) + (
+            [f"BatchNorm uses stale running statistics ({_short(norms)})"] if norms else [])
+        return f"'{name}' is in eval mode while the model trains: " + "; ".join(effects)
+    effects = ([f"Dropout still drops ({_short(dropout)})"] if dropout else []) + (
+        [f"BatchNorm uses batch statistics and overwrites its running ones ({_short(norms)})"] if norms else [])
+    return f"'{name}' is in train mode while the model is in eval mode: " + "; ".join(effects)
 
 
 def _decay_on_no_decay(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[Finding]:
@@ -889,37 +933,61 @@ def _pairing_verdict(loss_name: str, x: torch.Tensor, producer: str | None) -> t
     """(what the input is, severity, advice) when it does not suit ``loss_name``; else None.
     ``producer`` is the autograd op that made ``x`` (None when unknown)."""
     if loss_name == "CrossEntropyLoss":
-        kind = _distribution(x, 1 if x.dim() >= 2 else 0)
-        if kind == "log-probabilities":
-            return (kind + " (log_softmax output)", "warning",
-                    "CrossEntropyLoss applies log_softmax itself, so the model's log_softmax is redundant; "
-                    "return raw logits, or keep log_softmax and use NLLLoss")
-        if kind == "probabilities":
-            return (kind + " (softmax output)", "error",
-                    "CrossEntropyLoss applies log_softmax on top, which squashes the loss and its gradients; "
-                    "return raw logits")
-    elif loss_name == "NLLLoss":
-        if producer and producer.startswith("LogSoftmax"):
-            return None
-        kind = _distribution(x, 1 if x.dim() >= 2 else 0)
-        if kind == "logits":
-            return ("raw logits", "error",
-                    "NLLLoss expects log-probabilities; add log_softmax, or use CrossEntropyLoss on the logits")
-        if kind == "probabilities":
-            return ("probabilities (softmax output)", "error",
-                    "NLLLoss expects log-probabilities; use log_softmax instead of softmax")
-    elif loss_name == "BCEWithLogitsLoss":
-        squashed = producer is not None and (producer.startswith(("Sigmoid", "Softmax")))
-        in_unit = x.numel() >= 32 and _finite(x) and bool(x.min() >= 0) and bool(x.max() <= 1)
-        if squashed or in_unit:
-            return ("probabilities" + (f" ({producer.removesuffix('Backward0').lower()} output)" if squashed else ""),
-                    "error",
-                    "BCEWithLogitsLoss applies the sigmoid itself, so the output is squashed twice; drop the sigmoid")
-    elif loss_name == "BCELoss":
-        if x.numel() and _finite(x) and (bool(x.min() < 0) or bool(x.max() > 1)):
-            return ("values outside [0, 1] (raw logits)", "error",
-                    "BCELoss expects probabilities; drop the BCELoss for BCEWithLogitsLoss on the logits "
-                    "(numerically stable), or apply sigmoid")
+        return _cross_entropy_verdict(x)
+    if loss_name == "NLLLoss":
+        return _nll_verdict(x, producer)
+    if loss_name == "BCEWithLogitsLoss":
+        return _bce_with_logits_verdict(x, producer)
+    if loss_name == "BCELoss":
+        return _bce_verdict(x)
+    return None
+
+
+def _cross_entropy_verdict(x: torch.Tensor) -> tuple[str, str, str] | None:
+    """CrossEntropyLoss wants raw logits: log-probabilities are redundant, probabilities squashed."""
+    kind = _distribution(x, 1 if x.dim() >= 2 else 0)
+    if kind == "log-probabilities":
+        return (kind + " (log_softmax output)", "warning",
+                "CrossEntropyLoss applies log_softmax itself, so the model's log_softmax is redundant; "
+                "return raw logits, or keep log_softmax and use NLLLoss")
+    if kind == "probabilities":
+        return (kind + " (softmax output)", "error",
+                "CrossEntropyLoss applies log_softmax on top, which squashes the loss and its gradients; "
+                "return raw logits")
+    return None
+
+
+def _nll_verdict(x: torch.Tensor, producer: str | None) -> tuple[str, str, str] | None:
+    """NLLLoss wants log-probabilities: not raw logits, not probabilities."""
+    if producer and producer.startswith("LogSoftmax"):
+        return None
+    kind = _distribution(x, 1 if x.dim() >= 2 else 0)
+    if kind == "logits":
+        return ("raw logits", "error",
+                "NLLLoss expects log-probabilities; add log_softmax, or use CrossEntropyLoss on the logits")
+    if kind == "probabilities":
+        return ("probabilities (softmax output)", "error",
+                "NLLLoss expects log-probabilities; use log_softmax instead of softmax")
+    return None
+
+
+def _bce_with_logits_verdict(x: torch.Tensor, producer: str | None) -> tuple[str, str, str] | None:
+    """BCEWithLogitsLoss wants logits: a sigmoid / softmax output (or values all in [0, 1]) is squashed twice."""
+    squashed = producer is not None and (producer.startswith(("Sigmoid", "Softmax")))
+    in_unit = x.numel() >= 32 and _finite(x) and bool(x.min() >= 0) and bool(x.max() <= 1)
+    if squashed or in_unit:
+        return ("probabilities" + (f" ({producer.removesuffix('Backward0').lower()} output)" if squashed else ""),
+                "error",
+                "BCEWithLogitsLoss applies the sigmoid itself, so the output is squashed twice; drop the sigmoid")
+    return None
+
+
+def _bce_verdict(x: torch.Tensor) -> tuple[str, str, str] | None:
+    """BCELoss wants probabilities: values outside [0, 1] are logits."""
+    if x.numel() and _finite(x) and (bool(x.min() < 0) or bool(x.max() > 1)):
+        return ("values outside [0, 1] (raw logits)", "error",
+                "BCELoss expects probabilities; drop the BCELoss for BCEWithLogitsLoss on the logits "
+                "(numerically stable), or apply sigmoid")
     return None
 
 
@@ -1010,42 +1078,58 @@ def _dim_findings(rec: _Recorder, out: Any) -> list[Finding]:
     layer_calls = [c for c in rec.calls if isinstance(c.module, layer_types)]
     if not layer_calls:
         return []
-    outs = {id(t) for t in _tensors(out)} if out is not None else set()
-    heads = {layer_calls[-1].name} | {c.name for c in layer_calls if any(id(t) in outs for t in c.outputs)}
-    first_layer = {c.name for c in layer_calls if c.takes_model_input}
+    first_layer, heads = _data_fixed_layers(layer_calls, out)
     findings, seen = [], set()
     for c in layer_calls:
         if c.name in seen:
             continue
         seen.add(c.name)
-        m = c.module
-        dims: list[tuple[str, int]] = []
-        if isinstance(m, nn.Linear):
-            dims = [("in_features", m.in_features), ("out_features", m.out_features)]
-        elif isinstance(m, nn.modules.conv._ConvNd):
-            if m.groups > 1 and m.groups == m.in_channels:
-                continue  # depthwise: no matrix multiply to feed tensor cores
-            per = " per group" if m.groups > 1 else ""
-            dims = [(f"in_channels{per}", m.in_channels // m.groups),
-                    (f"out_channels{per}", m.out_channels // m.groups)]
-            if dims[0][1] <= 4:
-                dims = dims[1:]  # image-like input channels (RGB, RGBA, grey)
-        elif isinstance(m, nn.RNNBase):
-            dims = [("input_size", m.input_size), ("hidden_size", m.hidden_size)]
-        if c.name in first_layer:
-            dims = [d for d in dims if not d[0].startswith(("in_", "input_"))]
-        if c.name in heads:
-            dims = [d for d in dims if not d[0].startswith("out_")]
+        dims = _free_dims(_tensor_core_dims(c.module), c.name in first_layer, c.name in heads)
         bad = [(k, v) for k, v in dims if v % 8]
         if bad:
             findings.append(_finding(
                 DIMS, c.name,
-                f"'{c.name}' ({type(m).__name__}): {', '.join(f'{k}={v}' for k, v in bad)} "
+                f"'{c.name}' ({type(c.module).__name__}): {', '.join(f'{k}={v}' for k, v in bad)} "
                 f"{'is not a multiple' if len(bad) == 1 else 'are not multiples'} of 8 "
                 "(tensor cores want multiples of 8 in fp16/bf16)",
                 dims=dict(bad),
             ))
     return findings
+
+
+def _data_fixed_layers(layer_calls: list, out: Any) -> tuple[set[str], set[str]]:
+    """The names of the layers whose input the data fixes (fed the model's input) and of those
+    whose output it fixes (the last layer, and any whose output the model returns)."""
+    outs = {id(t) for t in _tensors(out)} if out is not None else set()
+    heads = {layer_calls[-1].name} | {c.name for c in layer_calls if any(id(t) in outs for t in c.outputs)}
+    return {c.name for c in layer_calls if c.takes_model_input}, heads
+
+
+def _free_dims(dims: list[tuple[str, int]], takes_input: bool, gives_output: bool) -> list[tuple[str, int]]:
+    """The dims the model's author chose: not the input size of a layer fed the model's input, nor
+    the output size of a head (the data fixes those)."""
+    if takes_input:
+        dims = [d for d in dims if not d[0].startswith(("in_", "input_"))]
+    if gives_output:
+        dims = [d for d in dims if not d[0].startswith("out_")]
+    return dims
+
+
+def _tensor_core_dims(m: nn.Module) -> list[tuple[str, int]]:
+    """(name, size) of the dimensions of a layer's matrix multiply: none for a depthwise conv, and
+    not a conv's image-like input channels (RGB, RGBA, grey)."""
+    if isinstance(m, nn.Linear):
+        return [("in_features", m.in_features), ("out_features", m.out_features)]
+    if isinstance(m, nn.modules.conv._ConvNd):
+        if m.groups > 1 and m.groups == m.in_channels:
+            return []  # depthwise: no matrix multiply to feed tensor cores
+        per = " per group" if m.groups > 1 else ""
+        dims = [(f"in_channels{per}", m.in_channels // m.groups),
+                (f"out_channels{per}", m.out_channels // m.groups)]
+        return dims[1:] if dims[0][1] <= 4 else dims  # image-like input channels (RGB, RGBA, grey)
+    if isinstance(m, nn.RNNBase):
+        return [("input_size", m.input_size), ("hidden_size", m.hidden_size)]
+    return []
 
 
 def _group_params(model: nn.Module, ids: set[int]) -> list[tuple[str, nn.Module | None, list[str], int]]:

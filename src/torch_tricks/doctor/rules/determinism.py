@@ -86,14 +86,25 @@ class CudnnBenchmarkWithDeterminism(StaticRule):
         wants += [c for c in f.nodes[ast.Call] if f.qualname(c.func) == "torch.use_deterministic_algorithms"
                   and _literal(kwarg(c, "mode", 0), True)]
         for on in switched_on:
-            frame = f.function_scope(on)
-            if any(a is not on and pos(a) > pos(on) and f.function_scope(a) is frame and not _literal(a.value, True)
-                   and not exclusive_branches(f, a, on) for a in benchmarks):
-                continue  # switched off again after
-            for want in wants:
-                if any(fb is fd and not exclusive_branches(f, nb, nd)
-                       for fb, nb in _anchors(f, on) for fd, nd in _anchors(f, want)):
-                    yield on, (f"cudnn.benchmark = True while line {want.lineno} asks for determinism: benchmarking "
-                               f"picks algorithms by timing, so runs differ; set benchmark = False for reproducible "
-                               f"runs")
-                    break
+            if _switched_off_after(f, on, benchmarks):
+                continue
+            want = next((w for w in wants if _in_one_run(f, on, w)), None)
+            if want is not None:
+                yield on, (f"cudnn.benchmark = True while line {want.lineno} asks for determinism: benchmarking "
+                           f"picks algorithms by timing, so runs differ; set benchmark = False for reproducible "
+                           f"runs")
+
+
+def _switched_off_after(f: FileAnalysis, on: ast.Assign, benchmarks: list[ast.Assign]) -> bool:
+    """A later assignment of ``cudnn.benchmark`` in the same function, on the same path, sets it to
+    something other than True."""
+    frame = f.function_scope(on)
+    return any(a is not on and pos(a) > pos(on) and f.function_scope(a) is frame and not _literal(a.value, True)
+               and not exclusive_branches(f, a, on) for a in benchmarks)
+
+
+def _in_one_run(f: FileAnalysis, on: ast.AST, want: ast.AST) -> bool:
+    """``on`` and ``want`` can run in one run: they (or the calls of the functions holding them)
+    share a frame and do not sit in exclusive branches."""
+    return any(fb is fd and not exclusive_branches(f, nb, nd)
+               for fb, nb in _anchors(f, on) for fd, nd in _anchors(f, want))

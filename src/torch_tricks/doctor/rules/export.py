@@ -116,26 +116,47 @@ def _mode_before(f: FileAnalysis, frame: ast.AST, root: str, before: tuple[int, 
         mode = _to_eval(c)
         if mode is not None and root_name(c.func.value) in names:
             state = "eval" if mode else "train"
-            continue
-        handed = any(root_name(a) == root or (isinstance(a, ast.Name) and a.id == root)
-                     for a in list(c.args) + [kw.value for kw in c.keywords])
-        if not handed:
-            continue
-        q = f.qualname(c.func)
-        if q is not None and q.startswith(_KNOWN_PREFIXES):
-            continue
-        if isinstance(c.func, ast.Name) and q is None:
-            defs = f.plain_functions.get(c.func.id)
-            if defs:
-                if any(_leaves_eval(f, d) for d in defs):
-                    state = "eval"
-                continue
-            if c.func.id in ("print", "len", "isinstance", "repr", "str", "id", "type"):
-                continue
-        if isinstance(c.func, ast.Attribute) and root_name(c.func.value) == root:
-            continue  # model.load_state_dict(...), model.to(...)
-        state = "unknown"
+        elif _handed(c, root):
+            state = _mode_when_handed(f, c, root) or state
     return state
+
+
+def _handed(call: ast.Call, root: str) -> bool:
+    """``call`` is passed the model named ``root`` (or an attribute of it) as an argument."""
+    return any(root_name(a) == root or (isinstance(a, ast.Name) and a.id == root)
+               for a in list(call.args) + [kw.value for kw in call.keywords])
+
+
+def _mode_when_handed(f: FileAnalysis, call: ast.Call, root: str) -> str | None:
+    """The model's mode after ``call``, which is handed it: "eval" (a function of this file that
+    switches to eval), "unknown" (code the file does not show), None (the mode does not change)."""
+    q = f.qualname(call.func)
+    if q is not None and q.startswith(_KNOWN_PREFIXES):
+        return None
+    if isinstance(call.func, ast.Name) and q is None:
+        defs = f.plain_functions.get(call.func.id)
+        if defs:
+            return "eval" if any(_leaves_eval(f, d) for d in defs) else None
+        if call.func.id in ("print", "len", "isinstance", "repr", "str", "id", "type"):
+            return None
+    if isinstance(call.func, ast.Attribute) and root_name(call.func.value) == root:
+        return None  # model.load_state_dict(...), model.to(...)
+    return "unknown"
+
+
+def _put_in_eval_somewhere(f: FileAnalysis, root: str) -> bool:
+    """Some call in the file switches the model named ``root`` to eval."""
+    return any(_to_eval(c) and root_name(c.func.value) == root for c in f.nodes[ast.Call])
+
+
+def _mode_chosen(call: ast.Call, exporter: str) -> bool:
+    """An onnx export whose mode is chosen on purpose (``training=``), or by the TorchScript exporter
+    (``dynamo=False``, or the old positional arguments): it switches to eval itself."""
+    if exporter != "torch.onnx.export":
+        return False
+    dynamo = kwarg(call, "dynamo")
+    return kwarg(call, "training") is not None or len(call.args) > 3 or (
+        isinstance(dynamo, ast.Constant) and dynamo.value is False)
 
 
 def _built_in_eval(f: FileAnalysis, node: ast.AST, depth: int = 0) -> bool:
@@ -169,35 +190,34 @@ class ExportInTrainMode(StaticRule):
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for call in f.nodes[ast.Call]:
             q = f.qualname(call.func)
-            if q not in _EXPORTERS or has_star_args(call):
+            if q not in _EXPORTERS or has_star_args(call) or _mode_chosen(call, q):
                 continue
-            if q == "torch.onnx.export":
-                dynamo = kwarg(call, "dynamo")
-                if kwarg(call, "training") is not None or len(call.args) > 3 or (
-                        isinstance(dynamo, ast.Constant) and dynamo.value is False):
-                    continue  # a mode chosen on purpose, or the TorchScript exporter (it switches to eval itself)
             model = kwarg(call, _EXPORTERS[q], 0)
             if model is None or _built_in_eval(f, model) or not _mode_dependent(f, model):
                 continue
             root = root_name(model)
-            if root is None:
-                continue
-            frame = f.function_scope(call)
-            built = f.binding_value(model) if isinstance(model, ast.Name) else None
-            parts = frozenset(n.id for n in ast.walk(built) if isinstance(n, ast.Name)) if built else frozenset()
-            state = _mode_before(f, frame, root, pos(call), parts)
-            if state not in ("train", "none") or (state == "none" and root == "self"):
-                continue  # switched to eval, maybe switched by code the file does not show, or a method's self
-            b = f.lookup(model) if isinstance(model, ast.Name) else None
-            if b is not None and b[1] == "param" and not self._callers_leave_train(f, frame, model.id):
-                continue
-            outer = b is not None and b not in f.bindings.get(frame, {}).get(root, ())
-            if (outer or not isinstance(model, ast.Name)) and frame is not f.tree and any(
-                    _to_eval(c) and root_name(c.func.value) == root for c in f.nodes[ast.Call]):
-                continue  # a global model (or its attribute) that the file puts in eval somewhere
-            name = ast.unparse(model)
-            yield call, (f"`{q}` of `{name}` without {name}.eval() before it: dropout and BatchNorm are recorded in "
-                         f"train mode in the exported graph; call {name}.eval() first")
+            if root is not None and self._exported_in_train(f, call, model, root):
+                name = ast.unparse(model)
+                yield call, (f"`{q}` of `{name}` without {name}.eval() before it: dropout and BatchNorm are recorded "
+                             f"in train mode in the exported graph; call {name}.eval() first")
+
+    @staticmethod
+    def _exported_in_train(f: FileAnalysis, call: ast.Call, model: ast.AST, root: str) -> bool:
+        """The export ``call`` sees ``model`` (named ``root``) in train mode: nothing before it in its
+        function (nor in the callers that pass the model in) switches it to eval."""
+        frame = f.function_scope(call)
+        built = f.binding_value(model) if isinstance(model, ast.Name) else None
+        parts = frozenset(n.id for n in ast.walk(built) if isinstance(n, ast.Name)) if built else frozenset()
+        state = _mode_before(f, frame, root, pos(call), parts)
+        if state not in ("train", "none") or (state == "none" and root == "self"):
+            return False  # switched to eval, maybe switched by code the file does not show, or a method's self
+        b = f.lookup(model) if isinstance(model, ast.Name) else None
+        if b is not None and b[1] == "param" and not ExportInTrainMode._callers_leave_train(f, frame, model.id):
+            return False
+        outer = b is not None and b not in f.bindings.get(frame, {}).get(root, ())
+        # a global model (or its attribute) that the file puts in eval somewhere
+        return not ((outer or not isinstance(model, ast.Name)) and frame is not f.tree
+                    and _put_in_eval_somewhere(f, root))
 
     @staticmethod
     def _callers_leave_train(f: FileAnalysis, func: ast.AST, name: str) -> bool:

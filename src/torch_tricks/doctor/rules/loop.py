@@ -31,50 +31,83 @@ class EvalWithoutNoGrad(StaticRule):
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         reported = set()
         for call in f.nodes[ast.Call]:
-            func = call.func
-            if not isinstance(func, ast.Attribute):
+            if not _puts_model_in_eval(f, call):
                 continue
-            to_eval = (func.attr == "eval" and not call.args and not call.keywords) or (
-                func.attr == "train" and len(call.args) == 1 and isinstance(call.args[0], ast.Constant)
-                and call.args[0].value is False)
-            if not to_eval:
-                continue
-            k = f.kind(func.value)
-            if k is not None and not (k.cat == "module" or (k.cat == "self" and f.is_module_class(k.ref))):
-                continue
-            if _parameter_free(f, func.value, k):
-                continue  # Dropout, DropPath, an activation: no parameter, so autograd records nothing
             scope = f.function_scope(call)
-            model = ast.dump(func.value)
-            calls = f.calls_in(scope)
-            stop = min((pos(c) for c in calls if pos(c) > pos(call) and isinstance(c.func, ast.Attribute)
-                        and c.func.attr == "train" and ast.dump(c.func.value) == model
-                        and not (c.args and isinstance(c.args[0], ast.Constant) and c.args[0].value is False)),
-                       default=NOWHERE)
-            same = (lambda c: f.lookup(c.func) is f.lookup(func.value)) if isinstance(func.value, ast.Name) else (
-                lambda c: True)
-            forwards = [c for c in calls if pos(call) < pos(c) < stop and ast.dump(c.func) == model and same(c)]
-            uncovered = [c for c in forwards if not f.no_grad(c)]
-            if not uncovered and (scope, model) not in reported:
-                helper = _forward_in_helper(f, calls, call, stop, func.value)
-                if helper is not None:
-                    reported.add((scope, model))
-                    forward, name = helper
-                    yield forward, (f"forward pass in {name}() of the model that line {call.lineno} put in eval() "
-                                    f"mode, outside torch.no_grad()/inference_mode(): autograd still records the graph")
+            key = (scope, ast.dump(call.func.value))
+            if key in reported:
                 continue
-            if (scope, model) in reported:
-                continue
-            if any(is_backward(c) or f.qualname(c.func) in ("torch.autograd.grad", "torch.autograd.backward") for c in calls):
-                continue  # gradients wanted (saliency, adversarial examples): no_grad would be wrong
-            if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and _called_without_grad(f, scope):
-                continue
-            if _frozen(f, scope, model, pos(uncovered[0])):
-                continue  # no parameter requires grad: autograd records nothing
-            reported.add((scope, model))
-            name = ast.unparse(func.value)
-            yield uncovered[0], (f"forward pass of `{name}` after {name}.eval() outside torch.no_grad()/inference_mode(): "
-                                 f"autograd still records the graph")
+            finding = _forward_with_grad_after_eval(f, call, scope)
+            if finding is not None:
+                reported.add(key)
+                yield finding
+
+
+def _puts_model_in_eval(f: FileAnalysis, call: ast.Call) -> bool:
+    """``call`` is ``model.eval()`` / ``model.train(False)`` on a module with parameters (or on
+    something the file does not show)."""
+    func = call.func
+    if not isinstance(func, ast.Attribute):
+        return False
+    to_eval = (func.attr == "eval" and not call.args and not call.keywords) or (
+        func.attr == "train" and len(call.args) == 1 and _first_arg_false(call))
+    if not to_eval:
+        return False
+    k = f.kind(func.value)
+    if k is not None and not (k.cat == "module" or (k.cat == "self" and f.is_module_class(k.ref))):
+        return False
+    return not _parameter_free(f, func.value, k)  # Dropout, DropPath, an activation: autograd records nothing
+
+
+def _first_arg_false(call: ast.Call) -> bool:
+    return bool(call.args) and isinstance(call.args[0], ast.Constant) and call.args[0].value is False
+
+
+def _forward_with_grad_after_eval(f: FileAnalysis, eval_call: ast.Call, scope: ast.AST) -> tuple[ast.AST, str] | None:
+    """TT116's finding for ``eval_call`` in ``scope``: the first forward of the model after it (and
+    before the model's next ``train()``) outside no_grad, in the scope itself or in a helper it
+    calls; None where autograd is wanted there or records nothing."""
+    model = eval_call.func.value
+    calls = f.calls_in(scope)
+    stop = _next_train(calls, eval_call, model)
+    uncovered = [c for c in _model_calls(f, calls, model, eval_call, stop) if not f.no_grad(c)]
+    if not uncovered:
+        helper = _forward_in_helper(f, calls, eval_call, stop, model)
+        if helper is None:
+            return None
+        forward, name = helper
+        return forward, (f"forward pass in {name}() of the model that line {eval_call.lineno} put in eval() "
+                         f"mode, outside torch.no_grad()/inference_mode(): autograd still records the graph")
+    if any(_asks_gradients(f, c) for c in calls):
+        return None  # gradients wanted (saliency, adversarial examples): no_grad would be wrong
+    if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and _called_without_grad(f, scope):
+        return None
+    if _frozen(f, scope, ast.dump(model), pos(uncovered[0])):
+        return None  # no parameter requires grad: autograd records nothing
+    name = ast.unparse(model)
+    return uncovered[0], (f"forward pass of `{name}` after {name}.eval() outside torch.no_grad()/inference_mode(): "
+                          f"autograd still records the graph")
+
+
+def _next_train(calls: list[ast.Call], eval_call: ast.Call, model: ast.AST) -> tuple[int, int]:
+    """Where ``model.train()`` (not ``train(False)``) first follows ``eval_call``; NOWHERE if it does not."""
+    spelled = ast.dump(model)
+    return min((pos(c) for c in calls if pos(c) > pos(eval_call) and isinstance(c.func, ast.Attribute)
+                and c.func.attr == "train" and ast.dump(c.func.value) == spelled and not _first_arg_false(c)),
+               default=NOWHERE)
+
+
+def _model_calls(f: FileAnalysis, calls: list[ast.Call], model: ast.AST, after: ast.AST,
+                 stop: tuple[int, int]) -> list[ast.Call]:
+    """The calls of ``model(...)`` itself between ``after`` and ``stop`` (a name: bound the same way)."""
+    spelled = ast.dump(model)
+    return [c for c in calls if pos(after) < pos(c) < stop and ast.dump(c.func) == spelled
+            and (not isinstance(model, ast.Name) or f.lookup(c.func) is f.lookup(model))]
+
+
+def _asks_gradients(f: FileAnalysis, call: ast.Call) -> bool:
+    """A ``.backward()`` or ``torch.autograd.grad`` / ``backward`` call."""
+    return is_backward(call) or f.qualname(call.func) in ("torch.autograd.grad", "torch.autograd.backward")
 
 
 def _parameter_free(f: FileAnalysis, model: ast.AST, k) -> bool:
@@ -99,49 +132,78 @@ def _forward_in_helper(f: FileAnalysis, calls: list[ast.Call], eval_call: ast.Ca
     for c in calls:
         if not (pos(eval_call) < pos(c) < stop and isinstance(c.func, ast.Name)) or f.no_grad(c):
             continue
-        defs = f.plain_functions.get(c.func.id, [])
-        if len(defs) != 1 or c.func.id in f.aliases or not isinstance(defs[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        helper = defs[0]
-        params = [a.arg for a in helper.args.posonlyargs + helper.args.args]
-        given = [(params[i] if i < len(params) else None) for i, a in enumerate(c.args) if ast.dump(a) == spelled]
-        given += [kw.arg for kw in c.keywords if kw.arg is not None and ast.dump(kw.value) == spelled]
-        name = next((g for g in given if g is not None), None)
+        helper = _sole_function(f, c.func.id)
+        name = _parameter_given(helper, c, spelled) if helper is not None else None
         if name is None:
             continue
-        inner = f.calls_in(helper)
-        if any(is_backward(x) or f.qualname(x.func) in ("torch.autograd.grad", "torch.autograd.backward")
-               or (isinstance(x.func, ast.Attribute) and x.func.attr == "train" and isinstance(x.func.value, ast.Name)
-                   and x.func.value.id == name) for x in inner):
-            continue
-        if any(b[1] != "param" for b in f.bindings.get(helper, {}).get(name, ())):
-            continue  # the name is rebound: not provably the model
-        forward = next((x for x in inner if isinstance(x.func, ast.Name) and x.func.id == name and not f.no_grad(x)),
-                       None)
-        if forward is not None and not _frozen(f, helper, ast.dump(ast.Name(id=name, ctx=ast.Load())), pos(forward)):
+        forward = _ungraded_forward(f, helper, name)
+        if forward is not None:
             return forward, helper.name
     return None
+
+
+def _sole_function(f: FileAnalysis, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The one plain function of this file called ``name`` (None if there are several, or an alias)."""
+    defs = f.plain_functions.get(name, [])
+    if len(defs) != 1 or name in f.aliases or not isinstance(defs[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    return defs[0]
+
+
+def _parameter_given(helper: ast.AST, call: ast.Call, spelled: str) -> str | None:
+    """The parameter of ``helper`` that ``call`` passes the expression ``spelled`` (an ``ast.dump``) to."""
+    params = [a.arg for a in helper.args.posonlyargs + helper.args.args]
+    given = [(params[i] if i < len(params) else None) for i, a in enumerate(call.args) if ast.dump(a) == spelled]
+    given += [kw.arg for kw in call.keywords if kw.arg is not None and ast.dump(kw.value) == spelled]
+    return next((g for g in given if g is not None), None)
+
+
+def _ungraded_forward(f: FileAnalysis, helper: ast.AST, name: str) -> ast.Call | None:
+    """In ``helper``, the first call of its parameter ``name`` (the model) outside no_grad, where
+    the helper neither wants gradients, nor calls ``name.train()``, nor rebinds or freezes ``name``."""
+    inner = f.calls_in(helper)
+    if any(_asks_gradients(f, x) or _trains(x, name) for x in inner):
+        return None
+    if any(b[1] != "param" for b in f.bindings.get(helper, {}).get(name, ())):
+        return None  # the name is rebound: not provably the model
+    forward = next((x for x in inner if isinstance(x.func, ast.Name) and x.func.id == name and not f.no_grad(x)),
+                   None)
+    if forward is not None and not _frozen(f, helper, ast.dump(ast.Name(id=name, ctx=ast.Load())), pos(forward)):
+        return forward
+    return None
+
+
+def _trains(call: ast.Call, name: str) -> bool:
+    """``call`` is ``name.train(...)``."""
+    return (isinstance(call.func, ast.Attribute) and call.func.attr == "train" and isinstance(call.func.value, ast.Name)
+            and call.func.value.id == name)
 
 
 def _frozen(f: FileAnalysis, scope: ast.AST, model: str, before: tuple[int, int]) -> bool:
     """Before ``before`` in ``scope``, the whole model (``model`` is its ``ast.dump``) was
     frozen: ``model.requires_grad_(False)``, or ``requires_grad_(False)`` /
     ``requires_grad = False`` on every ``p`` of ``for p in model.parameters()``."""
-    def false_flag(call: ast.Call) -> bool:
-        flag = kwarg(call, "requires_grad", 0)
-        return isinstance(flag, ast.Constant) and flag.value is False
+    return _frozen_whole(f, scope, model, before) or _frozen_per_parameter(scope, model, before)
 
+
+def _frozen_whole(f: FileAnalysis, scope: ast.AST, model: str, before: tuple[int, int]) -> bool:
+    """``model.requires_grad_(False)`` (also ``model.eval().requires_grad_(False)``) before ``before``."""
     for call in f.calls_in(scope):
         if pos(call) >= before:
             break
         func = call.func
-        if isinstance(func, ast.Attribute) and func.attr == "requires_grad_" and false_flag(call):
+        if isinstance(func, ast.Attribute) and func.attr == "requires_grad_" and _false_flag(call):
             receiver = func.value
             if isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Attribute) and \
                     receiver.func.attr in ("eval", "train", "to", "cuda", "cpu"):
                 receiver = receiver.func.value  # model.eval().requires_grad_(False)
             if ast.dump(receiver) == model:
                 return True
+    return False
+
+
+def _frozen_per_parameter(scope: ast.AST, model: str, before: tuple[int, int]) -> bool:
+    """``for p in model.parameters():`` before ``before`` whose body freezes ``p``."""
     for loop in walk_local(scope):
         if not (isinstance(loop, ast.For) and isinstance(loop.target, ast.Name) and pos(loop) < before):
             continue
@@ -149,17 +211,25 @@ def _frozen(f: FileAnalysis, scope: ast.AST, model: str, before: tuple[int, int]
         if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr == "parameters"
                 and ast.dump(it.func.value) == model):
             continue
-        p = loop.target.id
-        for stmt in loop.body:
-            value = stmt.value if isinstance(stmt, ast.Expr) else None
-            if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
-                    and value.func.attr == "requires_grad_" and dotted(value.func.value) == p and false_flag(value)):
-                return True
-            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
-                    and dotted(stmt.targets[0]) == f"{p}.requires_grad"
-                    and isinstance(stmt.value, ast.Constant) and stmt.value.value is False):
-                return True
+        if any(_freezes(stmt, loop.target.id) for stmt in loop.body):
+            return True
     return False
+
+
+def _freezes(stmt: ast.stmt, p: str) -> bool:
+    """``stmt`` is ``p.requires_grad_(False)`` or ``p.requires_grad = False``."""
+    value = stmt.value if isinstance(stmt, ast.Expr) else None
+    if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+            and value.func.attr == "requires_grad_" and dotted(value.func.value) == p and _false_flag(value)):
+        return True
+    return (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+            and dotted(stmt.targets[0]) == f"{p}.requires_grad"
+            and isinstance(stmt.value, ast.Constant) and stmt.value.value is False)
+
+
+def _false_flag(call: ast.Call) -> bool:
+    flag = kwarg(call, "requires_grad", 0)
+    return isinstance(flag, ast.Constant) and flag.value is False
 
 
 def _called_without_grad(f: FileAnalysis, func: ast.AST) -> bool:
@@ -184,59 +254,17 @@ class LossAccumulatedWithGraph(StaticRule):
                    "loss.detach()); append loss.item() to lists.")
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
-        def loss_name(value) -> ast.Name | None:
-            if isinstance(value, ast.Name):
-                return value
-            if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Mult, ast.Div)):
-                names = [s for s in (value.left, value.right) if isinstance(s, ast.Name)]
-                return names[0] if len(names) == 1 else None
-            return None
-
-        def carries_graph(name: ast.Name, scope) -> bool:
-            b = f.lookup(name)
-            if b is None or b[1] != "value" or b[3]:
-                return False
-            value = b[2]
-            if value is not None and f.no_grad(value):
-                return False  # computed under no_grad / inference_mode: it has no graph
-            if isinstance(value, ast.Call) and (
-                    (isinstance(value.func, ast.Attribute)
-                     and value.func.attr in ("item", "detach", "tolist", "cpu", "numpy"))
-                    or (isinstance(value.func, ast.Name) and value.func.id in ("float", "int"))):
-                return False
-            k = f.kind(name)
-            if k is not None and k.cat == "tensor" and k.detail == "loss":
-                return True
-            return any(is_backward(c) and isinstance(c.func.value, ast.Name) and c.func.value.id == name.id
-                       and pos(c) > b[0] and f.lookup(c.func.value) is b for c in f.calls_in(scope))
-
-        def accumulates_across(acc: ast.Name, node: ast.AST, loop: ast.AST) -> bool:
-            b = f.lookup(acc)
-            return b is None or b[0] < pos(loop)
-
         for node in f.nodes[ast.AugAssign] + f.nodes[ast.Assign] + f.nodes[ast.Call]:
-            if isinstance(node, ast.AugAssign):
-                if not (isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name)):
-                    continue
-                acc, value, how = node.target, node.value, "+="
-            elif isinstance(node, ast.Assign):
-                v = node.value
-                if not (len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and isinstance(v, ast.BinOp)
-                        and isinstance(v.op, ast.Add) and isinstance(v.left, ast.Name) and v.left.id == node.targets[0].id):
-                    continue
-                acc, value, how = v.left, v.right, "+"
-            else:
-                func = node.func
-                if not (isinstance(func, ast.Attribute) and func.attr == "append" and isinstance(func.value, ast.Name)
-                        and len(node.args) == 1):
-                    continue
-                acc, value, how = func.value, node.args[0], "append"
-            loss = loss_name(value)
+            accumulated = _accumulation(node)
+            if accumulated is None:
+                continue
+            acc, value, how = accumulated
+            loss = _loss_name(value)
             loops = f.loops_around(node)
             if loss is None or not loops or f.no_grad(node):
                 continue
             scope = f.function_scope(node)
-            if not carries_graph(loss, scope) or not accumulates_across(acc, node, loops[0]):
+            if not _carries_graph(f, loss, scope) or not _bound_before(f, acc, loops[0]):
                 continue
             if f.backward_mentions(scope, acc.id):
                 continue  # the sum is what gets backpropagated (gradient accumulation, multi-task)
@@ -245,6 +273,66 @@ class LossAccumulatedWithGraph(StaticRule):
             fix = f"{acc.id}.append({loss.id}.item())" if how == "append" else f"{acc.id} += {loss.id}.item()"
             yield node, (f"`{loss.id}` accumulated into `{acc.id}` across iterations keeps every step's graph alive: "
                          f"use {fix}")
+
+
+def _accumulation(node: ast.AST) -> tuple[ast.Name, ast.AST, str] | None:
+    """(accumulator, added value, how) for ``acc += v``, ``acc = acc + v`` and ``acc.append(v)``."""
+    if isinstance(node, ast.AugAssign):
+        if isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name):
+            return node.target, node.value, "+="
+        return None
+    if isinstance(node, ast.Assign):
+        v = node.value
+        if (len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and isinstance(v, ast.BinOp)
+                and isinstance(v.op, ast.Add) and isinstance(v.left, ast.Name) and v.left.id == node.targets[0].id):
+            return v.left, v.right, "+"
+        return None
+    func = node.func
+    if isinstance(func, ast.Attribute) and func.attr == "append" and isinstance(func.value, ast.Name) \
+            and len(node.args) == 1:
+        return func.value, node.args[0], "append"
+    return None
+
+
+def _loss_name(value: ast.AST) -> ast.Name | None:
+    """The loss an accumulated value is: ``loss``, ``loss * k``, ``loss / k``."""
+    if isinstance(value, ast.Name):
+        return value
+    if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Mult, ast.Div)):
+        names = [s for s in (value.left, value.right) if isinstance(s, ast.Name)]
+        return names[0] if len(names) == 1 else None
+    return None
+
+
+def _carries_graph(f: FileAnalysis, name: ast.Name, scope: ast.AST) -> bool:
+    """``name`` holds a tensor with an autograd graph: a loss by its kind, or something the scope
+    calls ``.backward()`` on; not a value computed under no_grad or taken off the graph."""
+    b = f.lookup(name)
+    if b is None or b[1] != "value" or b[3]:
+        return False
+    value = b[2]
+    if value is not None and f.no_grad(value):
+        return False  # computed under no_grad / inference_mode: it has no graph
+    if _off_graph(value):
+        return False
+    k = f.kind(name)
+    if k is not None and k.cat == "tensor" and k.detail == "loss":
+        return True
+    return any(is_backward(c) and isinstance(c.func.value, ast.Name) and c.func.value.id == name.id
+               and pos(c) > b[0] and f.lookup(c.func.value) is b for c in f.calls_in(scope))
+
+
+def _off_graph(value: ast.AST | None) -> bool:
+    """``value`` is a detached tensor or a Python number: ``x.item()``, ``x.detach()``, ``float(x)``."""
+    return isinstance(value, ast.Call) and (
+        (isinstance(value.func, ast.Attribute) and value.func.attr in ("item", "detach", "tolist", "cpu", "numpy"))
+        or (isinstance(value.func, ast.Name) and value.func.id in ("float", "int")))
+
+
+def _bound_before(f: FileAnalysis, acc: ast.Name, loop: ast.AST) -> bool:
+    """``acc`` was bound before ``loop`` (or elsewhere): it outlives each iteration."""
+    b = f.lookup(acc)
+    return b is None or b[0] < pos(loop)
 
 
 @static_rule

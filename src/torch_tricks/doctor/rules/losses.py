@@ -26,84 +26,122 @@ class SqrtOfSumOfSquares(StaticRule):
                    "torch.sqrt(s + eps).")
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
-        def binding(node, depth):
-            value = f.binding_value(node) if depth < 4 else None
-            return value
-
-        def square(e, depth=0) -> bool:
-            if isinstance(e, ast.Name):
-                value = binding(e, depth)
-                return value is not None and square(value, depth + 1)
-            if isinstance(e, ast.BinOp):
-                if isinstance(e.op, ast.Pow):
-                    return number(e.right) == 2
-                if isinstance(e.op, ast.Mult):
-                    return ast.dump(e.left) == ast.dump(e.right)
-                return False
-            if isinstance(e, ast.Call):
-                q = f.qualname(e.func)
-                if q == "torch.pow" and len(e.args) == 2:
-                    return number(e.args[1]) == 2
-                if q == "torch.square":
-                    return True
-                if isinstance(e.func, ast.Attribute) and q is None:
-                    if e.func.attr == "pow" and len(e.args) == 1:
-                        return number(e.args[0]) == 2
-                    return e.func.attr == "square" and not e.args
-            return False
-
-        def sum_of_squares(e, depth=0) -> bool:
-            if isinstance(e, ast.Name):
-                value = binding(e, depth)
-                return value is not None and sum_of_squares(value, depth + 1)
-            if isinstance(e, ast.Call):
-                q = f.qualname(e.func)
-                if q in ("torch.sum", "torch.mean", "torch.nansum") and e.args:
-                    return square(e.args[0], depth)
-                if q is None and isinstance(e.func, ast.Attribute) and e.func.attr in ("sum", "mean", "nansum"):
-                    return square(e.func.value, depth)
-                return False
-            if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add):
-                terms, stack = [], [e]
-                while stack:
-                    t = stack.pop()
-                    if isinstance(t, ast.BinOp) and isinstance(t.op, ast.Add):
-                        stack += [t.left, t.right]
-                    else:
-                        terms.append(t)
-                return all(square(t, depth) for t in terms)
-            return False
-
-        candidates = []
-        for call in f.nodes[ast.Call]:
-            q = f.qualname(call.func)
-            if q == "torch.sqrt" and len(call.args) == 1:
-                candidates.append((call, call.args[0], True))
-            elif q == "torch.pow" and len(call.args) == 2 and number(call.args[1]) == 0.5:
-                candidates.append((call, call.args[0], True))
-            elif q is None and isinstance(call.func, ast.Attribute):
-                if call.func.attr == "sqrt" and not call.args and not call.keywords:
-                    candidates.append((call, call.func.value, True))
-                elif call.func.attr == "pow" and len(call.args) == 1 and number(call.args[0]) == 0.5:
-                    candidates.append((call, call.func.value, False))
-        for binop in f.nodes[ast.BinOp]:
-            if isinstance(binop.op, ast.Pow) and number(binop.right) == 0.5:
-                candidates.append((binop, binop.left, False))
-        for node, arg, torch_op in candidates:
-            if not sum_of_squares(arg) or _detached(f, arg) or _constant_tensor(f, arg):
+        for node, arg, torch_op in _square_roots(f):
+            if not _sum_of_squares(f, arg) or _detached(f, arg) or _constant_tensor(f, arg):
                 continue
-            if not torch_op:  # `** 0.5` also works on floats and numpy arrays: ask for a tensor
-                base = arg.func.value if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) else arg
-                k = f.kind(base)
-                if k is None or k.cat != "tensor":
-                    continue
-            parent = f.parent.get(node)
-            if (isinstance(parent, ast.Attribute) and parent.attr in ("item", "tolist")) or (
-                    isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and parent.func.id == "float"):
+            if not torch_op and not _on_tensor(f, arg):
+                continue  # `** 0.5` also works on floats and numpy arrays: ask for a tensor
+            if _taken_as_number(f, node):
                 continue  # a number for a metric, not a value to differentiate
             if f.no_grad(node):
                 continue
             yield node, self.message
+
+
+def _square_roots(f: FileAnalysis) -> list[tuple[ast.AST, ast.AST, bool]]:
+    """(the square root, what it is taken of, whether it is a torch operation) for ``torch.sqrt(x)``,
+    ``torch.pow(x, 0.5)``, ``x.sqrt()``, ``x.pow(0.5)`` and ``x ** 0.5``."""
+    candidates = []
+    for call in f.nodes[ast.Call]:
+        taken = _square_root_call(f, call)
+        if taken is not None:
+            candidates.append((call, *taken))
+    for binop in f.nodes[ast.BinOp]:
+        if isinstance(binop.op, ast.Pow) and number(binop.right) == 0.5:
+            candidates.append((binop, binop.left, False))
+    return candidates
+
+
+def _square_root_call(f: FileAnalysis, call: ast.Call) -> tuple[ast.AST, bool] | None:
+    """(what ``call`` takes the square root of, whether it is a torch operation) for
+    ``torch.sqrt(x)``, ``torch.pow(x, 0.5)``, ``x.sqrt()``, ``x.pow(0.5)``; None for other calls."""
+    q = f.qualname(call.func)
+    if q == "torch.sqrt" and len(call.args) == 1:
+        return call.args[0], True
+    if q == "torch.pow" and len(call.args) == 2 and number(call.args[1]) == 0.5:
+        return call.args[0], True
+    if q is None and isinstance(call.func, ast.Attribute):
+        if call.func.attr == "sqrt" and not call.args and not call.keywords:
+            return call.func.value, True
+        if call.func.attr == "pow" and len(call.args) == 1 and number(call.args[0]) == 0.5:
+            return call.func.value, False
+    return None
+
+
+def _on_tensor(f: FileAnalysis, arg: ast.AST) -> bool:
+    """``arg`` (or the receiver of the method call it is) is known to be a tensor."""
+    base = arg.func.value if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) else arg
+    k = f.kind(base)
+    return k is not None and k.cat == "tensor"
+
+
+def _taken_as_number(f: FileAnalysis, node: ast.AST) -> bool:
+    """``node`` is read as a Python number right away: ``.item()``, ``.tolist()``, ``float(...)``."""
+    parent = f.parent.get(node)
+    return (isinstance(parent, ast.Attribute) and parent.attr in ("item", "tolist")) or (
+        isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and parent.func.id == "float")
+
+
+def _followed(f: FileAnalysis, node: ast.Name, depth: int) -> ast.AST | None:
+    """The value assigned to ``node``, followed through four assignments at most."""
+    return f.binding_value(node) if depth < 4 else None
+
+
+def _sum_of_squares(f: FileAnalysis, e: ast.AST, depth: int = 0) -> bool:
+    """``e`` is ``(x ** 2).sum()``, ``torch.mean(x * x)``, ``a ** 2 + b ** 2`` (or a name assigned one)."""
+    if isinstance(e, ast.Name):
+        value = _followed(f, e, depth)
+        return value is not None and _sum_of_squares(f, value, depth + 1)
+    if isinstance(e, ast.Call):
+        q = f.qualname(e.func)
+        if q in ("torch.sum", "torch.mean", "torch.nansum") and e.args:
+            return _square(f, e.args[0], depth)
+        if q is None and isinstance(e.func, ast.Attribute) and e.func.attr in ("sum", "mean", "nansum"):
+            return _square(f, e.func.value, depth)
+        return False
+    if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add):
+        return all(_square(f, t, depth) for t in _added_terms(e))
+    return False
+
+
+def _added_terms(e: ast.BinOp) -> list[ast.AST]:
+    """The terms of a chain of ``+`` (in no particular order)."""
+    terms, stack = [], [e]
+    while stack:
+        t = stack.pop()
+        if isinstance(t, ast.BinOp) and isinstance(t.op, ast.Add):
+            stack += [t.left, t.right]
+        else:
+            terms.append(t)
+    return terms
+
+
+def _square(f: FileAnalysis, e: ast.AST, depth: int = 0) -> bool:
+    """``e`` is ``x ** 2``, ``x * x``, ``torch.pow(x, 2)``, ``torch.square(x)``, ``x.pow(2)``,
+    ``x.square()`` (or a name assigned one)."""
+    if isinstance(e, ast.Name):
+        value = _followed(f, e, depth)
+        return value is not None and _square(f, value, depth + 1)
+    if isinstance(e, ast.BinOp):
+        if isinstance(e.op, ast.Pow):
+            return number(e.right) == 2
+        if isinstance(e.op, ast.Mult):
+            return ast.dump(e.left) == ast.dump(e.right)
+        return False
+    return isinstance(e, ast.Call) and _square_call(f, e)
+
+
+def _square_call(f: FileAnalysis, e: ast.Call) -> bool:
+    q = f.qualname(e.func)
+    if q == "torch.pow" and len(e.args) == 2:
+        return number(e.args[1]) == 2
+    if q == "torch.square":
+        return True
+    if isinstance(e.func, ast.Attribute) and q is None:
+        if e.func.attr == "pow" and len(e.args) == 1:
+            return number(e.args[0]) == 2
+        return e.func.attr == "square" and not e.args
+    return False
 
 
 _CONSTANT_MAKERS = frozenset(f"torch.{n}" for n in (

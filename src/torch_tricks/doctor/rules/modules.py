@@ -32,45 +32,69 @@ class ModuleInPlainContainer(StaticRule):
         for cls in f.nodes[ast.ClassDef]:
             if not f.is_module_class(cls):
                 continue
-            wrapped, registers = set(), False
-            for node in walk_local(cls):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    for inner in walk_local(node):
-                        if isinstance(inner, ast.Call):
-                            if f.qualname(inner.func) in CONTAINERS:
-                                wrapped.update(a.attr for a in ast.walk(inner) if isinstance(a, ast.Attribute))
-                            name = dotted(inner.func) or ""
-                            registers = registers or name.rsplit(".", 1)[-1] in ("add_module", "register_module") \
-                                or name == "setattr"
+            wrapped, registers = _wrapped_and_registers(f, cls)
             if registers:
-                continue
+                continue  # add_module / setattr: it may register the plain container's items itself
             for method in cls.body:
-                if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    continue
-                args = method.args.posonlyargs + method.args.args
-                if not args:
-                    continue
-                me = args[0].arg
-                empty: dict[str, str] = {}
-                for node in sorted((n for n in walk_local(method) if isinstance(n, (ast.Assign, ast.Call))), key=pos):
-                    if isinstance(node, ast.Assign) and len(node.targets) == 1:
-                        target = node.targets[0]
-                        if _is_self_attr(target, me):
-                            container = _container(node.value)
-                            if container and _is_empty(node.value):
-                                empty[target.attr] = container
-                            elif container and _holds_modules(f, node.value) and target.attr not in wrapped:
-                                yield node, _plain_message(container, target.attr)
-                        elif (isinstance(target, ast.Subscript) and _is_self_attr(target.value, me)
-                              and target.value.attr in empty and target.value.attr not in wrapped
-                              and _is_module(f, node.value)):
-                            yield node, _plain_message(empty[target.value.attr], target.value.attr)
-                    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                          and node.func.attr in ("append", "extend", "insert", "update")
-                          and _is_self_attr(node.func.value, me) and node.func.value.attr in empty
-                          and node.func.value.attr not in wrapped
-                          and any(_is_module(f, a) or _holds_modules(f, a) for a in node.args)):
-                        yield node, _plain_message(empty[node.func.value.attr], node.func.value.attr)
+                if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield from _plain_container_writes(f, method, wrapped)
+
+
+def _wrapped_and_registers(f: FileAnalysis, cls: ast.ClassDef) -> tuple[set[str], bool]:
+    """The attribute names that some method of ``cls`` hands to nn.ModuleList / nn.ModuleDict /
+    nn.Sequential (registered after all), and whether it registers submodules by name
+    (``add_module``, ``register_module``, ``setattr``)."""
+    wrapped, registers = set(), False
+    for node in walk_local(cls):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for inner in walk_local(node):
+            if not isinstance(inner, ast.Call):
+                continue
+            if f.qualname(inner.func) in CONTAINERS:
+                wrapped.update(a.attr for a in ast.walk(inner) if isinstance(a, ast.Attribute))
+            name = dotted(inner.func) or ""
+            registers = registers or name.rsplit(".", 1)[-1] in ("add_module", "register_module") or name == "setattr"
+    return wrapped, registers
+
+
+def _plain_container_writes(f: FileAnalysis, method: ast.AST, wrapped: set[str]) -> Iterator[tuple[ast.AST, str]]:
+    """In ``method``, the places that put modules into a plain container attribute of ``self``:
+    ``self.x = [modules]``, or ``self.x[k] = module`` / ``self.x.append(module)`` after
+    ``self.x = []`` (attributes in ``wrapped`` excepted)."""
+    args = method.args.posonlyargs + method.args.args
+    if not args:
+        return
+    me = args[0].arg
+    empty: dict[str, str] = {}  # self.<attr> = [] / {} seen so far: attr -> container
+    for node in sorted((n for n in walk_local(method) if isinstance(n, (ast.Assign, ast.Call))), key=pos):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and _is_self_attr(node.targets[0], me):
+            attr, container = node.targets[0].attr, _container(node.value)
+            if container and _is_empty(node.value):
+                empty[attr] = container
+            elif container and _holds_modules(f, node.value) and attr not in wrapped:
+                yield node, _plain_message(container, attr)
+            continue
+        attr = _filled_attr(f, node, me, set(empty) - wrapped)
+        if attr is not None:
+            yield node, _plain_message(empty[attr], attr)
+
+
+def _filled_attr(f: FileAnalysis, node: ast.AST, me: str, attrs: set[str]) -> str | None:
+    """The attribute of ``attrs`` that ``node`` puts a module into: ``self.x[k] = module``,
+    ``self.x.append(module)`` (``extend``, ``insert``, ``update``)."""
+    if isinstance(node, ast.Assign) and len(node.targets) == 1:
+        target = node.targets[0]
+        if (isinstance(target, ast.Subscript) and _is_self_attr(target.value, me) and target.value.attr in attrs
+                and _is_module(f, node.value)):
+            return target.value.attr
+        return None
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("append", "extend", "insert", "update")
+            and _is_self_attr(node.func.value, me) and node.func.value.attr in attrs
+            and any(_is_module(f, a) or _holds_modules(f, a) for a in node.args)):
+        return node.func.value.attr
+    return None
 
 
 def _is_self_attr(node: ast.AST, me: str) -> bool:
@@ -235,39 +259,46 @@ def _guarded(f: FileAnalysis, node: ast.AST, test_ok: Callable[[ast.AST], bool])
     """``node`` runs only when a condition ``test_ok`` recognises holds: it sits in the
     body of ``if cond:`` / ``a if cond else b`` (or of ``if not cond:`` / ``if cond: ... else:``
     in the negated branch), ``cond`` possibly one term of an ``and``, inside its function."""
-    def holds(test: ast.AST, branch_true: bool) -> bool:
-        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            return holds(test.operand, not branch_true)
-        if branch_true and isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
-            return any(holds(v, True) for v in test.values)
-        if not branch_true and isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
-            return any(holds(v, False) for v in test.values)
-        return branch_true and test_ok(test) is True
-
-    def exits(body: list) -> bool:
-        return bool(body) and isinstance(body[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break))
-
     child = node
     for anc in f.local_ancestors(node):
-        if isinstance(anc, ast.If) and child is not anc.test:
-            if holds(anc.test, child in anc.body):
-                return True
-        elif isinstance(anc, ast.IfExp) and child is not anc.test:
-            if holds(anc.test, child is anc.body):
-                return True
+        if isinstance(anc, (ast.If, ast.IfExp)) and child is not anc.test and _holds(
+                anc.test, _in_true_branch(anc, child), test_ok):
+            return True
         for block in ("body", "orelse", "finalbody"):  # an early exit: `if not self.training: return x`
             stmts = getattr(anc, block, None)
-            if isinstance(stmts, list) and child in stmts:
-                for stmt in stmts[:stmts.index(child)]:
-                    if isinstance(stmt, ast.If) and exits(stmt.body) and holds(stmt.test, False):
-                        return True
+            if isinstance(stmts, list) and child in stmts and _exited_unless(stmts[:stmts.index(child)], test_ok):
+                return True
         child = anc
     parent = f.parent.get(child)  # the function itself: its top-level statements
-    if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)) and child in parent.body:
-        for stmt in parent.body[:parent.body.index(child)]:
-            if isinstance(stmt, ast.If) and exits(stmt.body) and holds(stmt.test, False):
-                return True
-    return False
+    return (isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)) and child in parent.body
+            and _exited_unless(parent.body[:parent.body.index(child)], test_ok))
+
+
+def _in_true_branch(branch: ast.If | ast.IfExp, child: ast.AST) -> bool:
+    """``child`` (the body or a statement of it, or the else part) runs when the test is true."""
+    return child in branch.body if isinstance(branch, ast.If) else child is branch.body
+
+
+def _holds(test: ast.AST, branch_true: bool, test_ok: Callable[[ast.AST], bool]) -> bool:
+    """In the branch of ``test`` taken when it is ``branch_true``, a condition ``test_ok`` recognises holds."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _holds(test.operand, not branch_true, test_ok)
+    if branch_true and isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_holds(v, True, test_ok) for v in test.values)
+    if not branch_true and isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
+        return any(_holds(v, False, test_ok) for v in test.values)
+    return branch_true and test_ok(test) is True
+
+
+def _exited_unless(stmts: list[ast.stmt], test_ok: Callable[[ast.AST], bool]) -> bool:
+    """One of ``stmts`` is ``if not cond: return`` (or raise / continue / break): what follows
+    runs only when ``cond`` holds."""
+    return any(isinstance(stmt, ast.If) and _exits(stmt.body) and _holds(stmt.test, False, test_ok)
+               for stmt in stmts)
+
+
+def _exits(body: list) -> bool:
+    return bool(body) and isinstance(body[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break))
 
 
 def _tests_training(test: ast.AST) -> bool | None:

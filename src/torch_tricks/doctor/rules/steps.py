@@ -64,29 +64,43 @@ def _callees(f: FileAnalysis, call: ast.Call) -> list[ast.AST] | None:
     func = call.func
     q = f.qualname(func)
     if q is not None:
-        return [] if q.split(".", 1)[0] in ("torch", "math", "numpy", "time", "os", "random", "logging",
-                                             "tqdm", "json", "sys") else None
+        return [] if q.split(".", 1)[0] in _QUIET_LIBRARIES else None
     if isinstance(func, ast.Name):
-        b = f.lookup(func)
-        if b is not None and b[1] == "def" and isinstance(b[2], (ast.FunctionDef, ast.AsyncFunctionDef)):
-            return [b[2]]
-        if b is None and func.id in f.plain_functions:
-            return list(f.plain_functions[func.id])
-        if b is None and (func.id in SAFE_BUILTINS or func.id in ("print", "float", "int", "bool", "open")):
-            return []
-        return None
+        return _function_callees(f, func)
     if isinstance(func, ast.Attribute):
-        k = f.kind(func.value)
-        if k is not None and k.cat in _KNOWN_KINDS:
-            return []
-        if k is not None and k.cat == "self":
-            found = f.method(k.ref, func.attr)
-            return [found] if found is not None else None
-        if func.attr in ("append", "extend", "add", "update", "items", "keys", "values", "get", "format", "join",
-                         "info", "debug", "warning", "write", "set_description", "set_postfix", "log"):
-            return []
-        if func.attr in _SCALER_METHODS and _scaler_calls(f, func.value):
-            return []
+        return _method_callees(f, func)
+    return None
+
+
+_QUIET_LIBRARIES = ("torch", "math", "numpy", "time", "os", "random", "logging", "tqdm", "json", "sys")
+_QUIET_METHODS = ("append", "extend", "add", "update", "items", "keys", "values", "get", "format", "join",
+                  "info", "debug", "warning", "write", "set_description", "set_postfix", "log")
+
+
+def _function_callees(f: FileAnalysis, func: ast.Name) -> list[ast.AST] | None:
+    """:func:`_callees` for a call by plain name: a function of this file, or a builtin."""
+    b = f.lookup(func)
+    if b is not None and b[1] == "def" and isinstance(b[2], (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return [b[2]]
+    if b is None and func.id in f.plain_functions:
+        return list(f.plain_functions[func.id])
+    if b is None and (func.id in SAFE_BUILTINS or func.id in ("print", "float", "int", "bool", "open")):
+        return []
+    return None
+
+
+def _method_callees(f: FileAnalysis, func: ast.Attribute) -> list[ast.AST] | None:
+    """:func:`_callees` for a method call: a method of this file's class, or one of a known kind."""
+    k = f.kind(func.value)
+    if k is not None and k.cat in _KNOWN_KINDS:
+        return []
+    if k is not None and k.cat == "self":
+        found = f.method(k.ref, func.attr)
+        return [found] if found is not None else None
+    if func.attr in _QUIET_METHODS:
+        return []
+    if func.attr in _SCALER_METHODS and _scaler_calls(f, func.value):
+        return []
     return None
 
 
@@ -221,53 +235,85 @@ class ZeroGradMissingOrMisplaced(StaticRule):
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         reported = set()
-        hooked = any(isinstance(c.func, ast.Attribute) and c.func.attr.startswith("register_step_")
-                     for c in f.nodes[ast.Call]) or any(
-            _zeroes_grads(f, n) for lam in f.nodes[ast.Lambda] for n in ast.walk(lam))
+        hooked = _zeroing_hooked(f)
         for loop, step, backwards in _training_loops(f):
             opt = _receiver(f, step)
-            name = ast.unparse(opt)
             key = (loop, ast.dump(opt))
             if key in reported:
                 continue
-            zeros = sorted((n for n in walk_local(loop) if isinstance(n, ast.Call)
-                            and isinstance(n.func, ast.Attribute) and n.func.attr == "zero_grad"
-                            and _same_optimizer(f, n, opt)), key=pos)
-            if not hooked and not _zeroed_in(f, loop, opt):
+            finding = _zero_grad_problem(f, loop, step, backwards, opt, hooked)
+            if finding is not None:
                 reported.add(key)
-                yield step, (f"`{ast.unparse(step)}` in a loop that never zeroes the gradients: backward() keeps adding "
-                             f"into .grad, so every step applies the sum of all gradients so far; call "
-                             f"{name}.zero_grad() once per step")
-                continue
-            for zero in zeros:
-                if not pos(zero) < pos(step):
-                    continue
-                before = [b for b in backwards if pos(b) < pos(zero) and not exclusive_branches(f, b, zero)]
-                between = [b for b in backwards if pos(zero) < pos(b) < pos(step)]
-                if before and not between and _reaches(f, zero, step):
-                    reported.add(key)
-                    yield zero, (f"`{ast.unparse(zero)}` between backward() and `{ast.unparse(step)}` erases the "
-                                 f"gradients before the step applies them: zero them before backward() or after "
-                                 f"the step")
-                    break
-            if key in reported:
-                continue
-            accumulation = _modulo_if(f, step, loop)
-            if accumulation is None or accumulation.orelse or any(is_backward(n) for n in ast.walk(accumulation)):
-                continue  # no accumulation, or alternating updates (an else steps something else)
-            if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step"
-                   and n is not step and optimizer_step(f, n) and not any(a is accumulation for a in f.ancestors(n))
-                   for n in walk_local(loop)):
-                continue  # another optimizer steps every iteration: updates alternate, they do not accumulate
-            every = [b for b in backwards if not any(a is accumulation for a in f.ancestors(b))]
-            for zero in zeros:
-                if every and not _guarded(f, zero, loop) and not any(a is accumulation for a in f.ancestors(zero)):
-                    reported.add(key)
-                    yield zero, (f"`{ast.unparse(zero)}` runs every micro-batch while `{ast.unparse(step)}` runs "
-                                 f"only under `if {ast.unparse(accumulation.test)}:`: the accumulated gradients "
-                                 f"are erased and each step sees one micro-batch; zero them inside the `if`, "
-                                 f"after the step")
-                    break
+                yield finding
+
+
+def _zeroing_hooked(f: FileAnalysis) -> bool:
+    """The file registers an optimizer step hook or a lambda that clears gradients: they may be
+    zeroed where the loop does not show it."""
+    return any(isinstance(c.func, ast.Attribute) and c.func.attr.startswith("register_step_")
+               for c in f.nodes[ast.Call]) or any(
+        _zeroes_grads(f, n) for lam in f.nodes[ast.Lambda] for n in ast.walk(lam))
+
+
+def _zero_grad_problem(f: FileAnalysis, loop: ast.AST, step: ast.Call, backwards: list[ast.Call], opt: ast.AST,
+                       hooked: bool) -> tuple[ast.AST, str] | None:
+    """The first of TT126's three findings that holds for ``step`` in ``loop``: gradients never
+    zeroed, zeroed between backward() and step(), or zeroed every micro-batch of an accumulation."""
+    if not hooked and not _zeroed_in(f, loop, opt):
+        return step, (f"`{ast.unparse(step)}` in a loop that never zeroes the gradients: backward() keeps adding "
+                      f"into .grad, so every step applies the sum of all gradients so far; call "
+                      f"{ast.unparse(opt)}.zero_grad() once per step")
+    zeros = sorted((n for n in walk_local(loop) if isinstance(n, ast.Call)
+                    and isinstance(n.func, ast.Attribute) and n.func.attr == "zero_grad"
+                    and _same_optimizer(f, n, opt)), key=pos)
+    misplaced = _zeroed_before_step(f, zeros, step, backwards)
+    return misplaced or _zeroed_every_micro_batch(f, loop, zeros, step, backwards)
+
+
+def _zeroed_before_step(f: FileAnalysis, zeros: list[ast.Call], step: ast.Call,
+                        backwards: list[ast.Call]) -> tuple[ast.AST, str] | None:
+    """A ``zero_grad()`` that runs after the backward and before ``step``, with no backward between."""
+    for zero in zeros:
+        if not pos(zero) < pos(step):
+            continue
+        before = [b for b in backwards if pos(b) < pos(zero) and not exclusive_branches(f, b, zero)]
+        between = [b for b in backwards if pos(zero) < pos(b) < pos(step)]
+        if before and not between and _reaches(f, zero, step):
+            return zero, (f"`{ast.unparse(zero)}` between backward() and `{ast.unparse(step)}` erases the "
+                          f"gradients before the step applies them: zero them before backward() or after "
+                          f"the step")
+    return None
+
+
+def _zeroed_every_micro_batch(f: FileAnalysis, loop: ast.AST, zeros: list[ast.Call], step: ast.Call,
+                              backwards: list[ast.Call]) -> tuple[ast.AST, str] | None:
+    """Under gradient accumulation (``step`` inside ``if i % k == 0:``), a ``zero_grad()`` outside
+    that ``if`` that runs every iteration, while backward runs every iteration too."""
+    accumulation = _modulo_if(f, step, loop)
+    if accumulation is None or accumulation.orelse or any(is_backward(n) for n in ast.walk(accumulation)):
+        return None  # no accumulation, or alternating updates (an else steps something else)
+    if _other_step_every_iteration(f, loop, step, accumulation):
+        return None  # another optimizer steps every iteration: updates alternate, they do not accumulate
+    if all(_inside(f, b, accumulation) for b in backwards):
+        return None
+    for zero in zeros:
+        if not _guarded(f, zero, loop) and not _inside(f, zero, accumulation):
+            return zero, (f"`{ast.unparse(zero)}` runs every micro-batch while `{ast.unparse(step)}` runs "
+                          f"only under `if {ast.unparse(accumulation.test)}:`: the accumulated gradients "
+                          f"are erased and each step sees one micro-batch; zero them inside the `if`, "
+                          f"after the step")
+    return None
+
+
+def _other_step_every_iteration(f: FileAnalysis, loop: ast.AST, step: ast.Call, accumulation: ast.If) -> bool:
+    """Some optimizer other than ``step``'s steps in ``loop`` outside the accumulation ``if``."""
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step"
+               and n is not step and optimizer_step(f, n) and not _inside(f, n, accumulation)
+               for n in walk_local(loop))
+
+
+def _inside(f: FileAnalysis, node: ast.AST, outer: ast.AST) -> bool:
+    return any(a is outer for a in f.ancestors(node))
 
 
 # --------------------------------------------------------------------------- GradScaler and clipping
@@ -321,28 +367,45 @@ class ClipScaledGradients(StaticRule):
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for clip in f.nodes[ast.Call]:
             q = f.qualname(clip.func) or ""
-            if not (q.startswith("torch.nn.utils.") and q.rsplit(".", 1)[-1] in _CLIPS):
-                continue
-            calls = [c for c in f.calls_in(f.function_scope(clip)) if not exclusive_branches(f, c, clip)]
-            scaled = [c for c in calls if is_backward(c) and pos(c) < pos(clip) and _scale_call(f, c.func.value)]
-            if not scaled:
-                continue
-            backward = scaled[-1]
-            scaler = _scale_call(f, backward.func.value).func.value
-            made = _scaler_calls(f, scaler)
-            if not made or all(_disabled(c) for c in made):
-                continue
-            same = ast.dump(scaler)
-            steps = [c for c in calls if pos(c) > pos(clip) and isinstance(c.func, ast.Attribute)
-                     and c.func.attr == "step" and ast.dump(c.func.value) == same]
-            unscaled = [c for c in calls if pos(backward) < pos(c) < pos(clip) and isinstance(c.func, ast.Attribute)
-                        and c.func.attr == "unscale_" and ast.dump(c.func.value) == same]
-            if steps and not unscaled:
-                s = ast.unparse(scaler)
-                opt = ast.unparse(steps[0].args[0]) if steps[0].args else "optimizer"
-                yield clip, (f"`{q.rsplit('.', 1)[-1]}` between `{s}.scale(...).backward()` and `{s}.step()` without "
-                             f"`{s}.unscale_({opt})` first: the threshold applies to gradients multiplied by the "
-                             f"loss scale; call {s}.unscale_({opt}) before clipping")
+            if q.startswith("torch.nn.utils.") and q.rsplit(".", 1)[-1] in _CLIPS:
+                message = _clipped_while_scaled(f, clip, q.rsplit(".", 1)[-1])
+                if message is not None:
+                    yield clip, message
+
+
+def _clipped_while_scaled(f: FileAnalysis, clip: ast.Call, clip_name: str) -> str | None:
+    """TT127's message if ``clip`` runs after a ``scaler.scale(loss).backward()`` and before that
+    scaler's ``step()``, with no ``unscale_`` between the backward and the clip."""
+    calls = [c for c in f.calls_in(f.function_scope(clip)) if not exclusive_branches(f, c, clip)]
+    backward = _last_scaled_backward(f, calls, clip)
+    if backward is None:
+        return None
+    scaler = _scale_call(f, backward.func.value).func.value
+    made = _scaler_calls(f, scaler)
+    if not made or all(_disabled(c) for c in made):
+        return None
+    steps = [c for c in _method_calls(calls, scaler, "step") if pos(c) > pos(clip)]
+    unscaled = [c for c in _method_calls(calls, scaler, "unscale_") if pos(backward) < pos(c) < pos(clip)]
+    if not steps or unscaled:
+        return None
+    s = ast.unparse(scaler)
+    opt = ast.unparse(steps[0].args[0]) if steps[0].args else "optimizer"
+    return (f"`{clip_name}` between `{s}.scale(...).backward()` and `{s}.step()` without "
+            f"`{s}.unscale_({opt})` first: the threshold applies to gradients multiplied by the "
+            f"loss scale; call {s}.unscale_({opt}) before clipping")
+
+
+def _last_scaled_backward(f: FileAnalysis, calls: list[ast.Call], before: ast.AST) -> ast.Call | None:
+    """The last ``scaler.scale(loss).backward()`` among ``calls`` before ``before``."""
+    scaled = [c for c in calls if is_backward(c) and pos(c) < pos(before) and _scale_call(f, c.func.value)]
+    return scaled[-1] if scaled else None
+
+
+def _method_calls(calls: list[ast.Call], receiver: ast.AST, method: str) -> list[ast.Call]:
+    """The calls of ``receiver.method(...)`` among ``calls``, in their order."""
+    same = ast.dump(receiver)
+    return [c for c in calls if isinstance(c.func, ast.Attribute) and c.func.attr == method
+            and ast.dump(c.func.value) == same]
 
 
 def _scale_call(f: FileAnalysis, node: ast.AST) -> ast.Call | None:
@@ -363,32 +426,54 @@ _LOGGING_WORDS = ("log", "print", "verbose", "debug", "display", "interval", "fr
 def _device_value(f: FileAnalysis, node: ast.AST, losses: set[str], depth: int = 0) -> bool:
     """``node`` holds a result of the step's device work: the loss a ``.backward()`` of the loop is
     called on, a loss function's or a module's output (or a part of one), or an expression of those."""
-    while isinstance(node, (ast.Subscript, ast.Attribute)) or (
-            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and node.func.attr in ("detach", "mean", "sum", "float", "argmax", "max", "eq", "view", "clone")):
-        node = node.func.value if isinstance(node, ast.Call) else node.value
+    node = _strip_views(node)
     if isinstance(node, ast.Name) and node.id in losses:
         return True
+    if _module_output(f, node) or _model_output_by_name(f, node):
+        return True
+    return depth < 3 and any(_device_value(f, part, losses, depth + 1) for part in _value_sources(f, node))
+
+
+_VIEW_METHODS = ("detach", "mean", "sum", "float", "argmax", "max", "eq", "view", "clone")
+
+
+def _strip_views(node: ast.AST) -> ast.AST:
+    """What ``node`` is a part or a reduction of: ``loss`` for ``loss.detach().mean()``, ``out[0]``."""
+    while isinstance(node, (ast.Subscript, ast.Attribute)) or (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _VIEW_METHODS):
+        node = node.func.value if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def _module_output(f: FileAnalysis, node: ast.AST) -> bool:
+    """A call of a module, a loss function or a ``torch.nn.functional`` function giving a tensor."""
     k = f.kind(node)
-    if k is not None and k.cat == "tensor" and k.detail in ("loss", None) and isinstance(node, ast.Call):
-        fk = f.kind(node.func)
-        if fk is not None and (fk.cat in ("module", "lossfn") or (fk.cat == "self" and f.is_module_class(fk.ref))):
-            return True
-        if (f.qualname(node.func) or "").startswith("torch.nn.functional."):
-            return True
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and f.kind(node.func) is None and re.search(
-            r"model|net|encoder|decoder", node.func.id, re.IGNORECASE):
-        return True  # the output of a model passed in
-    if isinstance(node, ast.Name) and depth < 3:
+    if not (k is not None and k.cat == "tensor" and k.detail in ("loss", None) and isinstance(node, ast.Call)):
+        return False
+    fk = f.kind(node.func)
+    if fk is not None and (fk.cat in ("module", "lossfn") or (fk.cat == "self" and f.is_module_class(fk.ref))):
+        return True
+    return (f.qualname(node.func) or "").startswith("torch.nn.functional.")
+
+
+def _model_output_by_name(f: FileAnalysis, node: ast.AST) -> bool:
+    """The output of a model passed in: a call of an unknown name that says model / net / encoder."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and f.kind(node.func) is None and bool(
+        re.search(r"model|net|encoder|decoder", node.func.id, re.IGNORECASE))
+
+
+def _value_sources(f: FileAnalysis, node: ast.AST) -> list[ast.AST]:
+    """The expressions ``node``'s value comes from: a name's assigned value (or the call it is
+    unpacked from, ``out, aux = model(x)``), both sides of an arithmetic expression."""
+    if isinstance(node, ast.Name):
         value = f.binding_value(node)
         if value is not None:
-            return _device_value(f, value, losses, depth + 1)
+            return [value]
         b = f.lookup(node)
-        if b is not None and b[1] == "value" and b[3] and isinstance(b[2], ast.Call):
-            return _device_value(f, b[2], losses, depth + 1)  # out, aux = model(x)
-    if isinstance(node, ast.BinOp) and depth < 3:
-        return _device_value(f, node.left, losses, depth + 1) or _device_value(f, node.right, losses, depth + 1)
-    return False
+        return [b[2]] if b is not None and b[1] == "value" and b[3] and isinstance(b[2], ast.Call) else []
+    if isinstance(node, ast.BinOp):
+        return [node.left, node.right]
+    return []
 
 
 def _loss_names(node: ast.AST) -> set[str]:
@@ -523,27 +608,37 @@ class PerStepHostSync(StaticRule):
         for t in LOOPS:
             for loop in f.nodes[t]:
                 losses = _backward_names(f, loop)
-                if losses is None:
-                    continue
-                found = None
-                for node in walk_local(loop, into_loops=False):
-                    if not isinstance(node, ast.Call):
-                        continue
-                    func = node.func
-                    if isinstance(func, ast.Attribute) and func.attr in _SYNC_METHODS and not node.args:
-                        value = func.value
-                    elif isinstance(func, ast.Name) and func.id == "float" and len(node.args) == 1 \
-                            and f.lookup(func) is None:
-                        value = node.args[0]
-                    else:
-                        continue
-                    k = f.kind(value)
-                    if (k is not None and k.cat != "tensor") or not _device_value(f, value, losses):
-                        continue
-                    if _quiet_guard(f, node, loop) or _control_flow(f, node, loop) or _after_synchronize(f, node):
-                        continue
-                    if found is None or pos(node) < pos(found):
-                        found = node
+                found = _first_host_sync(f, loop, losses) if losses is not None else None
                 if found is not None:
                     yield found, (f"`{ast.unparse(found)}` every training step waits for the GPU (a host sync per "
                                   f"step): accumulate on the device and read it every N steps")
+
+
+def _first_host_sync(f: FileAnalysis, loop: ast.AST, losses: set[str]) -> ast.Call | None:
+    """The earliest call in ``loop``'s own body that reads a device result on the host every step
+    (not rate-limited, not deciding control flow, not right after an explicit synchronize)."""
+    found = None
+    for node in walk_local(loop, into_loops=False):
+        if not isinstance(node, ast.Call):
+            continue
+        value = _synced_value(f, node)
+        if value is None:
+            continue
+        k = f.kind(value)
+        if (k is not None and k.cat != "tensor") or not _device_value(f, value, losses):
+            continue
+        if _quiet_guard(f, node, loop) or _control_flow(f, node, loop) or _after_synchronize(f, node):
+            continue
+        if found is None or pos(node) < pos(found):
+            found = node
+    return found
+
+
+def _synced_value(f: FileAnalysis, call: ast.Call) -> ast.AST | None:
+    """What ``call`` brings to the host: ``x`` of ``x.item()`` / ``x.cpu()`` / ... or ``float(x)``."""
+    func = call.func
+    if isinstance(func, ast.Attribute) and func.attr in _SYNC_METHODS and not call.args:
+        return func.value
+    if isinstance(func, ast.Name) and func.id == "float" and len(call.args) == 1 and f.lookup(func) is None:
+        return call.args[0]
+    return None
