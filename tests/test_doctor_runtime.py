@@ -581,7 +581,7 @@ def test_several_and_nested_inputs():
 
 def test_report_as_dict_is_json():
     report = check(Buggy(), X16(), nn.CrossEntropyLoss())
-    d = json.loads(json.dumps(report.as_dict()))
+    d = json.loads(json.dumps(report.to_dict()))
     assert d["ok"] is False and d["counts"]["error"] == 1
     assert {f["rule"] for f in d["findings"]} >= {"TT201", "TT203", "TT207"}
     assert d["findings"][0]["severity"] == "error"  # most severe first

@@ -249,7 +249,7 @@ def _print_lint(lint: dict[str, Any], groups: dict[Any, Any], fmt: str) -> None:
         print(json.dumps(to_sarif(findings, static_rules(), unreadable), indent=2, ensure_ascii=False))
     elif fmt == "json":
         fail_on = lint["fail_on"]
-        print(json.dumps({"findings": [f.as_dict() for f in findings], "files": lint["files"],
+        print(json.dumps({"findings": [f.to_dict() for f in findings], "files": lint["files"],
                           "unreadable": [{"path": p, "reason": r} for p, r in unreadable],
                           "seconds": round(lint["seconds"], 3), "fail_on": fail_on[0] if len(fail_on) == 1 else fail_on,
                           "config": [str(c.path) for c, _ in groups.values() if c.path is not None],
@@ -272,7 +272,7 @@ def _doctor_diff(fixed: list[Any], fmt: str) -> int:
     could not be fixed (read, parsed), else 0."""
     code = int(any(ff.diff or ff.error for ff in fixed))
     if fmt == "json":
-        print(json.dumps({"files": [ff.as_dict() for ff in fixed], "fixes": sum(ff.fixed for ff in fixed),
+        print(json.dumps({"files": [ff.to_dict() for ff in fixed], "fixes": sum(ff.fixed for ff in fixed),
                           "exit_code": code}, indent=2, ensure_ascii=False))
         return code
     for ff in fixed:
@@ -311,8 +311,8 @@ def _doctor_model(args: argparse.Namespace, fmt: str, select: Any, ignore: Any) 
     if fmt == "sarif":
         print(json.dumps(to_sarif(findings, list_rules("runtime")), indent=2, ensure_ascii=False))
         return code
-    data = {"model": args.model, "optimizer": args.optimizer, **report.as_dict()}  # loss_fn: the loss it used
-    data["findings"] = [f.as_dict() for f in findings]  # after --select/--ignore and the config
+    data = {"model": args.model, "optimizer": args.optimizer, **report.to_dict()}  # loss_fn: the loss it used
+    data["findings"] = [f.to_dict() for f in findings]  # after --select/--ignore and the config
     data["counts"] = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
     data["ok"] = not (data["counts"]["error"] or data["counts"]["warning"])
     data["exit_code"] = code

@@ -139,13 +139,15 @@ class FileFix:
     def fixed(self) -> int:
         return sum(len(e.rules) for e in self.edits)
 
-    def as_dict(self) -> dict:
+    def to_dict(self) -> dict:
         return {"path": self.path, "fixed": self.fixed, "written": self.written, "error": self.error,
                 "unreadable": self.unreadable,
                 "edits": [{"rules": list(e.rules), "line": e.line, "lines": list(e.span), "description": e.description}
                           for e in self.edits],
-                "unfixed": [{**u.finding.as_dict(), "reason": u.reason} for u in self.unfixed],
+                "unfixed": [{**u.finding.to_dict(), "reason": u.reason} for u in self.unfixed],
                 "diff": self.diff}
+
+    as_dict = to_dict  # the earlier name; every result type of the package says to_dict
 
 
 # --------------------------------------------------------------------------- public API

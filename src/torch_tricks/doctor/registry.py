@@ -61,9 +61,11 @@ class Finding:
         if not self.severity:
             self.severity = get_rule(self.rule).severity
 
-    def as_dict(self) -> dict:
+    def to_dict(self) -> dict:
         return {"rule": self.rule, "message": self.message, "path": self.path, "line": self.line,
                 "col": self.col, "severity": self.severity, **({"extra": self.extra} if self.extra else {})}
+
+    as_dict = to_dict  # the earlier name; every result type of the package says to_dict
 
 
 _RULES: dict[str, Rule] = {}

@@ -107,12 +107,14 @@ class RuntimeReport:
             out[f.severity] += 1
         return out
 
-    def as_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "findings"}
-        d["findings"] = [f.as_dict() for f in self.findings]
+        d["findings"] = [f.to_dict() for f in self.findings]
         d["ok"] = self.ok
         d["counts"] = self.counts()
         return d
+
+    as_dict = to_dict  # the earlier name; every result type of the package says to_dict
 
 
 def check_model(
