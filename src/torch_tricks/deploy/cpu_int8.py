@@ -120,30 +120,7 @@ def int8_setting(
         vnni: bool | None = None
         why = f"{machine or 'this'} CPU is not x86: its int8 kernels widen the products before adding, exactly"
     else:
-        have = set(flags) if flags is not None else cpu_flags()
-        have_vnni = [f for f in _VNNI_FLAGS if f in have]
-        caps = []
-        if runtime == "torch":
-            environ = os.environ if env is None else env
-            cap_name, cap = next(((k, environ[k]) for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
-                                  if environ.get(k)), (None, None))
-            if cap is not None:
-                caps.append((f"oneDNN's ISA ({cap_name}={cap})", _ONEDNN_CAPS.get(cap.strip().upper(), ())))
-            aten = (capability if capability is not None else torch.backends.cpu.get_cpu_capability()).upper()
-            caps.append((f"ATen's capability {aten}", _ATEN_CAPS.get(aten, ())))
-        usable = [f for f in have_vnni if all(f in admits for _, admits in caps)]
-        vnni = bool(usable)
-        if usable:
-            why = f"{usable[0]} in the CPU flags" + (f", allowed by {' and '.join(n for n, _ in caps)}" if caps else "")
-            why += ": u8*s8 products add straight into int32, exactly"
-        else:
-            where = "no VNNI in the CPU flags (" + (", ".join(sorted(have & {"avx2", "avx512f"})) or "pre-AVX2") + ")"
-            if have_vnni:
-                where = f"{'/'.join(have_vnni)} cut off by " + " and ".join(
-                    n for n, admits in caps if not all(f in admits for f in have_vnni))
-            why = f"{where}: u8*s8 pair sums could saturate VPMADDUBSW's int16, " + (
-                "so 7-bit activations (pair sums <= 2*127*128 = 32512 fit)" if runtime == "torch" else
-                "so u8 weights (ORT's U8U8 kernels widen both to 16 bits and add into int32)")
+        vnni, why = _x86_vnni(runtime, set(flags) if flags is not None else cpu_flags(), capability, env)
     auto = vnni is not False
     if runtime == "onnxruntime-static":
         auto = False
@@ -160,6 +137,37 @@ def int8_setting(
         weight_type="int8" if torch_side or chosen else "uint8", activation_type="uint8",
         vnni=vnni, forced=forced, reason=why,
     )
+
+
+def _x86_vnni(runtime: str, have: set[str], capability: str | None,
+              env: Mapping[str, str] | None) -> tuple[bool, str]:
+    """(whether ``runtime``'s int8 kernels use VNNI on this x86 CPU, why): its flags, cut by the kernels' ISA caps."""
+    have_vnni = [f for f in _VNNI_FLAGS if f in have]
+    caps = _isa_caps(capability, env) if runtime == "torch" else []
+    usable = [f for f in have_vnni if all(f in admits for _, admits in caps)]
+    if usable:
+        why = f"{usable[0]} in the CPU flags" + (f", allowed by {' and '.join(n for n, _ in caps)}" if caps else "")
+        return True, why + ": u8*s8 products add straight into int32, exactly"
+    where = "no VNNI in the CPU flags (" + (", ".join(sorted(have & {"avx2", "avx512f"})) or "pre-AVX2") + ")"
+    if have_vnni:
+        where = f"{'/'.join(have_vnni)} cut off by " + " and ".join(
+            n for n, admits in caps if not all(f in admits for f in have_vnni))
+    return False, f"{where}: u8*s8 pair sums could saturate VPMADDUBSW's int16, " + (
+        "so 7-bit activations (pair sums <= 2*127*128 = 32512 fit)" if runtime == "torch" else
+        "so u8 weights (ORT's U8U8 kernels widen both to 16 bits and add into int32)")
+
+
+def _isa_caps(capability: str | None, env: Mapping[str, str] | None) -> list[tuple[str, tuple[str, ...]]]:
+    """The ISA caps torch's int8 kernels run under (oneDNN's env cap, ATen's capability): (what, VNNI flags admitted)."""
+    caps = []
+    environ = os.environ if env is None else env
+    cap_name, cap = next(((k, environ[k]) for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+                          if environ.get(k)), (None, None))
+    if cap is not None:
+        caps.append((f"oneDNN's ISA ({cap_name}={cap})", _ONEDNN_CAPS.get(cap.strip().upper(), ())))
+    aten = (capability if capability is not None else torch.backends.cpu.get_cpu_capability()).upper()
+    caps.append((f"ATen's capability {aten}", _ATEN_CAPS.get(aten, ())))
+    return caps
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,7 +33,8 @@ from torch_tricks._optional import available, require
 from torch_tricks.deploy.cpu_int8 import Int8Setting, int8_setting
 from torch_tricks.errors import UserError
 from torch_tricks.inspect.inputs import as_input_tuple
-from torch_tricks.registry import register_trick
+from torch_tricks.deploy.steps import INT8, StepContext, StepResult, Tolerance, deploy_step, plain_line, quiet_torch
+from torch_tricks.inspect.graph import export_onnx
 
 __all__ = [
     "ExportReport",
@@ -71,15 +72,6 @@ class ExportReport:
         return asdict(self)
 
 
-@register_trick(
-    "onnx_export",
-    ids=("I7",),
-    kind="deploy",
-    trades="a file other engines run (ONNX Runtime, TensorRT, Netron) for an export step and a fixed graph",
-    needs="the onnx, onnxscript and onnxruntime packages; a model torch.export can capture",
-    measured_in="benchmarks/deploy.py",
-    switch_on="torch-tricks optimize --steps onnx",
-)
 def export_onnx_checked(
     model: nn.Module,
     inputs: Any,
@@ -97,8 +89,6 @@ def export_onnx_checked(
     compared. A mismatch does not raise: check ``report.ok`` (a model with a large dynamic
     range may need a looser ``atol``).
     """
-    from torch_tricks.inspect.graph import export_onnx
-
     if not isinstance(model, nn.Module):
         raise UserError(f"onnx export needs an nn.Module, got {type(model).__name__}")
     if isinstance(atol, bool) or not isinstance(atol, (int, float)) or atol < 0:
@@ -108,30 +98,7 @@ def export_onnx_checked(
     target = export_onnx(model, args, path, opset=opset, dynamic_batch=dynamic_batch)
     ort_model = OrtModule(target)
 
-    batches = [args]
-    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if dynamic_batch and first is not None and first.dim() > 0 and first.shape[0] > 1:
-        n = first.shape[0]
-        batches.append(tuple(a[:1] if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n else a
-                             for a in args))
-    max_abs, max_rel, checked = 0.0, 0.0, []
-    with _eval(model), torch.inference_mode():
-        for b in batches:
-            ref = _tensors(model(*b))
-            got = _tensors(ort_model(*b))
-            if len(ref) != len(got):
-                raise UserError(f"ONNX Runtime returned {len(got)} outputs, eager PyTorch {len(ref)}")
-            for r, g in zip(ref, got):
-                if tuple(r.shape) != tuple(g.shape):
-                    raise UserError(
-                        f"ONNX output shape {tuple(g.shape)} differs from eager {tuple(r.shape)}"
-                    )
-                if r.numel() == 0:
-                    continue
-                d = float((r.double() - g.double()).abs().max())
-                max_abs = max(max_abs, d)
-                max_rel = max(max_rel, d / max(float(r.double().abs().max()), 1e-12))
-            checked.append(int(b[0].shape[0]) if isinstance(b[0], torch.Tensor) and b[0].dim() else 1)
+    max_abs, max_rel, checked = _compare_with_eager(model, ort_model, _batches_to_check(args, dynamic_batch))
     rep = ExportReport(
         path=str(target), ok=max_abs <= atol, atol=float(atol), max_abs_diff=max_abs, max_rel_diff=max_rel,
         checked_batches=checked, size_bytes=onnx_size_bytes(target), dynamic_batch=dynamic_batch,
@@ -334,7 +301,135 @@ def ort_quantize_static(
     return Path(path_out)
 
 
+# -- the deploy steps ---------------------------------------------------------------------------
+
+
+@deploy_step(
+    "onnx",
+    summary="export to ONNX and run the file in ONNX Runtime (CPU)",
+    final=True,
+    cpu_only=True,
+    tolerance=Tolerance(max_abs_diff=1e-4, max_rel_diff=1e-5),
+    check_needs=lambda mode: _require_onnx("onnx"),
+    needs_workdir=True,
+    order=80,
+    ids=("I7",),
+    trick="onnx_export",
+    fn=export_onnx_checked,
+    trades="a file other engines run (ONNX Runtime, TensorRT, Netron) for an export step and a fixed graph",
+    needs="the onnx, onnxscript and onnxruntime packages; a model torch.export can capture",
+    measured_in="benchmarks/deploy.py",
+)
+def onnx_step(model: nn.Module, ctx: StepContext) -> tuple[OrtModule, StepResult]:
+    """The ``onnx`` step of :func:`~torch_tricks.deploy.pipeline.optimize`: the exported file, run by ONNX Runtime."""
+    path, res = _export_for_step(model, ctx)
+    ort = OrtModule(path)
+    res.backend = "onnxruntime " + ",".join(ort.providers)
+    return ort, _with_ort_notes(res)
+
+
+@deploy_step(
+    "onnx-int8",
+    summary="export to ONNX, then ONNX Runtime int8: onnx-int8:static (calibrated, default) or "
+            "onnx-int8:dynamic; :vnni / :no-vnni forces the int8 setting (default: chosen for this CPU)",
+    args=("static", "dynamic"),
+    final=True,
+    cpu_only=True,
+    tolerance=INT8,
+    targets=True,
+    check_needs=lambda mode: _require_onnx("onnx-int8"),
+    needs_calib=lambda mode: mode != "dynamic",
+    needs_workdir=True,
+    order=90,
+    trick=None,  # the onnx_export trick covers it (an ONNX export, then ORT's own int8)
+)
+def onnx_int8_step(model: nn.Module, ctx: StepContext) -> tuple[OrtModule, StepResult]:
+    """The ``onnx-int8`` step of :func:`~torch_tricks.deploy.pipeline.optimize`: ONNX Runtime's int8 of the export."""
+    path, res = _export_for_step(model, ctx)
+    qpath = path.with_name(f"step{ctx.index}.int8.onnx")
+    mode = ctx.mode or "static"
+    setting = ort_int8_setting(mode, None if ctx.for_vnni is None else "int8" if ctx.for_vnni else "uint8")
+    try:
+        if mode == "static":
+            ort_quantize_static(path, qpath, ctx.calib, weight_type=setting.weight_type)
+        else:
+            ort_quantize_dynamic(path, qpath, weight_type=setting.weight_type)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"ONNX Runtime int8 quantization failed: {plain_line(exc)}") from None
+    ort = OrtModule(qpath)
+    res.backend = f"onnxruntime {mode} int8" + (" (QDQ, per-channel)" if mode == "static" else "")
+    res.details["fp32_size_bytes"] = onnx_size_bytes(path)
+    res.int8_setting = setting.to_dict()
+    res.notes.append(f"int8 setting: {setting.describe()}")
+    return ort, _with_ort_notes(res)
+
+
+def _export_for_step(model: nn.Module, ctx: StepContext) -> tuple[Path, StepResult]:
+    """Export ``model`` into the chain's work folder; the step's result with the export's report."""
+    path = Path(ctx.workdir.name) / f"step{ctx.index}.onnx"
+    try:
+        with quiet_torch():  # a failed capture prints its partial graph and log lines
+            exp = export_onnx_checked(model, ctx.example, path)
+    except UserError:
+        raise
+    except Exception as exc:
+        # the exporter wraps the real reason ("step 1/3 of exporting ... Next steps: ...")
+        raise UserError(f"torch.onnx.export failed: {plain_line(exc.__cause__ or exc)}") from None
+    res = ctx.result(details={"export": {k: v for k, v in exp.to_dict().items() if k != "path"}},
+                     notes=list(exp.notes))
+    return path, res
+
+
+def _with_ort_notes(res: StepResult) -> StepResult:
+    res.size_method = "ONNX file bytes (with external data)"
+    res.details["threads"] = torch.get_num_threads()
+    res.notes.append(f"ONNX Runtime runs with {torch.get_num_threads()} intra-op threads (torch.get_num_threads())")
+    return res
+
+
+def _require_onnx(step: str) -> None:
+    for mod in ("onnx", "onnxscript", "onnxruntime"):
+        require(mod, "onnx", f"step {step!r}")
+
+
 # -- helpers ----------------------------------------------------------------------------------
+
+def _batches_to_check(args: tuple[Any, ...], dynamic_batch: bool) -> list[tuple[Any, ...]]:
+    """``args``, and their first row too when the batch dim is dynamic (to check that it is)."""
+    batches = [args]
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if dynamic_batch and first is not None and first.dim() > 0 and first.shape[0] > 1:
+        n = first.shape[0]
+        batches.append(tuple(a[:1] if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n else a
+                             for a in args))
+    return batches
+
+
+def _compare_with_eager(model: nn.Module, ort_model: OrtModule,
+                        batches: list[tuple[Any, ...]]) -> tuple[float, float, list[int]]:
+    """(max abs diff, max rel diff, batch sizes checked) of every output of ONNX Runtime against eager."""
+    max_abs, max_rel, checked = 0.0, 0.0, []
+    with _eval(model), torch.inference_mode():
+        for b in batches:
+            ref = _tensors(model(*b))
+            got = _tensors(ort_model(*b))
+            if len(ref) != len(got):
+                raise UserError(f"ONNX Runtime returned {len(got)} outputs, eager PyTorch {len(ref)}")
+            for r, g in zip(ref, got):
+                if tuple(r.shape) != tuple(g.shape):
+                    raise UserError(
+                        f"ONNX output shape {tuple(g.shape)} differs from eager {tuple(r.shape)}"
+                    )
+                if r.numel() == 0:
+                    continue
+                d = float((r.double() - g.double()).abs().max())
+                max_abs = max(max_abs, d)
+                max_rel = max(max_rel, d / max(float(r.double().abs().max()), 1e-12))
+            checked.append(int(b[0].shape[0]) if isinstance(b[0], torch.Tensor) and b[0].dim() else 1)
+    return max_abs, max_rel, checked
+
 
 def _qtype(setting: Int8Setting) -> Any:
     from onnxruntime.quantization import QuantType

@@ -54,10 +54,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx.passes.shape_prop import ShapeProp
 from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 
 from torch_tricks.errors import UserError, one_line
-from torch_tricks.registry import register_trick
+from torch_tricks.inspect.inputs import as_input_tuple
+from torch_tricks.models.resnet import BasicBlock, Bottleneck, ResNet
+from torch_tricks.deploy.steps import EXACT, StepContext, StepResult, deploy_step
 
 __all__ = ["FuseReport", "fuse", "fuse_with_report", "count_batchnorm"]
 
@@ -86,15 +89,6 @@ class FuseReport:
         return asdict(self)
 
 
-@register_trick(
-    "fuse_conv_bn",
-    ids=("I1",),
-    kind="deploy",
-    trades="one operator and one pass over the activations less per Conv/Linear+BN pair, for losing train-mode BN",
-    needs="eval mode; a BN right after a conv/linear; a torch.fx-traceable model (else nn.Sequential pairs only)",
-    measured_in="benchmarks/deploy.py",
-    switch_on="torch-tricks optimize --steps fuse",
-)
 def fuse(model: nn.Module, *, inplace: bool = False, example_inputs: Any = None) -> nn.Module:
     """``model`` in eval mode with every safe Conv+BN / Linear+BN pair folded into one layer.
 
@@ -171,6 +165,34 @@ def count_batchnorm(model: nn.Module) -> int:
 
 # -- finding the pairs -------------------------------------------------------------------
 
+# -- the deploy step --------------------------------------------------------------------------
+
+
+@deploy_step(
+    "fuse",
+    summary="fold each Conv+BN / Linear+BN pair into one layer (same outputs, one op less)",
+    tolerance=EXACT,
+    order=10,
+    ids=("I1",),
+    trick="fuse_conv_bn",
+    fn=fuse,
+    trades="one operator and one pass over the activations less per Conv/Linear+BN pair, for losing train-mode BN",
+    needs="eval mode; a BN right after a conv/linear; a torch.fx-traceable model (else nn.Sequential pairs only)",
+    measured_in="benchmarks/deploy.py",
+)
+def fuse_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResult]:
+    """The ``fuse`` step of :func:`~torch_tricks.deploy.pipeline.optimize`: :func:`fuse_with_report`."""
+    new, rep = fuse_with_report(model, example_inputs=ctx.example)
+    done = "nothing folded: the step is a no-op"
+    if rep.fused:
+        done = (f"folded {len(rep.fused)} Conv/Linear+BN pairs: BatchNorm layers "
+                f"{rep.batchnorm_before} -> {rep.batchnorm_after}")
+    return new, ctx.result(
+        backend=rep.method, changed=bool(rep.fused), notes=[done, *rep.notes],
+        details={"fused": len(rep.fused), "batchnorm_before": rep.batchnorm_before,
+                 "batchnorm_after": rep.batchnorm_after, "kept_batchnorm": rep.kept_batchnorm})
+
+
 def _plan(model: nn.Module, example_inputs: Any) -> tuple[list[tuple[str, str]], list[str], str, str]:
     """(pairs to fold, kept BNs with reasons, method, note)."""
     try:
@@ -202,20 +224,8 @@ def _fx_pairs(
         if bn_name in seen_bn:
             continue
         seen_bn.add(bn_name)
-        bn = modules[bn_name]
         src = node.args[0] if node.args else None
-        why = None
-        if not isinstance(src, fx.Node) or src.op != "call_module":
-            why = "its input is not the output of a module"
-        else:
-            layer = modules.get(src.target)
-            why = _pair_problem(layer, bn)
-            if why is None and len(src.users) > 1:
-                why = f"the output of {src.target} has other users besides the BN"
-            elif why is None and (calls[src.target] > 1 or calls[bn_name] > 1):
-                why = "the layer or the BN is called more than once"
-            elif why is None and isinstance(layer, nn.Linear) and ranks is not None and ranks.get(src.name, 2) != 2:
-                why = "the linear output is not (N, features), so BatchNorm1d normalises another dim"
+        why = _fx_pair_problem(src, modules[bn_name], bn_name, modules, calls, ranks)
         if why is None:
             pairs.append((src.target, bn_name))
         else:
@@ -227,11 +237,23 @@ def _fx_pairs(
     return pairs, kept
 
 
+def _fx_pair_problem(src: Any, bn: nn.Module, bn_name: str, modules: dict[str, nn.Module], calls: Counter,
+                     ranks: dict[str, int] | None) -> str | None:
+    """Why the BN ``bn_name`` cannot fold into the module whose output ``src`` is (None: it can)."""
+    if not isinstance(src, fx.Node) or src.op != "call_module":
+        return "its input is not the output of a module"
+    layer = modules.get(src.target)
+    why = _pair_problem(layer, bn)
+    if why is None and len(src.users) > 1:
+        why = f"the output of {src.target} has other users besides the BN"
+    elif why is None and (calls[src.target] > 1 or calls[bn_name] > 1):
+        why = "the layer or the BN is called more than once"
+    elif why is None and isinstance(layer, nn.Linear) and ranks is not None and ranks.get(src.name, 2) != 2:
+        why = "the linear output is not (N, features), so BatchNorm1d normalises another dim"
+    return why
+
+
 def _output_ranks(gm: fx.GraphModule, example_inputs: Any) -> dict[str, int]:
-    from torch.fx.passes.shape_prop import ShapeProp
-
-    from torch_tricks.inspect.inputs import as_input_tuple
-
     with torch.no_grad():
         ShapeProp(gm).propagate(*as_input_tuple(example_inputs))
     out = {}
@@ -243,8 +265,6 @@ def _output_ranks(gm: fx.GraphModule, example_inputs: Any) -> dict[str, int]:
 
 
 def _eager_pairs(model: nn.Module) -> list[tuple[str, str]]:
-    from torch_tricks.models.resnet import BasicBlock, Bottleneck, ResNet
-
     known = {
         BasicBlock: (("conv1", "bn1"), ("conv2", "bn2")),
         Bottleneck: (("conv1", "bn1"), ("conv2", "bn2"), ("conv3", "bn3")),

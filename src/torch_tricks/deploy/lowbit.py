@@ -25,6 +25,7 @@ hold few weights but lose the most accuracy when quantized.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -232,8 +233,6 @@ def convert_lowbit(
         _check_bits(bits)
         if bits_a is not None:
             _check_bits(bits_a)
-    import copy
-
     work = copy.deepcopy(model)
     layers = [(n, m) for n, m in work.named_modules() if type(m) in (nn.Conv2d, nn.Linear)]
     if not layers:

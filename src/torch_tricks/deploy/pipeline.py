@@ -11,6 +11,12 @@ before it) and says whether it held. The whole chain is checked before any work 
 (step names, arguments, order, device), so a mistake costs no time; a step that cannot
 apply raises a one-line :class:`~torch_tricks.errors.UserError` saying why.
 
+Each step is a :class:`~torch_tricks.deploy.steps.DeployStep`, registered with its trick by
+:func:`~torch_tricks.deploy.steps.deploy_step` in the module that holds its code; this module
+plans the chain, applies the steps, holds each to its tolerance and measures. A step's older
+trick name (``fuse_conv_bn``, ``int8_static`` ...) is accepted as an alias of its name.
+Saving and loading live in :mod:`torch_tricks.deploy.artifact`.
+
 Steps (:func:`list_steps` gives the same list as data):
 
 =================  ==========================================================================
@@ -52,33 +58,32 @@ kernels with / without VNNI (e.g. to build for another machine), and the step's
 :attr:`StepResult.int8_setting` and notes say which ran and why.
 """
 
+
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import json
 import math
 import os
 import re
-import shutil
 import tempfile
 import time
-import warnings
-import zipfile
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
 
-from torch_tricks._io import atomic_path
-from torch_tricks.deploy.step_report import Agreement, agreement, compare_latency, model_size_bytes, param_count
-from torch_tricks._optional import install_hint, require
+from torch_tricks._format import human_bytes, si, table
+from torch_tricks.deploy import export, fuse, prune, quantize, reparam  # noqa: F401  (they register the steps)
+from torch_tricks.deploy.artifact import SaveInfo, load_optimized, save_artifact, save_format
+from torch_tricks.deploy.export import OrtModule
+from torch_tricks.deploy.step_report import agreement, compare_latency, model_size_bytes, param_count
+from torch_tricks.deploy.steps import (INT8_TARGETS, TOP1_MIN_ROWS, DeployStep, StepContext, StepResult, Tolerance,
+                                       batch_rows, get_step, json_safe, list_steps, plain_line, quiet_torch)
 from torch_tricks.device import resolve as resolve_device
-from torch_tricks.errors import UserError, one_line
-from torch_tricks.inspect.inputs import as_input_tuple
+from torch_tricks.errors import UserError
+from torch_tricks.inspect.inputs import as_input_tuple, describe_inputs
 
 __all__ = [
     "OptimizeResult",
@@ -90,141 +95,60 @@ __all__ = [
     "optimize",
 ]
 
-_META_NAME = "torch_tricks.json"
+_CANNOT_APPLY = re.compile(r"^[\w ()-]{0,40}? cannot apply: ")
 
 
-# -- the steps ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """How far a step's outputs may move from the model before it (None = not checked).
-
-    ``max_rel_diff`` is ``max|a - b| / max|b|``; ``max_abs_diff`` passes on its own (an
-    ``or``); ``min_top1`` applies to 2-D outputs of at least ``_TOP1_MIN_ROWS`` rows.
-    """
-
-    max_rel_diff: float | None = None
-    max_abs_diff: float | None = None
-    min_top1: float | None = None
-
-    def describe(self) -> str:
-        parts = []
-        if self.max_abs_diff is not None and self.max_rel_diff is not None:
-            parts.append(f"max abs diff <= {self.max_abs_diff:g} or max rel diff <= {self.max_rel_diff:g}")
-        elif self.max_rel_diff is not None:
-            parts.append(f"max rel diff <= {self.max_rel_diff:g}")
-        elif self.max_abs_diff is not None:
-            parts.append(f"max abs diff <= {self.max_abs_diff:g}")
-        if self.min_top1 is not None:
-            parts.append(f"top-1 agreement >= {self.min_top1:.0%}")
-        return " and ".join(parts)
-
-    def holds(self, a: Agreement) -> bool:
-        ok = True
-        if self.max_rel_diff is not None or self.max_abs_diff is not None:
-            ok = (self.max_rel_diff is not None and a.max_rel_diff <= self.max_rel_diff) or (
-                self.max_abs_diff is not None and a.max_abs_diff <= self.max_abs_diff
-            )
-        if self.min_top1 is not None and a.top1_agreement is not None:
-            ok = ok and a.top1_agreement >= self.min_top1
-        return bool(ok)
-
-
-_TOP1_MIN_ROWS = 10  # top-1 agreement on fewer rows is too coarse to hold a step to
-
-_EXACT = Tolerance(max_rel_diff=1e-4)
-# int8 moves outputs by a few % of their range (more on random weights, whose margins are
-# thin); this catches a broken calibration (ranges from the wrong data: rel diff ~1, top-1
-# near chance), not rounding.
-_INT8 = Tolerance(max_rel_diff=0.3, min_top1=0.9)
-
-
-@dataclass(frozen=True)
-class _StepDef:
-    summary: str
-    args: tuple[str, ...] = ()  # allowed argument forms, for the messages ("" = none)
-    final: bool = False
-    cpu_only: bool = False
-    tolerance: Tolerance | None = None
-    targets: bool = False  # takes :vnni / :no-vnni (the int8 setting) after its argument
-
-
-_STEPS: dict[str, _StepDef] = {
-    "fuse": _StepDef("fold each Conv+BN / Linear+BN pair into one layer (same outputs, one op less)",
-                     tolerance=_EXACT),
-    "reparam": _StepDef("fold multi-branch blocks (RepVGG, ACNet) into one conv each (same outputs)",
-                        tolerance=_EXACT),
-    "prune": _StepDef("remove conv channels: prune = prune:macs=0.5 (keep ~half the MACs), "
-                      "prune:0.3 removes 30% of each layer's channels (accuracy drops until fine-tuned)",
-                      args=("F", "macs=F")),
-    "int8": _StepDef("static int8 weights and activations, calibrated; int8:pt2e / int8:fx picks the "
-                     "backend (default auto: PT2E, else FX); :vnni / :no-vnni forces the int8 setting "
-                     "(default: chosen for this CPU)", args=("auto", "pt2e", "fx"),
-                     final=True, cpu_only=True, tolerance=_INT8, targets=True),
-    "int8-dynamic": _StepDef("int8 Linear/LSTM/GRU weights, activations quantized per call "
-                             "(transformers, RNNs)", final=True, cpu_only=True,
-                             tolerance=Tolerance(max_rel_diff=0.1, min_top1=0.9)),
-    "fp16": _StepDef("float16 weights and inputs (GPU; refused on CPU, where it is slower than fp32)",
-                     final=True, tolerance=Tolerance(max_rel_diff=1e-2)),
-    "bf16": _StepDef("bfloat16 weights and inputs (GPU, or a CPU with AVX512-BF16/AMX)",
-                     final=True, tolerance=Tolerance(max_rel_diff=5e-2)),
-    "onnx": _StepDef("export to ONNX and run the file in ONNX Runtime (CPU)", final=True, cpu_only=True,
-                     tolerance=Tolerance(max_abs_diff=1e-4, max_rel_diff=1e-5)),
-    "onnx-int8": _StepDef("export to ONNX, then ONNX Runtime int8: onnx-int8:static (calibrated, "
-                          "default) or onnx-int8:dynamic; :vnni / :no-vnni forces the int8 setting "
-                          "(default: chosen for this CPU)", args=("static", "dynamic"),
-                          final=True, cpu_only=True, tolerance=_INT8, targets=True),
-}
-
-# reparam must come before these (its folds need the BNs / channel counts they change)
-_AFTER_REPARAM = {"fuse": "fusing removes the BatchNorms that re-parameterization folds",
-                  "prune": "pruning changes the channel counts the multi-branch blocks fold with"}
-
-
-def list_steps() -> dict[str, str]:
-    """Step name -> one-line description, in the order they usually chain."""
-    return {name: d.summary for name, d in _STEPS.items()}
-
-
-_TARGETS = ("vnni", "no-vnni")
+# -- planning -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _Planned:
     text: str  # as given, e.g. "prune:0.3"
-    name: str
+    step: DeployStep
     arg: str
-    mode: str = ""  # int8 / onnx-int8: the backend or mode part of arg, lower case
+    mode: str = ""  # the step's mode (int8 backend, onnx-int8 mode ...), lower case
     int8_for: str = "auto"  # int8 / onnx-int8: auto | vnni | no-vnni
+
+    @property
+    def name(self) -> str:
+        return self.step.name
 
 
 def _plan(steps: Sequence[str] | str) -> list[_Planned]:
     """Parse and check the chain (names, arguments, duplicates, order) before any work."""
+    items = _split_steps(steps)
+    if not items:
+        raise UserError(f"no steps given: choose from {', '.join(list_steps())}")
+    plan: list[_Planned] = []
+    for text in items:
+        name, _, arg = text.partition(":")
+        step = get_step(name)
+        mode, int8_for = step.parse(arg.strip())
+        plan.append(_Planned(text, step, arg.strip(), mode, int8_for))
+    seen: dict[str, int] = {}
+    for i, p in enumerate(plan):
+        if p.name in seen:
+            raise UserError(f"step {p.name!r} is given twice: give each step once")
+        seen[p.name] = i
+    _check_finals(plan)
+    _check_order(plan, seen)
+    return plan
+
+
+def _split_steps(steps: Sequence[str] | str) -> list[str]:
+    """``"fuse, int8"`` or ``["fuse", "int8"]`` -> ``["fuse", "int8"]`` (blanks dropped)."""
     if isinstance(steps, str):
         items = [s.strip() for s in steps.split(",")]
     elif isinstance(steps, (list, tuple)) and all(isinstance(s, str) for s in steps):
         items = [s.strip() for s in steps]
     else:
         raise UserError(f"steps must be a list of step names or a comma-separated string, got {type(steps).__name__}")
-    items = [s for s in items if s]
-    choices = ", ".join(_STEPS)
-    if not items:
-        raise UserError(f"no steps given: choose from {choices}")
-    plan: list[_Planned] = []
-    for text in items:
-        name, _, arg = text.partition(":")
-        name, arg = name.strip().lower(), arg.strip()
-        if name not in _STEPS:
-            raise UserError(f"unknown step {name!r}: choose from {choices}")
-        mode, int8_for = _check_arg(name, arg)
-        plan.append(_Planned(text, name, arg, mode, int8_for))
-    seen: dict[str, int] = {}
-    for i, p in enumerate(plan):
-        if p.name in seen:
-            raise UserError(f"step {p.name!r} is given twice: give each step once")
-        seen[p.name] = i
-    finals = [p for p in plan if _STEPS[p.name].final]
+    return [s for s in items if s]
+
+
+def _check_finals(plan: list[_Planned]) -> None:
+    """At most one final step (int8, onnx ...), and it comes last."""
+    finals = [p for p in plan if p.step.final]
     if len(finals) > 1:
         raise UserError(
             f"steps {finals[0].name!r} and {finals[1].name!r} cannot be chained: each turns the model into a form "
@@ -236,123 +160,37 @@ def _plan(steps: Sequence[str] | str) -> list[_Planned]:
             f"step {after.name!r} cannot follow {finals[0].name!r}: {finals[0].name} must be the last step "
             f"(put {after.name} before it)"
         )
-    if "reparam" in seen:
-        for other, why in _AFTER_REPARAM.items():
-            if other in seen and seen[other] < seen["reparam"]:
-                raise UserError(f"step 'reparam' cannot follow {other!r}: {why}; put reparam before {other}")
-    return plan
 
 
-def _check_arg(name: str, arg: str) -> tuple[str, str]:
-    """Check a step's argument; return (mode, int8 target) for the int8 steps."""
-    d = _STEPS[name]
-    if d.targets:
-        return _int8_arg(name, arg)
-    if not arg:
-        return "", "auto"
-    if not d.args:
-        raise UserError(f"step {name!r} takes no argument, got {name}:{arg}")
-    if name == "prune":
-        value = arg.removeprefix("macs=")
-        try:
-            f = float(value)
-        except ValueError:
-            f = math.nan
-        ok = (0.0 < f <= 1.0) if arg.startswith("macs=") else (0.0 < f < 1.0)
-        if not ok:
-            raise UserError(
-                f"bad prune argument {arg!r}: prune:F removes the share F in (0, 1) of each layer's channels "
-                "(e.g. prune:0.3), prune:macs=F keeps the share F in (0, 1] of the MACs (e.g. prune:macs=0.5)"
-            )
-        return "", "auto"
-    if arg.lower() not in d.args:
-        raise UserError(f"bad argument for {name}: {arg!r}; choose {name}:" + f" or {name}:".join(d.args))
-    return arg.lower(), "auto"
+def _check_order(plan: list[_Planned], seen: dict[str, int]) -> None:
+    """A step with ``before`` (reparam) must come before the steps it names."""
+    for p in plan:
+        for other, why in p.step.before.items():
+            if other in seen and seen[other] < seen[p.name]:
+                raise UserError(f"step {p.name!r} cannot follow {other!r}: {why}; put {p.name} before {other}")
 
 
-def _int8_arg(name: str, arg: str) -> tuple[str, str]:
-    """``int8:pt2e:no-vnni``, ``onnx-int8:vnni`` ...: at most one mode and one target, any order."""
-    d = _STEPS[name]
-    tokens = [t.strip().lower() for t in arg.split(":")] if arg else []
-    modes = [t for t in tokens if t in d.args]
-    targets = [t for t in tokens if t in _TARGETS]
-    if len(modes) > 1 or len(targets) > 1 or len(modes) + len(targets) != len(tokens):
-        raise UserError(f"bad argument for {name}: {arg!r}; choose {name}:" + f" or {name}:".join(d.args)
-                        + ", optionally followed by :vnni or :no-vnni (the int8 setting for kernels with or "
-                        "without VNNI; default: chosen for this CPU)")
-    return (modes[0] if modes else d.args[0]), (targets[0] if targets else "auto")
+def _with_int8_for(plan: list[_Planned], int8_for: Any) -> list[_Planned]:
+    """Apply ``optimize(int8_for=...)`` to the chain's int8 step (checked before any work)."""
+    if not isinstance(int8_for, str) or int8_for.strip().lower() not in ("auto", *INT8_TARGETS):
+        raise UserError(f"the int8 target (int8_for, --int8-for) must be auto, vnni or no-vnni, not {int8_for!r}")
+    want = int8_for.strip().lower()
+    if want == "auto":
+        return plan
+    int8 = [p for p in plan if p.step.targets or p.step.one_int8_setting]
+    if not int8:
+        raise UserError(f"int8 target {want!r} given, but the chain has no int8 or onnx-int8 step")
+    p = int8[0]
+    if p.step.one_int8_setting:
+        if want == "vnni":
+            raise UserError(p.step.one_int8_setting)
+        return plan
+    if p.int8_for not in ("auto", want):
+        raise UserError(f"int8 target given twice: step {p.text!r} says {p.int8_for}, int8_for says {want}")
+    return [dataclasses.replace(q, int8_for=want) if q is p else q for q in plan]
 
 
 # -- results -----------------------------------------------------------------------------------
-
-
-@dataclass
-class StepResult:
-    """One model of the chain (``"original"`` or a step) measured against the original.
-
-    ``agreement`` compares with the original model, ``step_agreement`` with the model
-    just before this step (what ``tolerance`` is about: a pruned-then-fused model differs
-    from the original because of the pruning, not the fusion). ``backend`` says which
-    implementation ran (``fx``/``eager`` fusion, ``pt2e``/``fx`` int8, ...); ``details`` is
-    the step's own report (:class:`~torch_tricks.deploy.quantize.QuantReport` etc.) as a
-    dict. ``size_bytes`` is ``torch.save(state_dict)`` bytes for modules and the file size
-    for ONNX; ``latency_s``/``speedup`` map a batch size to the median seconds and to
-    original / this (``None`` where the model cannot run that batch, or not measured).
-    ``int8_setting`` (int8 steps): the int8 range and types the kernels got and why
-    (:meth:`~torch_tricks.deploy.cpu_int8.Int8Setting.to_dict`).
-    """
-
-    step: str
-    name: str
-    backend: str = ""
-    changed: bool = True
-    seconds: float = 0.0
-    agreement: Agreement | None = None
-    step_agreement: Agreement | None = None
-    tolerance: str | None = None
-    within_tolerance: bool | None = None
-    params: int = 0
-    size_bytes: int = 0
-    size_method: str = "torch.save(state_dict()) bytes"
-    latency_s: dict[int, float | None] = field(default_factory=dict)
-    latency_iqr_s: dict[int, float | None] = field(default_factory=dict)
-    speedup: dict[int, float | None] = field(default_factory=dict)
-    details: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    int8_setting: dict[str, Any] | None = None
-    model: Any = field(default=None, repr=False, compare=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(_shallow_without_model(self)).items() if k != "model"}
-        return _json_safe(d)
-
-
-def _shallow_without_model(r: StepResult) -> StepResult:
-    c = copy.copy(r)
-    c.model = None
-    return c
-
-
-@dataclass
-class SaveInfo:
-    """What :meth:`OptimizeResult.save` wrote.
-
-    ``format``: ``onnx``, ``torch.export`` (a ``.pt2`` program), ``torchscript`` or
-    ``pickle`` (whole-model ``torch.save``); ``why`` says why that one; ``load`` how to
-    read it back; ``verify_max_abs_diff`` the largest output difference between the file
-    (loaded back) and the in-memory model on the example inputs (None if not verified).
-    """
-
-    path: str
-    format: str
-    size_bytes: int
-    why: str
-    load: str
-    verify_max_abs_diff: float | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return _json_safe(asdict(self))
 
 
 @dataclass
@@ -397,12 +235,12 @@ class OptimizeResult:
 
     def as_dict(self) -> dict[str, Any]:
         """Everything as JSON-ready data (for ``--json``)."""
-        return _json_safe({
+        return json_safe({
             "device": self.device,
             "threads": self.threads,
             "batches": list(self.batches),
             "measured": self.measured,
-            "example_inputs": _describe_inputs(self.example_inputs),
+            "example_inputs": describe_inputs(self.example_inputs),
             "calibration": self.calibration,
             "int8_setting": next((s.int8_setting for s in self.steps if s.int8_setting), None),
             "ok": self.ok,
@@ -414,8 +252,6 @@ class OptimizeResult:
 
     def table_rows(self) -> tuple[list[str], list[list[str]]]:
         """``(headers, rows)`` of strings: one row for the original and one per step."""
-        from torch_tricks._format import human_bytes, si
-
         headers = ["step", "backend", "max abs diff", "top-1", "params", "size"]
         for b in self.batches if self.measured else ():
             headers += [f"bs{b} ms", f"bs{b} x"]
@@ -440,8 +276,6 @@ class OptimizeResult:
 
     def format_table(self) -> str:
         """:meth:`table_rows` as a fixed-width text table."""
-        from torch_tricks._format import table
-
         headers, rows = self.table_rows()
         return table(headers, rows, "ll" + "r" * (len(headers) - 3) + "l")
 
@@ -459,13 +293,13 @@ class OptimizeResult:
     @property
     def save_format(self) -> str:
         """The format :meth:`save` will write (``torch.export`` may still fall back to ``pickle``)."""
-        fmt = _save_format(self.model)[0]
+        fmt = save_format(self.model)[0]
         return "torch.export" if fmt == "pt2e" else fmt
 
     @property
     def suggested_suffix(self) -> str:
         """The usual file suffix for :attr:`save_format`: ``.onnx``, ``.pt2`` (torch.export) or ``.pt``."""
-        return {"onnx": ".onnx", "torch.export": ".pt2", "pt2e": ".pt2"}.get(_save_format(self.model)[0], ".pt")
+        return {"onnx": ".onnx", "torch.export": ".pt2", "pt2e": ".pt2"}.get(save_format(self.model)[0], ".pt")
 
     def save(self, path: str | os.PathLike[str], *, verify: bool = True) -> SaveInfo:
         """Write the final model to ``path`` atomically (a temporary file beside it, renamed).
@@ -495,52 +329,8 @@ class OptimizeResult:
         (``SaveInfo.verify_max_abs_diff``). A name ending in ``.onnx`` for a non-ONNX
         result is refused.
         """
-        target = Path(path)
-        fmt, why = _save_format(self.model)
-        if target.suffix.lower() == ".onnx" and fmt != "onnx":
-            raise UserError(
-                f"{target.name}: the final model is not ONNX (it saves as {fmt}): name it .pt2/.pt, "
-                "or end the steps with onnx"
-            )
-        example = self.example_inputs
-        notes: list[str] = []
-        meta = {"format": fmt, "steps": [s.step for s in self.steps], "inputs": _describe_inputs(example),
-                "threads": self.threads}
-        if fmt == "onnx":
-            _save_onnx(self.model.path, target, notes)
-            load = "torch_tricks.deploy.pipeline.load_optimized(path) or onnxruntime.InferenceSession(path)"
-        elif fmt == "pt2e":
-            fmt = meta["format"] = "torch.export"
-            meta["kind"] = "pt2e-int8"
-            meta.update(_pt2e_meta(self.model))
-            ep = _export_program(self.model.quantized, example, self.model.dynamic_batch, eval_mode=False)
-            _write_program(ep, target, meta)
-            load = ("torch_tricks.deploy.pipeline.load_optimized(path) (compiled int8 kernels); "
-                    "torch.export.load(path).module() runs the reference int8 graph uncompiled (slow)")
-        elif fmt == "torchscript":
-            with _quiet_torch(), torch.no_grad():
-                traced = torch.jit.trace(self.model, example, check_trace=False, _store_inputs=False)
-            with atomic_path(target, suffix=".pt") as tmp:
-                torch.jit.save(traced, str(tmp), _extra_files={_META_NAME: json.dumps(meta)})
-            load = "torch_tricks.deploy.pipeline.load_optimized(path) or torch.jit.load(path)"
-        else:
-            ep = None
-            if fmt == "torch.export":
-                try:
-                    ep = _export_program(self.model, example, dynamic_batch=True)
-                except Exception as exc:
-                    fmt, why = "pickle", f"torch.export failed ({_one_line(exc)}), so the whole model is pickled"
-            if ep is not None:
-                _write_program(ep, target, meta)
-                load = "torch_tricks.deploy.pipeline.load_optimized(path) or torch.export.load(path).module()"
-            else:
-                with atomic_path(target, suffix=".pt") as tmp, _quiet_torch():
-                    torch.save(self.model, tmp)
-                load = ("torch_tricks.deploy.pipeline.load_optimized(path) or torch.load(path, weights_only=False) "
-                        "(trusted files only; the model's class must be importable)")
-        info = SaveInfo(path=str(target), format=fmt, size_bytes=_file_bytes(target), why=why, load=load, notes=notes)
-        if verify:
-            info.verify_max_abs_diff = _verify(target, self.model, example)
+        info = save_artifact(self.model, path, self.example_inputs, steps=[s.step for s in self.steps],
+                             threads=self.threads, verify=verify)
         self.saved = info
         return info
 
@@ -549,6 +339,8 @@ class OptimizeResult:
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None
+
+
 
 
 # -- optimize -----------------------------------------------------------------------------------
@@ -576,7 +368,7 @@ def optimize(
     to trace, export, calibrate (without ``calib``) and to build the latency inputs of
     each batch size in ``batches`` (rows repeated or cut along dim 0). ``check_inputs``
     (default ``example_inputs``) feed the output comparisons: give at least
-    ``_TOP1_MIN_ROWS`` (10) rows for top-1 agreement to be held to a tolerance.
+    ``TOP1_MIN_ROWS`` (10) rows for top-1 agreement to be held to a tolerance.
     ``measure=False`` skips the latency (agreement, params and size are always measured).
     ``progress`` is called with a short message before each phase (the library never prints).
     ``int8_for`` (``auto``, ``vnni`` or ``no-vnni``) forces the int8 setting of the chain's
@@ -586,68 +378,39 @@ def optimize(
     Returns an :class:`OptimizeResult`; the input model is never changed (its weights,
     buffers and train/eval mode), also when a step raises.
     """
-    plan = _plan(steps)
-    plan = _with_int8_for(plan, int8_for)
+    plan = _with_int8_for(_plan(steps), int8_for)
     dev = _device(device)
     batches = _batches(batches, measure)
     if not isinstance(model, nn.Module):
         raise UserError(f"optimize needs an nn.Module, got {type(model).__name__}")
-    for p in plan:
-        _check_device(p, dev)
-    for p in plan:
-        _check_dependencies(p)
+    _check_plan_can_run(plan, dev)
     report = progress or (lambda _msg: None)
-
-    try:
-        reference = copy.deepcopy(model)
-    except Exception as exc:
-        raise UserError(
-            f"optimize works on a copy of the model and {type(model).__name__} cannot be deep-copied "
-            f"({_one_line(exc)}): make its attributes copyable"
-        ) from None
-    reference.eval().to(dev)
+    reference = _reference_copy(model, dev)
     example = _to_device(as_input_tuple(example_inputs), dev)
     check = _to_device(as_input_tuple(check_inputs), dev) if check_inputs is not None else example
     _check_inputs_match(example, check)
-    try:
-        with torch.inference_mode():
-            reference(*example)
-    except Exception as exc:
-        raise UserError(f"the model does not run on the example inputs ({_one_line(exc)}): check their shape") from None
+    _check_runs(reference, example)
 
-    needs_calib = any(p.name == "int8" or (p.name == "onnx-int8" and p.mode != "dynamic") for p in plan)
+    needs_calib = any(p.step.calibrates(p.mode) for p in plan)
     calib_batches, calib_text = (_calibration(calib, example, dev) if needs_calib else (None, None))
-
     workdir = tempfile.TemporaryDirectory(prefix="torch_tricks_optimize_") if any(
-        p.name.startswith("onnx") for p in plan) else None
+        p.step.needs_workdir for p in plan) else None
     original = StepResult(step="original", name="original", backend="eager", changed=False, model=reference)
     _measure_static(original, reference, reference, check)
     results: list[StepResult] = []
     current: Any = reference
     for i, p in enumerate(plan, 1):
         report(f"[{i}/{len(plan)}] {p.text}")
-        ctx = _Ctx(example=example, calib=calib_batches, device=dev, workdir=workdir, index=i,
-                   for_vnni={"auto": None, "vnni": True, "no-vnni": False}[p.int8_for])
-        t0 = time.perf_counter()
-        try:
-            new, res = _apply(p, current, ctx)
-        except UserError as exc:
-            why = _CANNOT_APPLY.sub("", _one_line(exc, with_type=False))  # said once is enough
-            raise UserError(f"step {p.text!r} cannot apply: {why}") from None
-        res.seconds = time.perf_counter() - t0
-        res.model = new
-        _measure_static(res, reference, new, check, previous=current)
-        if _STEPS[p.name].final:  # a conversion keeps the weights: count them in the model before it
+        ctx = StepContext(example=example, calib=calib_batches, device=dev, workdir=workdir, index=i,
+                          text=p.text, name=p.name, arg=p.arg, mode=p.mode,
+                          for_vnni={"auto": None, "vnni": True, "no-vnni": False}[p.int8_for])
+        res = _apply(p, current, ctx)
+        _measure_static(res, reference, res.model, check, previous=current)
+        if p.step.final:  # a conversion keeps the weights: count them in the model before it
             res.params = results[-1].params if results else original.params
-        tol = _STEPS[p.name].tolerance
-        if tol is not None and res.step_agreement is not None:
-            rows = _rows(check)
-            if rows is not None and rows < _TOP1_MIN_ROWS and tol.min_top1 is not None:
-                tol = Tolerance(tol.max_rel_diff, tol.max_abs_diff, None)
-            res.tolerance = tol.describe()
-            res.within_tolerance = tol.holds(res.step_agreement)
+        _hold_to_tolerance(res, p.step.tolerance, check)
         results.append(res)
-        current = new
+        current = res.model
 
     if measure:
         _measure_latency([original, *results], example, batches, warmup, repeats, report)
@@ -658,158 +421,48 @@ def optimize(
     )
 
 
-@dataclass
-class _Ctx:
-    example: tuple[Any, ...]
-    calib: list[tuple[Any, ...]] | None
-    device: torch.device
-    workdir: Any
-    index: int
-    for_vnni: bool | None = None  # the int8 setting for kernels with / without VNNI; None = this CPU's
-
-
-def _with_int8_for(plan: list[_Planned], int8_for: Any) -> list[_Planned]:
-    """Apply ``optimize(int8_for=...)`` to the chain's int8 step (checked before any work)."""
-    if not isinstance(int8_for, str) or int8_for.strip().lower() not in ("auto", *_TARGETS):
-        raise UserError(f"the int8 target (int8_for, --int8-for) must be auto, vnni or no-vnni, not {int8_for!r}")
-    want = int8_for.strip().lower()
-    if want == "auto":
-        return plan
-    int8 = [p for p in plan if p.name in ("int8", "onnx-int8", "int8-dynamic")]
-    if not int8:
-        raise UserError(f"int8 target {want!r} given, but the chain has no int8 or onnx-int8 step")
-    p = int8[0]
-    if p.name == "int8-dynamic":
-        if want == "vnni":
-            raise UserError("int8-dynamic has one setting: torch.ao's dynamic kernels always quantize activations "
-                            "to 7 bits (exact with or without VNNI); use onnx-int8:dynamic:vnni")
-        return plan
-    if p.int8_for not in ("auto", want):
-        raise UserError(f"int8 target given twice: step {p.text!r} says {p.int8_for}, int8_for says {want}")
-    return [dataclasses.replace(q, int8_for=want) if q is p else q for q in plan]
-
-
-def _apply(p: _Planned, model: Any, ctx: _Ctx) -> tuple[Any, StepResult]:
-    """Run one step on ``model`` (never changed: every step function works on a copy)."""
-    res = StepResult(step=p.text, name=p.name)
-    if p.name == "fuse":
-        from torch_tricks.deploy.fuse import fuse_with_report
-
-        new, rep = fuse_with_report(model, example_inputs=ctx.example)
-        res.backend = rep.method
-        res.changed = bool(rep.fused)
-        res.details = {"fused": len(rep.fused), "batchnorm_before": rep.batchnorm_before,
-                       "batchnorm_after": rep.batchnorm_after, "kept_batchnorm": rep.kept_batchnorm}
-        done = "nothing folded: the step is a no-op"
-        if rep.fused:
-            done = (f"folded {len(rep.fused)} Conv/Linear+BN pairs: BatchNorm layers "
-                    f"{rep.batchnorm_before} -> {rep.batchnorm_after}")
-        res.notes = [done, *rep.notes]
-    elif p.name == "reparam":
-        from torch_tricks.deploy.reparam import reparameterize_with_report
-
-        new, rep = reparameterize_with_report(model)
-        res.backend = "reparameterize()"
-        res.changed = bool(rep.folded)
-        res.details = {"folded": len(rep.folded), "block_types": sorted(set(rep.folded.values())),
-                       "already_folded": len(rep.already_folded)}
-        res.notes = list(rep.notes)
-    elif p.name == "prune":
-        from torch_tricks.deploy.prune import prune_channels_with_report
-
-        if p.arg and not p.arg.startswith("macs="):
-            amount, target = float(p.arg), None
-        else:
-            amount, target = None, float(p.arg.removeprefix("macs=") or 0.5)
-        new, rep = prune_channels_with_report(model, ctx.example, amount, target_macs=target)
-        new.eval()
-        res.backend = "torch.fx channel pruning"
-        res.details = {"amount": rep.amount, "target_macs": rep.target_macs, "macs_before": rep.macs_before,
-                       "macs_after": rep.macs_after, "mac_ratio": rep.mac_ratio,
-                       "params_before": rep.params_before, "params_after": rep.params_after,
-                       "groups_pruned": len(rep.groups), "layers_skipped": len(rep.skipped)}
-        res.notes = [f"removed {rep.amount:.0%} of the channels of {len(rep.groups)} layer groups: "
-                     f"{rep.mac_ratio:.0%} of the MACs kept", *rep.notes]
-    elif p.name == "int8":
-        from torch_tricks.deploy.quantize import quantize_static_int8
-
-        new, rep = quantize_static_int8(model, ctx.calib, ctx.example, backend=p.mode or "auto",
-                                        reduce_range=None if ctx.for_vnni is None else not ctx.for_vnni)
-        res.backend = rep.backend
-        res.size_method = rep.size_method
-        res.details = _quant_details(rep)
-        res.notes = list(rep.notes)
-        res.int8_setting = rep.int8_setting
-    elif p.name == "int8-dynamic":
-        from torch_tricks.deploy.quantize import quantize_dynamic_int8
-
-        new, rep = quantize_dynamic_int8(model)
-        res.backend = rep.backend
-        res.details = _quant_details(rep)
-        res.notes = list(rep.notes)
-        res.int8_setting = rep.int8_setting
-    elif p.name in ("fp16", "bf16"):
-        from torch_tricks.deploy.quantize import cast_half
-
-        new, rep = cast_half(model, torch.float16 if p.name == "fp16" else torch.bfloat16, ctx.device)
-        res.backend = rep.backend
-        res.details = _quant_details(rep)
-        res.notes = list(rep.notes)
-    elif p.name in ("onnx", "onnx-int8"):
-        new = _onnx_step(p, model, ctx, res)
-    else:  # pragma: no cover - _plan only lets known names through
-        raise AssertionError(p.name)
-    return new, res
-
-
-def _onnx_step(p: _Planned, model: nn.Module, ctx: _Ctx, res: StepResult) -> Any:
-    from torch_tricks.deploy.export import OrtModule, export_onnx_checked, onnx_size_bytes, ort_int8_setting, \
-        ort_quantize_dynamic, ort_quantize_static
-
-    path = Path(ctx.workdir.name) / f"step{ctx.index}.onnx"
+def _apply(p: _Planned, model: Any, ctx: StepContext) -> StepResult:
+    """Run one step on ``model`` (never changed: every step works on a copy); its result holds the new model."""
+    t0 = time.perf_counter()
     try:
-        with _quiet_torch():  # a failed capture prints its partial graph and log lines
-            exp = export_onnx_checked(model, ctx.example, path)
-    except UserError:
-        raise
+        new, res = p.step.apply(model, ctx)
+    except UserError as exc:
+        why = _CANNOT_APPLY.sub("", plain_line(exc, with_type=False))  # said once is enough
+        raise UserError(f"step {p.text!r} cannot apply: {why}") from None
+    res.seconds = time.perf_counter() - t0
+    res.model = new
+    return res
+
+
+def _hold_to_tolerance(res: StepResult, tol: Tolerance | None, check: tuple[Any, ...]) -> None:
+    """Say whether the step's own change (against the model before it) held its tolerance."""
+    if tol is None or res.step_agreement is None:
+        return
+    rows = batch_rows(check)
+    if rows is not None and rows < TOP1_MIN_ROWS and tol.min_top1 is not None:
+        tol = Tolerance(tol.max_rel_diff, tol.max_abs_diff, None)
+    res.tolerance = tol.describe()
+    res.within_tolerance = tol.holds(res.step_agreement)
+
+
+def _reference_copy(model: nn.Module, dev: torch.device) -> nn.Module:
+    """The eval-mode copy every step starts from and is compared with (the model itself is never changed)."""
+    try:
+        reference = copy.deepcopy(model)
     except Exception as exc:
-        # the exporter wraps the real reason ("step 1/3 of exporting ... Next steps: ...")
-        raise UserError(f"torch.onnx.export failed: {_one_line(exc.__cause__ or exc)}") from None
-    res.details = {"export": {k: v for k, v in exp.to_dict().items() if k != "path"}}
-    res.notes = list(exp.notes)
-    if p.name == "onnx":
-        ort = OrtModule(path)
-        res.backend = "onnxruntime " + ",".join(ort.providers)
-    else:
-        qpath = path.with_name(f"step{ctx.index}.int8.onnx")
-        mode = p.mode or "static"
-        setting = ort_int8_setting(mode, None if ctx.for_vnni is None else "int8" if ctx.for_vnni else "uint8")
-        try:
-            if mode == "static":
-                ort_quantize_static(path, qpath, ctx.calib, weight_type=setting.weight_type)
-            else:
-                ort_quantize_dynamic(path, qpath, weight_type=setting.weight_type)
-        except UserError:
-            raise
-        except Exception as exc:
-            raise UserError(f"ONNX Runtime int8 quantization failed: {_one_line(exc)}") from None
-        ort = OrtModule(qpath)
-        res.backend = f"onnxruntime {mode} int8" + (" (QDQ, per-channel)" if mode == "static" else "")
-        res.details["fp32_size_bytes"] = onnx_size_bytes(path)
-        res.int8_setting = setting.to_dict()
-        res.notes.append(f"int8 setting: {setting.describe()}")
-    res.size_method = "ONNX file bytes (with external data)"
-    res.details["threads"] = torch.get_num_threads()
-    res.notes.append(f"ONNX Runtime runs with {torch.get_num_threads()} intra-op threads (torch.get_num_threads())")
-    return ort
+        raise UserError(
+            f"optimize works on a copy of the model and {type(model).__name__} cannot be deep-copied "
+            f"({plain_line(exc)}): make its attributes copyable"
+        ) from None
+    return reference.eval().to(dev)
 
 
-def _quant_details(rep: Any) -> dict[str, Any]:
-    d = rep.to_dict()
-    d.pop("agreement", None)  # measured by optimize itself, against the original
-    d.pop("notes", None)
-    d.pop("int8_setting", None)  # a field of the step itself
-    return d
+def _check_runs(reference: nn.Module, example: tuple[Any, ...]) -> None:
+    try:
+        with torch.inference_mode():
+            reference(*example)
+    except Exception as exc:
+        raise UserError(f"the model does not run on the example inputs ({plain_line(exc)}): check their shape") from None
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -817,15 +470,13 @@ def _quant_details(rep: Any) -> dict[str, Any]:
 
 def _measure_static(res: StepResult, reference: nn.Module, model: Any, check: tuple[Any, ...],
                     previous: Any | None = None) -> None:
-    from torch_tricks.deploy.export import OrtModule
-
     if previous is not None:
         try:
-            with _quiet_torch():
+            with quiet_torch():
                 res.agreement = agreement(reference, model, check)
                 res.step_agreement = res.agreement if previous is reference else agreement(previous, model, check)
         except UserError as exc:  # e.g. a fixed-batch PT2E model given check_inputs of another batch size
-            res.notes.append(f"outputs not compared: {_one_line(exc, with_type=False)}")
+            res.notes.append(f"outputs not compared: {plain_line(exc, with_type=False)}")
     if isinstance(model, OrtModule):
         res.size_bytes = model.size_bytes
         res.params = _onnx_params(model.path)
@@ -842,13 +493,13 @@ def _measure_latency(results: list[StepResult], example: tuple[Any, ...], batche
         runnable: dict[str, Any] = {}
         for r in results:
             try:
-                with torch.inference_mode(), _quiet_torch():
+                with torch.inference_mode(), quiet_torch():
                     r.model(*inputs)  # also compiles a PT2E model for this batch size
                 runnable[r.step] = r.model
             except Exception as exc:
                 r.latency_s[b] = r.latency_iqr_s[b] = r.speedup[b] = None
-                r.notes.append(f"not timed at batch {b}: {_one_line(exc, with_type=False)}")
-        with _quiet_torch():
+                r.notes.append(f"not timed at batch {b}: {plain_line(exc, with_type=False)}")
+        with quiet_torch():
             timings = compare_latency(runnable, inputs, warmup=warmup, repeats=repeats)
         base = timings.get("original")
         for r in results:
@@ -862,7 +513,7 @@ def _measure_latency(results: list[StepResult], example: tuple[Any, ...], batche
 
 def _at_batch(example: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
     """``example`` with ``batch`` rows: its rows cut, or repeated, along dim 0."""
-    n = _rows(example)
+    n = batch_rows(example)
     if n is None:
         return example
     out = []
@@ -873,13 +524,6 @@ def _at_batch(example: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
             a = a[:batch].contiguous()
         out.append(a)
     return tuple(out)
-
-
-def _rows(args: tuple[Any, ...]) -> int | None:
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.dim() > 0:
-            return int(a.shape[0])
-    return None
 
 
 # -- calibration --------------------------------------------------------------------------------
@@ -904,7 +548,7 @@ def _calibration(calib: Iterable[Any] | None, example: tuple[Any, ...],
             batches.append(_to_device(args, dev))
         if not batches:
             raise UserError("calib is empty: give a few batches of real inputs")
-        rows = sum(_rows(b) or 1 for b in batches)
+        rows = sum(batch_rows(b) or 1 for b in batches)
         return batches, f"{len(batches)} batches ({rows} samples) given in calib"
     gen = torch.Generator().manual_seed(0)
     batches = [example] + [tuple(_like(a, gen) for a in example) for _ in range(_RANDOM_CALIB_BATCHES - 1)]
@@ -954,28 +598,17 @@ def _batches(batches: Sequence[int], measure: bool) -> tuple[int, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def _check_device(p: _Planned, dev: torch.device) -> None:
-    from torch_tricks.deploy.quantize import _cpu_flag
-
-    if _STEPS[p.name].cpu_only and dev.type != "cpu":
-        raise UserError(f"step {p.name!r} runs on CPU kernels (int8 / ONNX Runtime CPU): use device='cpu', "
-                        "or fp16/bf16 on the GPU")
-    if p.name == "fp16" and dev.type == "cpu" and not _cpu_flag("_is_amx_fp16_supported"):
-        raise UserError("fp16 on CPU is slower than fp32 (no native fp16 kernels without AMX-FP16): "
-                        "use bf16 or int8, or run on cuda")
-    if p.name == "bf16" and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UserError("this GPU has no native bf16 (needs compute capability >= 8.0): use fp16")
-
-
-def _check_dependencies(p: _Planned) -> None:
-    if p.name.startswith("onnx"):
-        for mod in ("onnx", "onnxscript", "onnxruntime"):
-            require(mod, "onnx", f"step {p.name!r}")
-    if p.name == "int8" and p.mode == "pt2e":
-        from torch_tricks.deploy.quantize import _import_torchao_pt2e
-
-        if _import_torchao_pt2e() is None:
-            raise UserError(f"step 'int8:pt2e' needs torchao: {install_hint('deploy')}, or use int8:fx")
+def _check_plan_can_run(plan: list[_Planned], dev: torch.device) -> None:
+    """Every step's device, then every step's dependencies (before any work)."""
+    for p in plan:
+        if p.step.cpu_only and dev.type != "cpu":
+            raise UserError(f"step {p.name!r} runs on CPU kernels (int8 / ONNX Runtime CPU): use device='cpu', "
+                            "or fp16/bf16 on the GPU")
+        if p.step.check_device is not None:
+            p.step.check_device(dev)
+    for p in plan:
+        if p.step.check_needs is not None:
+            p.step.check_needs(p.mode)
 
 
 def _check_inputs_match(example: tuple[Any, ...], check: tuple[Any, ...]) -> None:
@@ -983,175 +616,15 @@ def _check_inputs_match(example: tuple[Any, ...], check: tuple[Any, ...]) -> Non
         return [(a.dtype, tuple(a.shape[1:])) if isinstance(a, torch.Tensor) and a.dim() else type(a) for a in args]
 
     if spec(example) != spec(check):
-        raise UserError(f"check_inputs ({_describe_inputs(check)}) must match example_inputs "
-                        f"({_describe_inputs(example)}) except for the batch size")
+        raise UserError(f"check_inputs ({describe_inputs(check)}) must match example_inputs "
+                        f"({describe_inputs(example)}) except for the batch size")
 
 
 def _to_device(args: tuple[Any, ...], dev: torch.device) -> tuple[Any, ...]:
     return tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args)
 
 
-# -- saving and loading -------------------------------------------------------------------------
-
-
-def _save_format(model: Any) -> tuple[str, str]:
-    """(format, why) for the final model; ``pt2e`` is written as ``torch.export``."""
-    from torch_tricks.deploy.export import OrtModule
-    from torch_tricks.deploy.quantize import PT2EInt8Model
-
-    if isinstance(model, OrtModule):
-        return "onnx", "the final step runs in ONNX Runtime: the .onnx file it ran is the model"
-    if isinstance(model, PT2EInt8Model):
-        return "pt2e", ("the PT2E int8 graph is a torch.export program: saved with torch.export.save "
-                        "(load_optimized compiles it again with inductor)")
-    kinds = {type(m).__module__ for m in model.modules()}
-    if any(k.startswith("torch.ao.nn.quantized.dynamic") for k in kinds):
-        return "pickle", ("torch.export cannot serialize torch.ao's packed int8 weights and a trace would "
-                          "freeze the model's Python control flow: the whole model is pickled")
-    if any(k.startswith(("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized")) for k in kinds):
-        return "torchscript", ("torch.export cannot serialize torch.ao's packed int8 weights and the FX int8 "
-                               "GraphModule does not pickle; a TorchScript trace of the FX graph is exact")
-    return "torch.export", "a self-contained program (no Python class needed to load it), dynamic batch"
-
-
-def _export_program(model: nn.Module, example: tuple[Any, ...], dynamic_batch: bool, *, eval_mode: bool = True) -> Any:
-    """``torch.export`` of ``model`` (eval mode, MHA fast path off), batch dim dynamic if possible.
-
-    ``eval_mode=False`` for an already exported graph (PT2E), which refuses ``.eval()``.
-    """
-    from torch_tricks.inspect.graph import in_eval_mode
-
-    last: Exception | None = None
-    for dynamic in ((True, False) if dynamic_batch else (False,)):
-        args, shapes = example, None
-        if dynamic:
-            args, shapes = _dynamic_batch(example)
-        try:
-            with (in_eval_mode(model) if eval_mode else contextlib.nullcontext()), _quiet_torch():
-                return torch.export.export(model, args, dynamic_shapes=shapes)
-        except Exception as exc:
-            last = exc
-    assert last is not None
-    raise last
-
-
-def _write_program(ep: Any, target: Path, meta: dict[str, Any]) -> None:
-    """``torch.export.save`` without the example inputs (they would be stored in the file:
-    9.6 MB for 16 images at 224x224), atomically, with ``meta`` as an extra file."""
-    ep.example_inputs = None
-    with atomic_path(target, suffix=".pt2") as tmp, open(tmp, "wb") as fh:
-        torch.export.save(ep, fh, extra_files={_META_NAME: json.dumps(meta)})
-
-
-def _dynamic_batch(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...] | None]:
-    n = _rows(args)
-    if n is None:
-        return args, None
-    dim = torch.export.Dim("batch", min=1, max=1 << 16)
-    new, shapes = [], []
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n:
-            new.append(torch.cat([a, a]) if n == 1 else a)  # a size-1 dim would be specialised
-            shapes.append({0: dim})
-        else:
-            new.append(a)
-            shapes.append(None)
-    return tuple(new), tuple(shapes)
-
-
-def _pt2e_meta(model: Any) -> dict[str, Any]:
-    return {"dynamic_batch": bool(model.dynamic_batch), "cpp_wrapper": bool(model.cpp_wrapper),
-            "example": [{"shape": [model._batch or 1, *s[1]], "dtype": s[0]} if isinstance(s, tuple) else None
-                        for s in model._spec]}
-
-
-def _save_onnx(src: Path, target: Path, notes: list[str]) -> None:
-    import onnx
-
-    if not src.is_file():
-        raise UserError("the ONNX file is gone (OptimizeResult.close() deletes it): save before closing")
-
-    m = onnx.load(str(src), load_external_data=False)
-    side = sorted({e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"})
-    for s in side:  # external data is referenced by its file name: keep the name, beside the model
-        with atomic_path(target.parent / s) as tmp:
-            shutil.copyfile(src.parent / s, tmp)
-        notes.append(f"external weights written to {s} beside the model (keep them together)")
-    with atomic_path(target, suffix=".onnx") as tmp:
-        shutil.copyfile(src, tmp)
-
-
-def _file_bytes(path: Path) -> int:
-    from torch_tricks.deploy.export import onnx_size_bytes
-
-    try:
-        return onnx_size_bytes(path) if not zipfile.is_zipfile(path) else path.stat().st_size
-    except Exception:
-        return path.stat().st_size
-
-
-def _verify(path: Path, model: Any, example: tuple[Any, ...]) -> float:
-    from torch_tricks.deploy.export import OrtModule
-    from torch_tricks.deploy.quantize import PT2EInt8Model
-
-    loaded = load_optimized(path, compile=False)
-    reference = model.quantized if isinstance(model, PT2EInt8Model) else model
-    try:
-        with torch.inference_mode(), _quiet_torch():
-            a = loaded(*example)
-            b = reference(*example)
-    except Exception as exc:
-        raise UserError(f"{path.name} was written but does not run when loaded back: {_one_line(exc)}") from None
-    if isinstance(model, OrtModule):
-        return 0.0 if torch.equal(_first(a), _first(b)) else float((_first(a).float() - _first(b).float()).abs().max())
-    return float((_first(a).float() - _first(b).float()).abs().max())
-
-
-def load_optimized(path: str | os.PathLike[str], *, compile: bool = True) -> Any:
-    """Read back a file written by :meth:`OptimizeResult.save` (any of its formats).
-
-    Returns a callable model: an :class:`~torch_tricks.deploy.export.OrtModule` for ONNX,
-    the ``torch.export`` program's module (a PT2E int8 program is wrapped in
-    :class:`~torch_tricks.deploy.quantize.PT2EInt8Model` again, which compiles it on the
-    first call, unless ``compile=False``), the TorchScript module, or the unpickled model
-    (``weights_only=False``: load only files you trust).
-    """
-    from torch_tricks.deploy.export import OrtModule
-
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"no saved model at {str(p)!r}")
-    if not zipfile.is_zipfile(p):
-        return OrtModule(p)
-    with zipfile.ZipFile(p) as z:
-        names = z.namelist()
-    if any(n.endswith("/archive_format") for n in names):
-        extra = {_META_NAME: ""}
-        with _quiet_torch():
-            ep = torch.export.load(str(p), extra_files=extra)
-        meta = json.loads(extra[_META_NAME] or "{}")
-        module = ep.module()
-        if meta.get("kind") == "pt2e-int8" and compile:
-            from torch_tricks.deploy.quantize import PT2EInt8Model
-
-            example = tuple(torch.zeros(e["shape"], dtype=getattr(torch, e["dtype"])) for e in meta["example"])
-            return PT2EInt8Model(module, example, meta.get("dynamic_batch", True),
-                                 cpp_wrapper=meta.get("cpp_wrapper", True))
-        return module
-    if any(n.endswith("/constants.pkl") for n in names):
-        with _quiet_torch():
-            return torch.jit.load(str(p))
-    try:
-        with _quiet_torch():
-            return torch.load(str(p), weights_only=False)
-    except Exception as exc:
-        raise UserError(f"cannot load {p.name} ({_one_line(exc)}): is the model's class importable?") from None
-
-
-# -- helpers ------------------------------------------------------------------------------------
-
-
-def _onnx_params(path: Path) -> int:
+def _onnx_params(path: os.PathLike[str]) -> int:
     try:
         import onnx
 
@@ -1159,48 +632,3 @@ def _onnx_params(path: Path) -> int:
         return sum(math.prod(t.dims) for t in m.graph.initializer)
     except Exception:
         return 0
-
-
-def _first(out: Any) -> torch.Tensor:
-    from torch_tricks.deploy.step_report import _first_tensor
-
-    return _first_tensor(out)
-
-
-def _describe_inputs(args: tuple[Any, ...]) -> str:
-    from torch_tricks.inspect.inputs import describe_inputs
-
-    return describe_inputs(args)
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_CANNOT_APPLY = re.compile(r"^[\w ()-]{0,40}? cannot apply: ")
-
-
-def _one_line(exc: BaseException, with_type: bool = True) -> str:
-    """:func:`one_line` without the colour codes torch puts in some messages for terminals."""
-    return _ANSI.sub("", one_line(exc, 300, with_type=with_type))
-
-
-@contextlib.contextmanager
-def _quiet_torch() -> Any:
-    """Warnings and torch log lines off around calls into torch's export / ao / jit code."""
-    from torch_tricks.deploy.quantize import _quiet
-
-    with _quiet(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    if isinstance(obj, torch.dtype):
-        return str(obj).removeprefix("torch.")
-    return str(obj)

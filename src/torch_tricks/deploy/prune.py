@@ -35,16 +35,19 @@ import copy
 import math
 import operator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.nn.utils.prune as tprune
+from torch.fx.passes.shape_prop import ShapeProp
 
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.inspect.inputs import as_input_tuple
+from torch_tricks.inspect.summarize import summary
+from torch_tricks.deploy.steps import StepContext, StepResult, deploy_step
 from torch_tricks.registry import register_trick
 
 __all__ = [
@@ -168,15 +171,6 @@ class ChannelPruneReport:
         return d
 
 
-@register_trick(
-    "prune_channels",
-    ids=("I5",),
-    kind="deploy",
-    trades="a physically smaller, faster model for accuracy (fine-tune afterwards to recover it)",
-    needs="a torch.fx-traceable conv model and example inputs",
-    measured_in="benchmarks/deploy.py",
-    switch_on="torch-tricks optimize --steps prune",
-)
 def prune_channels(
     model: nn.Module,
     example_inputs: Any,
@@ -212,42 +206,14 @@ def prune_channels_with_report(
     round_to: int = 8,
 ) -> tuple[nn.Module, ChannelPruneReport]:
     """:func:`prune_channels`, returning ``(model, ChannelPruneReport)``."""
-    from torch_tricks.inspect.summarize import summary
-
     _check_model(model, "prune_channels")
-    if amount is not None and target_macs is not None:
-        raise UserError("prune_channels: give amount (share of channels) or target_macs (share of MACs), not both")
-    if target_macs is not None and (isinstance(target_macs, bool) or not isinstance(target_macs, (int, float))
-                                    or not 0.0 < target_macs <= 1.0):
-        raise UserError(f"target_macs must be the share of MACs to keep, in (0, 1], got {target_macs!r}")
-    if amount is None and target_macs is None:
-        amount = 0.5
-    if amount is not None and (isinstance(amount, bool) or not isinstance(amount, (int, float))
-                               or not 0.0 <= amount < 1.0):
-        raise UserError(f"prune amount must be a fraction of channels in [0, 1), got {amount!r}")
-    if importance not in ("l1", "l2"):
-        raise UserError(f"importance must be 'l1' or 'l2', got {importance!r}")
-    if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
-        raise UserError(f"round_to must be a positive int, got {round_to!r}")
+    amount = _checked_amount(amount, target_macs, importance, round_to)
     args = as_input_tuple(example_inputs)
 
     work = copy.deepcopy(model)
     was_training = work.training
     work.eval()  # tracing and shape propagation must not update BN statistics or drop out
-    try:
-        gm = fx.symbolic_trace(work)
-    except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(
-            f"prune_channels needs a model torch.fx can trace to find channel dependencies: {first[:200]}"
-        ) from None
-    from torch.fx.passes.shape_prop import ShapeProp
-
-    try:
-        with torch.no_grad():
-            ref_out = ShapeProp(gm).propagate(*args)
-    except Exception as exc:
-        raise UserError(f"prune_channels: the model does not run on the example inputs: {exc}".splitlines()[0]) from None
+    gm, ref_out = _trace(work, args)
     base_macs = summary(work, args, depth=0).totals["macs"]
     params_before = sum(p.numel() for p in work.parameters())
 
@@ -265,17 +231,7 @@ def prune_channels_with_report(
     fixed = base_macs - deps.macs({})  # MACs outside convs/linears (matmuls...): unchanged
     kept = {r: _choose(scores[r], deps.constraint(r), float(amount), round_to) for r in groups}
     deps.apply(kept)
-
-    try:
-        with torch.no_grad():
-            new_out = work(*args)  # still in eval mode
-    except Exception as exc:
-        raise UserError(
-            f"prune_channels: the pruned model fails to run ({one_line(exc)}); "
-            "its forward probably hard-codes a channel count"
-        ) from None
-    if _shapes(new_out) != _shapes(ref_out):
-        raise UserError("prune_channels: the pruned model's output shape changed; its forward hard-codes a channel count")
+    _check_pruned_runs(work, args, ref_out)
     work.train(was_training)
     # Counted from the traced shapes (the same convention as summary: out elements x in/groups x
     # kernel), which saves a forward; the tests check it against a measured summary.
@@ -291,17 +247,123 @@ def prune_channels_with_report(
         ],
         skipped=skipped,
     )
-    if target_macs is not None and abs(rep.mac_ratio - target_macs) > 0.1:
-        rep.notes.append(
-            f"MACs kept {rep.mac_ratio:.2f} of the original, not {target_macs:.2f}: "
+    rep.notes.extend(_prune_notes(rep, work))
+    return work, rep
+
+
+def _checked_amount(amount: float | None, target_macs: float | None, importance: str, round_to: int) -> float | None:
+    """Check :func:`prune_channels_with_report`'s options; the amount (0.5 when neither it nor target_macs is given)."""
+    if amount is not None and target_macs is not None:
+        raise UserError("prune_channels: give amount (share of channels) or target_macs (share of MACs), not both")
+    if target_macs is not None and (isinstance(target_macs, bool) or not isinstance(target_macs, (int, float))
+                                    or not 0.0 < target_macs <= 1.0):
+        raise UserError(f"target_macs must be the share of MACs to keep, in (0, 1], got {target_macs!r}")
+    if amount is None and target_macs is None:
+        amount = 0.5
+    if amount is not None and (isinstance(amount, bool) or not isinstance(amount, (int, float))
+                               or not 0.0 <= amount < 1.0):
+        raise UserError(f"prune amount must be a fraction of channels in [0, 1), got {amount!r}")
+    if importance not in ("l1", "l2"):
+        raise UserError(f"importance must be 'l1' or 'l2', got {importance!r}")
+    if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
+        raise UserError(f"round_to must be a positive int, got {round_to!r}")
+    return amount
+
+
+def _trace(work: nn.Module, args: tuple[Any, ...]) -> tuple[fx.GraphModule, Any]:
+    """The fx graph of ``work`` with its shapes propagated, and its output on ``args``."""
+    try:
+        gm = fx.symbolic_trace(work)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(
+            f"prune_channels needs a model torch.fx can trace to find channel dependencies: {first[:200]}"
+        ) from None
+    try:
+        with torch.no_grad():
+            ref_out = ShapeProp(gm).propagate(*args)
+    except Exception as exc:
+        raise UserError(f"prune_channels: the model does not run on the example inputs: {exc}".splitlines()[0]) from None
+    return gm, ref_out
+
+
+def _check_pruned_runs(work: nn.Module, args: tuple[Any, ...], ref_out: Any) -> None:
+    """The pruned model must run and give outputs of the original's shapes (a forward may hard-code a count)."""
+    try:
+        with torch.no_grad():
+            new_out = work(*args)  # still in eval mode
+    except Exception as exc:
+        raise UserError(
+            f"prune_channels: the pruned model fails to run ({one_line(exc)}); "
+            "its forward probably hard-codes a channel count"
+        ) from None
+    if _shapes(new_out) != _shapes(ref_out):
+        raise UserError("prune_channels: the pruned model's output shape changed; its forward hard-codes a channel count")
+
+
+def _prune_notes(rep: ChannelPruneReport, work: nn.Module) -> list[str]:
+    """What the report must warn about: a MACs target missed, no fine-tuning, unfolded multi-branch blocks."""
+    notes = []
+    if rep.target_macs is not None and abs(rep.mac_ratio - rep.target_macs) > 0.1:
+        notes.append(
+            f"MACs kept {rep.mac_ratio:.2f} of the original, not {rep.target_macs:.2f}: "
             "the layers that cannot be pruned cost too much, or rounding to round_to channels limits the steps"
         )
-    rep.notes.append("pruned weights are not fine-tuned: accuracy drops until the model is trained again")
+    notes.append("pruned weights are not fine-tuned: accuracy drops until the model is trained again")
     if any(callable(getattr(m, "reparameterize", None)) and getattr(m, "deployed", None) is False
            for m in work.modules()):
-        rep.notes.append("multi-branch blocks were pruned before reparameterize_model: fold them first, "
-                         "their reparameterize() uses the channel counts they were built with")
-    return work, rep
+        notes.append("multi-branch blocks were pruned before reparameterize_model: fold them first, "
+                     "their reparameterize() uses the channel counts they were built with")
+    return notes
+
+
+# -- the deploy step --------------------------------------------------------------------------
+
+
+@deploy_step(
+    "prune",
+    summary="remove conv channels: prune = prune:macs=0.5 (keep ~half the MACs), "
+            "prune:0.3 removes 30% of each layer's channels (accuracy drops until fine-tuned)",
+    args=("F", "macs=F"),
+    check_arg=lambda arg: _check_step_arg(arg),
+    order=30,
+    ids=("I5",),
+    trick="prune_channels",
+    fn=prune_channels,
+    trades="a physically smaller, faster model for accuracy (fine-tune afterwards to recover it)",
+    needs="a torch.fx-traceable conv model and example inputs",
+    measured_in="benchmarks/deploy.py",
+)
+def prune_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResult]:
+    """The ``prune`` step of :func:`~torch_tricks.deploy.pipeline.optimize`: ``prune:F`` or ``prune:macs=F``."""
+    if ctx.arg and not ctx.arg.startswith("macs="):
+        amount, target = float(ctx.arg), None
+    else:
+        amount, target = None, float(ctx.arg.removeprefix("macs=") or 0.5)
+    new, rep = prune_channels_with_report(model, ctx.example, amount, target_macs=target)
+    new.eval()
+    return new, ctx.result(
+        backend="torch.fx channel pruning",
+        details={"amount": rep.amount, "target_macs": rep.target_macs, "macs_before": rep.macs_before,
+                 "macs_after": rep.macs_after, "mac_ratio": rep.mac_ratio,
+                 "params_before": rep.params_before, "params_after": rep.params_after,
+                 "groups_pruned": len(rep.groups), "layers_skipped": len(rep.skipped)},
+        notes=[f"removed {rep.amount:.0%} of the channels of {len(rep.groups)} layer groups: "
+               f"{rep.mac_ratio:.0%} of the MACs kept", *rep.notes])
+
+
+def _check_step_arg(arg: str) -> None:
+    """``prune:F`` removes the share F in (0, 1); ``prune:macs=F`` keeps the share F in (0, 1] of the MACs."""
+    try:
+        f = float(arg.removeprefix("macs="))
+    except ValueError:
+        f = math.nan
+    ok = (0.0 < f <= 1.0) if arg.startswith("macs=") else (0.0 < f < 1.0)
+    if not ok:
+        raise UserError(
+            f"bad prune argument {arg!r}: prune:F removes the share F in (0, 1) of each layer's channels "
+            "(e.g. prune:0.3), prune:macs=F keeps the share F in (0, 1] of the MACs (e.g. prune:macs=0.5)"
+        )
 
 
 # -- the dependency graph ---------------------------------------------------------------------
@@ -425,37 +487,51 @@ class _Deps:
             return None
         if op == "call_module":
             return self._visit_module(node)
-        target = node.target
+        return self._visit_op(node)
+
+    def _visit_op(self, node: fx.Node) -> _Layout | None:
+        """A function or method call: where the channels of its tracked inputs go."""
         x = node.args[0] if node.args else None
         lx = self.layout.get(x) if isinstance(x, fx.Node) else None
         tracked = [n for n in _nodes_in((node.args, node.kwargs)) if self.layout.get(n) is not None]
         if not tracked:
             return None
         name = _op_name(node)
-        if op == "call_method" and target in _HARMLESS_METHODS or op == "call_function" and target is getattr:
+        if node.op == "call_method" and node.target in _HARMLESS_METHODS or \
+                node.op == "call_function" and node.target is getattr:
             return None  # x.size(), x.shape: no channel data flows
         if _is_binary(node):
             return self._binary(node)
-        if lx is not None and (op == "call_function" and target in _ELEMENTWISE_FUNCTIONS
-                               or op == "call_method" and target in _ELEMENTWISE_METHODS):
-            others = [n for n in tracked if n is not x]
-            self._freeze_nodes(others, f"used as an argument of {name}")
-            return lx
-        if lx is not None and op == "call_function" and target is F.pad:
-            pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad", ())
-            nd = _ndim(x)
-            if nd is not None and isinstance(pad, (tuple, list)) and len(pad) // 2 <= nd - 2:
-                return lx  # pads spatial dims only
-            self._freeze(lx, "padded along the channel dim")
-            return None
-        if lx is not None and _is_flatten(node):
-            return self._flatten(node, lx)
-        if lx is not None and name in _REDUCTIONS:
-            return self._reduce(node, lx)
-        if op == "call_function" and target is torch.cat:
+        if lx is not None:
+            handled, out = self._channel_op(node, x, lx, tracked, name)
+            if handled:
+                return out
+        if node.op == "call_function" and node.target is torch.cat:
             return self._cat(node)
         self._freeze_nodes(tracked, f"feeds {name}, which may mix channels")
         return None
+
+    def _channel_op(self, node: fx.Node, x: fx.Node, lx: _Layout, tracked: list[fx.Node],
+                    name: str) -> tuple[bool, _Layout | None]:
+        """An op on a tracked tensor that keeps or reshapes its channels: (it is one, the layout out)."""
+        op, target = node.op, node.target
+        if op == "call_function" and target in _ELEMENTWISE_FUNCTIONS or \
+                op == "call_method" and target in _ELEMENTWISE_METHODS:
+            others = [n for n in tracked if n is not x]
+            self._freeze_nodes(others, f"used as an argument of {name}")
+            return True, lx
+        if op == "call_function" and target is F.pad:
+            pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad", ())
+            nd = _ndim(x)
+            if nd is not None and isinstance(pad, (tuple, list)) and len(pad) // 2 <= nd - 2:
+                return True, lx  # pads spatial dims only
+            self._freeze(lx, "padded along the channel dim")
+            return True, None
+        if _is_flatten(node):
+            return True, self._flatten(node, lx)
+        if name in _REDUCTIONS:
+            return True, self._reduce(node, lx)
+        return False, None
 
     def _visit_module(self, node: fx.Node) -> _Layout | None:
         name = node.target
@@ -468,53 +544,15 @@ class _Deps:
         if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             self.out_numel[name] = (_numel(node), mod.out_channels, mod.in_channels, mod.groups,
                                     math.prod(mod.kernel_size))
-            if shared:
-                self._freeze(lx, f"read by {name}, which is called more than once")
-                return None
-            g, cin, cout = mod.groups, mod.in_channels, mod.out_channels
-            if g > 1 and g == cin == cout:
-                if lx is None:
-                    return None
-                if lx.factor != 1:
-                    self._freeze(lx, f"flattened before {name}")
-                    return None
-                self.depthwise[name] = lx
-                return lx
-            if lx is not None:
-                if lx.factor != 1 or lx.width != cin:
-                    self._freeze(lx, f"layout mismatch at {name}")
-                elif g > 1 and len(lx.segs) != 1:
-                    self._freeze(lx, f"concatenated input of grouped {name}")
-                else:
-                    if g > 1:
-                        self._add_div(lx.segs[0][0], g)
-                    self.conv_in[name] = lx
-            e = self._new(cout)
-            self.sources[e] = [name]
-            if g > 1:
-                self.group_div[e] = g
-            self.conv_out[name] = e
-            return _Layout(((e, cout),))
+            return self._conv(name, mod, lx, shared)
         if isinstance(mod, nn.modules.batchnorm._BatchNorm) or (
             isinstance(mod, nn.PReLU) and mod.num_parameters > 1
         ):
-            if lx is None:
-                return None
-            width = mod.num_features if hasattr(mod, "num_features") else mod.num_parameters
-            if shared or lx.width != width:
-                self._freeze(lx, f"{name} is called more than once" if shared else f"layout mismatch at {name}")
-                return None
-            self.norm_in[name] = lx
-            return lx
+            return self._norm(name, mod, lx, shared)
         if isinstance(mod, nn.Linear):
             self.out_numel[name] = (_numel(node), mod.out_features, mod.in_features, 1, 1)
-            if lx is None:
-                return None
-            if shared or _ndim(x) != 2 or lx.width != mod.in_features:
-                self._freeze(lx, f"{name} is called more than once" if shared
-                             else f"{name} reads it in a shape other than (N, features)")
-                return None
-            self.linear_in[name] = lx
+            if lx is not None:
+                self._linear(name, mod, x, lx, shared)
             return None
         if isinstance(mod, _ELEMENTWISE_MODULES) or isinstance(mod, nn.PReLU):
             return lx
@@ -524,11 +562,80 @@ class _Deps:
             self._freeze(lx, f"feeds {type(mod).__name__} {name}, which is not understood")
         return None
 
+    def _conv(self, name: str, mod: nn.Module, lx: _Layout | None, shared: bool) -> _Layout | None:
+        """A conv: a depthwise one passes its input's channels on; any other starts a new channel group."""
+        if shared:
+            self._freeze(lx, f"read by {name}, which is called more than once")
+            return None
+        g, cin, cout = mod.groups, mod.in_channels, mod.out_channels
+        if g > 1 and g == cin == cout:
+            if lx is None:
+                return None
+            if lx.factor != 1:
+                self._freeze(lx, f"flattened before {name}")
+                return None
+            self.depthwise[name] = lx
+            return lx
+        if lx is not None:
+            self._conv_input(name, lx, g, cin)
+        e = self._new(cout)
+        self.sources[e] = [name]
+        if g > 1:
+            self.group_div[e] = g
+        self.conv_out[name] = e
+        return _Layout(((e, cout),))
+
+    def _conv_input(self, name: str, lx: _Layout, g: int, cin: int) -> None:
+        """Track the input channels of a (grouped) conv, or freeze them where the layout does not fit."""
+        if lx.factor != 1 or lx.width != cin:
+            self._freeze(lx, f"layout mismatch at {name}")
+        elif g > 1 and len(lx.segs) != 1:
+            self._freeze(lx, f"concatenated input of grouped {name}")
+        else:
+            if g > 1:
+                self._add_div(lx.segs[0][0], g)
+            self.conv_in[name] = lx
+
+    def _norm(self, name: str, mod: nn.Module, lx: _Layout | None, shared: bool) -> _Layout | None:
+        """A BatchNorm or per-channel PReLU follows its input's channels."""
+        if lx is None:
+            return None
+        width = mod.num_features if hasattr(mod, "num_features") else mod.num_parameters
+        if shared or lx.width != width:
+            self._freeze(lx, f"{name} is called more than once" if shared else f"layout mismatch at {name}")
+            return None
+        self.norm_in[name] = lx
+        return lx
+
+    def _linear(self, name: str, mod: nn.Linear, x: Any, lx: _Layout, shared: bool) -> None:
+        """A linear layer reads the channels (its inputs follow the pruning; its outputs are not pruned)."""
+        if shared or _ndim(x) != 2 or lx.width != mod.in_features:
+            self._freeze(lx, f"{name} is called more than once" if shared
+                         else f"{name} reads it in a shape other than (N, features)")
+            return
+        self.linear_in[name] = lx
+
     def _add_div(self, e: int, g: int) -> None:
         r = self.find(e)
         self.group_div[r] = math.lcm(self.group_div.get(r, 1), g)
 
     def _binary(self, node: fx.Node) -> _Layout | None:
+        lays, ok = self._operands(node)
+        if not lays:
+            return None
+        first = lays[0]
+        if not ok or any(tuple(w for _, w in la.segs) != tuple(w for _, w in first.segs)
+                         or la.factor != first.factor for la in lays):
+            for la in lays:
+                self._freeze(la, f"combined with other channels in {_op_name(node)}")
+            return None
+        for la in lays[1:]:
+            for (a, _), (b, _) in zip(first.segs, la.segs):
+                self._union(a, b)
+        return first
+
+    def _operands(self, node: fx.Node) -> tuple[list[_Layout], bool]:
+        """The layouts of a binary op's tracked operands, and whether the op keeps channels apart."""
         operands = list(node.args[:2]) + [v for k, v in node.kwargs.items() if k == "other"]
         out_nd = _ndim(node)
         lays: list[_Layout] = []
@@ -548,18 +655,7 @@ class _Deps:
             idx = 1 - (out_nd - len(shape)) if out_nd is not None else 1
             if 0 <= idx < len(shape) and shape[idx] != 1:
                 ok = False  # an untracked tensor with its own channels: it would no longer broadcast
-        if not lays:
-            return None
-        first = lays[0]
-        if not ok or any(tuple(w for _, w in la.segs) != tuple(w for _, w in first.segs)
-                         or la.factor != first.factor for la in lays):
-            for la in lays:
-                self._freeze(la, f"combined with other channels in {_op_name(node)}")
-            return None
-        for la in lays[1:]:
-            for (a, _), (b, _) in zip(first.segs, la.segs):
-                self._union(a, b)
-        return first
+        return lays, ok
 
     def _flatten(self, node: fx.Node, lx: _Layout, start: int | None = None, end: int | None = None) -> _Layout | None:
         shape = _shape(node.args[0])
@@ -684,67 +780,63 @@ class _Deps:
     def apply(self, kept: dict[int, torch.Tensor]) -> None:
         changed = {r for r, k in kept.items() if k.numel() < self.widths[r]}
 
-        def touches(lay: _Layout) -> bool:
-            return any(self.find(e) in changed for e, _ in lay.segs)
+        def touched(layouts: dict[str, _Layout]) -> Iterator[tuple[nn.Module, torch.Tensor]]:
+            for name, lay in layouts.items():
+                if any(self.find(e) in changed for e, _ in lay.segs):
+                    yield self.modules[name], self._index(lay, kept)
 
-        for name, lay in self.conv_in.items():
-            if not touches(lay):
-                continue
-            mod = self.modules[name]
-            idx = self._index(lay, kept)
-            g = mod.groups
-            if g == 1:
-                w = mod.weight[:, idx]
-            else:  # the same count per group; indices local to each group's block of inputs
-                in_g, out_g = mod.in_channels // g, mod.out_channels // g
-                blocks = []
-                for j in range(g):
-                    local = idx[(idx >= j * in_g) & (idx < (j + 1) * in_g)] - j * in_g
-                    blocks.append(mod.weight[j * out_g:(j + 1) * out_g][:, local])
-                w = torch.cat(blocks)
-            _set_param(mod, "weight", w)
-            mod.in_channels = int(idx.numel())
-        for name, lay in self.depthwise.items():
-            if not touches(lay):
-                continue
-            mod = self.modules[name]
-            idx = self._index(lay, kept)
-            _set_param(mod, "weight", mod.weight[idx])
-            if mod.bias is not None:
-                _set_param(mod, "bias", mod.bias[idx])
-            mod.in_channels = mod.out_channels = mod.groups = int(idx.numel())
+        for mod, idx in touched(self.conv_in):
+            _keep_conv_inputs(mod, idx)
+        for mod, idx in touched(self.depthwise):
+            _keep_outputs(mod, idx)
+            mod.in_channels = mod.groups = int(idx.numel())
         for name, e in self.conv_out.items():
-            r = self.find(e)
-            if r not in changed:
-                continue
-            mod, idx = self.modules[name], kept[r]
-            _set_param(mod, "weight", mod.weight[idx])
-            if mod.bias is not None:
-                _set_param(mod, "bias", mod.bias[idx])
-            mod.out_channels = int(idx.numel())
-        for name, lay in self.norm_in.items():
-            if not touches(lay):
-                continue
-            mod = self.modules[name]
-            idx = self._index(lay, kept)
-            if isinstance(mod, nn.PReLU):
-                _set_param(mod, "weight", mod.weight[idx])
-                mod.num_parameters = int(idx.numel())
-                continue
-            for p in ("weight", "bias"):
-                if getattr(mod, p, None) is not None:
-                    _set_param(mod, p, getattr(mod, p)[idx])
-            for b in ("running_mean", "running_var"):
-                if getattr(mod, b, None) is not None:
-                    setattr(mod, b, getattr(mod, b)[idx])
-            mod.num_features = int(idx.numel())
-        for name, lay in self.linear_in.items():
-            if not touches(lay):
-                continue
-            mod = self.modules[name]
-            idx = self._index(lay, kept)
+            if self.find(e) in changed:
+                _keep_outputs(self.modules[name], kept[self.find(e)])
+        for mod, idx in touched(self.norm_in):
+            _keep_norm(mod, idx)
+        for mod, idx in touched(self.linear_in):
             _set_param(mod, "weight", mod.weight[:, idx])
             mod.in_features = int(idx.numel())
+
+
+def _keep_conv_inputs(mod: nn.Module, idx: torch.Tensor) -> None:
+    """Keep the input channels ``idx`` of a conv (of a grouped one: the same count in each group)."""
+    g = mod.groups
+    if g == 1:
+        w = mod.weight[:, idx]
+    else:  # the same count per group; indices local to each group's block of inputs
+        in_g, out_g = mod.in_channels // g, mod.out_channels // g
+        blocks = []
+        for j in range(g):
+            local = idx[(idx >= j * in_g) & (idx < (j + 1) * in_g)] - j * in_g
+            blocks.append(mod.weight[j * out_g:(j + 1) * out_g][:, local])
+        w = torch.cat(blocks)
+    _set_param(mod, "weight", w)
+    mod.in_channels = int(idx.numel())
+
+
+def _keep_outputs(mod: nn.Module, idx: torch.Tensor) -> None:
+    """Keep the output channels ``idx`` of a conv (weight rows and bias)."""
+    _set_param(mod, "weight", mod.weight[idx])
+    if mod.bias is not None:
+        _set_param(mod, "bias", mod.bias[idx])
+    mod.out_channels = int(idx.numel())
+
+
+def _keep_norm(mod: nn.Module, idx: torch.Tensor) -> None:
+    """Keep the channels ``idx`` of a BatchNorm (affine parameters and running statistics) or a PReLU."""
+    if isinstance(mod, nn.PReLU):
+        _set_param(mod, "weight", mod.weight[idx])
+        mod.num_parameters = int(idx.numel())
+        return
+    for p in ("weight", "bias"):
+        if getattr(mod, p, None) is not None:
+            _set_param(mod, p, getattr(mod, p)[idx])
+    for b in ("running_mean", "running_var"):
+        if getattr(mod, b, None) is not None:
+            setattr(mod, b, getattr(mod, b)[idx])
+    mod.num_features = int(idx.numel())
 
 
 def _keep_count(width: int, div: int, amount: float, round_to: int) -> int:

@@ -37,12 +37,10 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import io
-import logging
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -55,6 +53,7 @@ from torch_tricks._optional import install_hint
 from torch_tricks.device import module_device
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.inspect.inputs import as_input_tuple
+from torch_tricks.deploy.steps import INT8, StepContext, StepResult, Tolerance, deploy_step, quiet_torch, report_details
 from torch_tricks.registry import register_trick
 
 __all__ = [
@@ -107,16 +106,6 @@ class QuantReport:
 # -- dynamic int8 ------------------------------------------------------------------------------
 
 
-@register_trick(
-    "int8_dynamic",
-    ids=("I3",),
-    kind="deploy",
-    trades="int8 weights (about 4x smaller Linear/LSTM layers) and faster matmuls for a small output error; activations are quantized per batch at run time",
-    needs="a model with nn.Linear / LSTM / GRU layers, run on CPU (x86 fbgemm or ARM qnnpack kernels)",
-    available=lambda d: (d.type == "cpu", "" if d.type == "cpu" else "torch.ao int8 kernels run on CPU only"),
-    measured_in="benchmarks/deploy.py",
-    switch_on="torch-tricks optimize --steps int8-dynamic",
-)
 def quantize_dynamic_int8(model: nn.Module) -> tuple[nn.Module, QuantReport]:
     """Int8 weights for ``nn.Linear``/``nn.LSTM``/``nn.GRU``, activations quantized per call.
 
@@ -137,7 +126,7 @@ def quantize_dynamic_int8(model: nn.Module) -> tuple[nn.Module, QuantReport]:
             f"int8 dynamic: {type(model).__name__} has no nn.Linear/LSTM/GRU layer to quantize: "
             "use quantize_static_int8 for convolutional models"
         )
-    with _quiet():
+    with quiet_torch():
         qmodel = torch.ao.quantization.quantize_dynamic(work, targets, dtype=torch.qint8, inplace=True)
     notes = []
     if rewritten:
@@ -326,16 +315,6 @@ def _rewritable(mha: nn.MultiheadAttention) -> bool:
 # -- static int8 -------------------------------------------------------------------------------
 
 
-@register_trick(
-    "int8_static",
-    ids=("I3",),
-    kind="deploy",
-    trades="int8 weights and activations (about 4x smaller, 2-4x faster on x86 CPUs) for a calibration pass and a small accuracy loss",
-    needs="calibration batches from the real input distribution; a model torch.export (PT2E) or torch.fx (fallback) can trace; CPU",
-    available=lambda d: (d.type == "cpu", "" if d.type == "cpu" else "x86 int8 kernels (inductor / fbgemm) run on CPU only"),
-    measured_in="benchmarks/deploy.py",
-    switch_on="torch-tricks optimize --steps int8",
-)
 def quantize_static_int8(
     model: nn.Module,
     calibration_batches: Iterable[Any],
@@ -458,7 +437,7 @@ class PT2EInt8Model(nn.Module):
         re-freezing a module that was compiled before can fail in inductor, while a fresh
         copy compiles fine.
         """
-        with _quiet():
+        with quiet_torch():
             work = copy.deepcopy(self.quantized)
         compiled = torch.compile(work, dynamic=False)
         # Kept out of the module tree: it would duplicate the state dict.
@@ -486,7 +465,7 @@ class PT2EInt8Model(nn.Module):
                     if not _is_compile_error(exc):
                         raise
                     self._compile()  # the cache was reset and the recompile failed: start fresh
-            with _quiet():  # the first call at a shape compiles: keep its log lines in too
+            with quiet_torch():  # the first call at a shape compiles: keep its log lines in too
                 out = self._compiled(*args)
             self._seen.add(key)
             return out
@@ -520,34 +499,13 @@ def _static_pt2e(
         raise _PT2EFailed(f"torchao is not installed ({install_hint('deploy')})")
     prepare_pt2e, convert_pt2e, xiq = ao
     notes = []
-    work = copy.deepcopy(model).eval()
-    # strict (dynamo) export: torch 2.13's default non-strict export leaves no
-    # source_fn_stack, and torchao 0.18 then groups every call of a reused module (one
-    # nn.ReLU called twice, as in ResNet blocks) into one partition and fails.
-    # A batch of 1 would be specialised (export treats size-1 dims as constants), so the
-    # dynamic-batch export traces a batch of 2 made of the example repeated.
-    doubled = example
-    if _batch_of(example) == 1:
-        doubled = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) and a.dim() else a for a in example)
-    exported, dynamic_batch, why = None, False, ""
-    for dynamic in (True, False):
-        try:
-            with _quiet():
-                shapes = _batch_dynamic_shapes(example) if dynamic else None
-                args = doubled if dynamic else example
-                exported = torch.export.export(work, args, dynamic_shapes=shapes, strict=True).module()
-            dynamic_batch = dynamic
-            break
-        except Exception as exc:  # torch.export raises many kinds; all mean "not exportable"
-            why = one_line(exc, with_type=True)
-    if exported is None:
-        raise _PT2EFailed(f"torch.export failed: {why}")
+    exported, dynamic_batch, why = _export_for_pt2e(copy.deepcopy(model).eval(), example)
     if not dynamic_batch:
         notes.append(f"exported at a fixed batch size {_batch_of(example)} (a dynamic batch dimension failed: {why})")
     try:
         quantizer = xiq.X86InductorQuantizer()
         quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(reduce_range=reduce_range))
-        with _quiet():
+        with quiet_torch():
             prepared = prepare_pt2e(exported, quantizer)
             used = [a for a in batches if dynamic_batch or _batch_of(a) == _batch_of(example)]
             if not used:
@@ -576,6 +534,28 @@ def _static_pt2e(
     return qmodel, {"int8 weight tensors": int8}, notes
 
 
+def _export_for_pt2e(work: nn.Module, example: tuple[Any, ...]) -> tuple[nn.Module, bool, str]:
+    """Strict ``torch.export`` of ``work``, batch dim dynamic if it can be: (module, dynamic, why not dynamic)."""
+    # strict (dynamo) export: torch 2.13's default non-strict export leaves no
+    # source_fn_stack, and torchao 0.18 then groups every call of a reused module (one
+    # nn.ReLU called twice, as in ResNet blocks) into one partition and fails.
+    # A batch of 1 would be specialised (export treats size-1 dims as constants), so the
+    # dynamic-batch export traces a batch of 2 made of the example repeated.
+    doubled = example
+    if _batch_of(example) == 1:
+        doubled = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) and a.dim() else a for a in example)
+    why = ""
+    for dynamic in (True, False):
+        try:
+            with quiet_torch():
+                shapes = _batch_dynamic_shapes(example) if dynamic else None
+                args = doubled if dynamic else example
+                return torch.export.export(work, args, dynamic_shapes=shapes, strict=True).module(), dynamic, why
+        except Exception as exc:  # torch.export raises many kinds; all mean "not exportable"
+            why = one_line(exc, with_type=True)
+    raise _PT2EFailed(f"torch.export failed: {why}")
+
+
 def _static_fx(
     model: nn.Module, batches: list[tuple[Any, ...]], example: tuple[Any, ...]
 ) -> tuple[nn.Module, dict[str, int], Int8Setting]:
@@ -587,12 +567,12 @@ def _static_fx(
     mapping = get_default_qconfig_mapping(engine)
     setting = _fx_setting(mapping, engine)
     try:
-        with _quiet():
+        with quiet_torch():
             prepared = prepare_fx(work, mapping, example)
     except Exception as exc:
         raise _FXFailed(f"torch.fx cannot trace {type(model).__name__}: {one_line(exc, with_type=True)}") from None
     try:
-        with _quiet(), torch.no_grad():
+        with quiet_torch(), torch.no_grad():
             for args in batches:
                 prepared(*args)
             qmodel = convert_fx(prepared)
@@ -605,7 +585,7 @@ def _static_fx(
 def _fx_setting(mapping: Any, engine: str) -> Int8Setting:
     """The range FX uses, read from the qconfig it runs with (not assumed): torch.ao's
     ``x86`` / ``fbgemm`` qconfigs observe activations with ``reduce_range=True``."""
-    with _quiet():
+    with quiet_torch():
         observer = mapping.global_qconfig.activation()
     reduced = bool(getattr(observer, "reduce_range", False))
     auto = int8_setting("torch")
@@ -630,7 +610,7 @@ def _static_report(
 ) -> QuantReport:
     seconds = time.perf_counter() - t0
     reference = _eval_copy(model) if model.training else model
-    with _quiet():
+    with quiet_torch():
         agree = agreement(reference, qmodel, example)
     method = "torch.save(state_dict()) bytes"
     if backend == "pt2e":
@@ -744,7 +724,7 @@ def quantize_qat(model: nn.Module, example_inputs: Any) -> tuple[nn.Module, Quan
     example = as_input_tuple(example_inputs)
     work = copy.deepcopy(model).train()
     try:
-        with _quiet():
+        with quiet_torch():
             prepared = prepare_qat_fx(work, get_default_qat_qconfig_mapping(torch.backends.quantized.engine), example)
     except Exception as exc:
         raise UserError(f"qat cannot apply: torch.fx cannot trace {type(model).__name__}: {one_line(exc, with_type=True)}") from None
@@ -776,11 +756,11 @@ def convert_qat(model: nn.Module, example_inputs: Any | None = None) -> tuple[nn
     _check_cpu(model, "int8 conversion")
     t0 = time.perf_counter()
     work = copy.deepcopy(model).eval()
-    with _quiet():
+    with quiet_torch():
         qmodel = convert_fx(work)
     agree = None
     if example_inputs is not None:
-        with _quiet():
+        with quiet_torch():
             agree = agreement(_eval_copy(model), qmodel, example_inputs)
     return qmodel, QuantReport(
         step="qat_convert",
@@ -798,14 +778,6 @@ def convert_qat(model: nn.Module, example_inputs: Any | None = None) -> tuple[nn
 # -- half precision ------------------------------------------------------------------------------
 
 
-@register_trick(
-    "half_precision_inference",
-    ids=("I3",),
-    kind="deploy",
-    trades="half the weight memory and faster matmuls where the hardware has native bf16/fp16 for about 3 significant digits of output",
-    needs="a GPU (fp16 or bf16), or a CPU with AVX512-BF16/AMX for bf16; fp16 on CPU is refused",
-    switch_on="torch-tricks optimize --steps fp16 (or bf16)",
-)
 def cast_half(
     model: nn.Module,
     dtype: torch.dtype = torch.bfloat16,
@@ -880,6 +852,115 @@ def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
     return x
 
 
+# -- the deploy steps ---------------------------------------------------------------------------
+
+
+@deploy_step(
+    "int8",
+    summary="static int8 weights and activations, calibrated; int8:pt2e / int8:fx picks the backend (default "
+            "auto: PT2E, else FX); :vnni / :no-vnni forces the int8 setting (default: chosen for this CPU)",
+    args=("auto", "pt2e", "fx"),
+    final=True,
+    cpu_only=True,
+    tolerance=INT8,
+    targets=True,
+    needs_calib=True,
+    check_needs=lambda mode: _check_torchao(mode),
+    order=40,
+    ids=("I3",),
+    trick="int8_static",
+    fn=quantize_static_int8,
+    trades="int8 weights and activations (about 4x smaller, 2-4x faster on x86 CPUs) for a calibration pass and a small accuracy loss",
+    needs="calibration batches from the real input distribution; a model torch.export (PT2E) or torch.fx (fallback) can trace; CPU",
+    available=lambda d: (d.type == "cpu", "" if d.type == "cpu" else "x86 int8 kernels (inductor / fbgemm) run on CPU only"),
+    measured_in="benchmarks/deploy.py",
+)
+def int8_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResult]:
+    """The ``int8`` step of :func:`~torch_tricks.deploy.pipeline.optimize`: :func:`quantize_static_int8`."""
+    new, rep = quantize_static_int8(model, ctx.calib, ctx.example, backend=ctx.mode or "auto",
+                                    reduce_range=None if ctx.for_vnni is None else not ctx.for_vnni)
+    return new, ctx.result(backend=rep.backend, size_method=rep.size_method, details=report_details(rep),
+                           notes=list(rep.notes), int8_setting=rep.int8_setting)
+
+
+@deploy_step(
+    "int8-dynamic",
+    summary="int8 Linear/LSTM/GRU weights, activations quantized per call (transformers, RNNs)",
+    final=True,
+    cpu_only=True,
+    tolerance=Tolerance(max_rel_diff=0.1, min_top1=0.9),
+    one_int8_setting="int8-dynamic has one setting: torch.ao's dynamic kernels always quantize activations "
+                     "to 7 bits (exact with or without VNNI); use onnx-int8:dynamic:vnni",
+    order=50,
+    ids=("I3",),
+    trick="int8_dynamic",
+    fn=quantize_dynamic_int8,
+    trades="int8 weights (about 4x smaller Linear/LSTM layers) and faster matmuls for a small output error; activations are quantized per batch at run time",
+    needs="a model with nn.Linear / LSTM / GRU layers, run on CPU (x86 fbgemm or ARM qnnpack kernels)",
+    available=lambda d: (d.type == "cpu", "" if d.type == "cpu" else "torch.ao int8 kernels run on CPU only"),
+    measured_in="benchmarks/deploy.py",
+)
+def int8_dynamic_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResult]:
+    """The ``int8-dynamic`` step of :func:`~torch_tricks.deploy.pipeline.optimize`: :func:`quantize_dynamic_int8`."""
+    new, rep = quantize_dynamic_int8(model)
+    return new, ctx.result(backend=rep.backend, details=report_details(rep), notes=list(rep.notes),
+                           int8_setting=rep.int8_setting)
+
+
+@deploy_step(
+    "fp16",
+    summary="float16 weights and inputs (GPU; refused on CPU, where it is slower than fp32)",
+    final=True,
+    tolerance=Tolerance(max_rel_diff=1e-2),
+    check_device=lambda dev: _check_fp16_device(dev),
+    order=60,
+    trick=None,  # the half_precision_inference trick (bf16's) covers it
+)
+def fp16_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResult]:
+    """The ``fp16`` step of :func:`~torch_tricks.deploy.pipeline.optimize`: :func:`cast_half` to float16."""
+    return _half_step(model, ctx, torch.float16)
+
+
+@deploy_step(
+    "bf16",
+    summary="bfloat16 weights and inputs (GPU, or a CPU with AVX512-BF16/AMX)",
+    final=True,
+    tolerance=Tolerance(max_rel_diff=5e-2),
+    check_device=lambda dev: _check_bf16_device(dev),
+    order=70,
+    ids=("I3",),
+    trick="half_precision_inference",
+    fn=cast_half,
+    trades="half the weight memory and faster matmuls where the hardware has native bf16/fp16 for about 3 significant digits of output",
+    needs="a GPU (fp16 or bf16), or a CPU with AVX512-BF16/AMX for bf16; fp16 on CPU is refused",
+    switch_on="torch-tricks optimize --steps fp16 (or bf16)",
+)
+def bf16_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResult]:
+    """The ``bf16`` step of :func:`~torch_tricks.deploy.pipeline.optimize`: :func:`cast_half` to bfloat16."""
+    return _half_step(model, ctx, torch.bfloat16)
+
+
+def _half_step(model: nn.Module, ctx: StepContext, dtype: torch.dtype) -> tuple[nn.Module, StepResult]:
+    new, rep = cast_half(model, dtype, ctx.device)
+    return new, ctx.result(backend=rep.backend, details=report_details(rep), notes=list(rep.notes))
+
+
+def _check_torchao(mode: str) -> None:
+    if mode == "pt2e" and _import_torchao_pt2e() is None:
+        raise UserError(f"step 'int8:pt2e' needs torchao: {install_hint('deploy')}, or use int8:fx")
+
+
+def _check_fp16_device(dev: torch.device) -> None:
+    if dev.type == "cpu" and not _cpu_flag("_is_amx_fp16_supported"):
+        raise UserError("fp16 on CPU is slower than fp32 (no native fp16 kernels without AMX-FP16): "
+                        "use bf16 or int8, or run on cuda")
+
+
+def _check_bf16_device(dev: torch.device) -> None:
+    if dev.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError("this GPU has no native bf16 (needs compute capability >= 8.0): use fp16")
+
+
 # -- helpers --------------------------------------------------------------------------------------
 
 
@@ -918,32 +999,6 @@ def _is_compile_error(exc: BaseException) -> bool:
     return type(exc).__module__.startswith(("torch._inductor", "torch._dynamo"))
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence warnings, log lines and prints from torch's deprecated ao APIs, export and
-    inductor around our calls: the library never prints; what matters goes into the report.
-
-    ``torch.export`` prints the partial graph of a failed capture straight to
-    ``sys.stderr`` (not through logging), which would bury a one-line error: both streams
-    are redirected to a discarded buffer for the duration.
-    """
-    names = ["torch", "torchao"] + [
-        n for n in list(logging.Logger.manager.loggerDict) if n.startswith(("torch.", "torchao."))
-    ]
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    sink = io.StringIO()
-    with warnings.catch_warnings(), contextlib.redirect_stderr(sink), contextlib.redirect_stdout(sink):
-        warnings.simplefilter("ignore")
-        for lg in loggers:
-            lg.setLevel(logging.CRITICAL + 1)
-        try:
-            yield
-        finally:
-            for lg, lv in zip(loggers, levels):
-                lg.setLevel(lv)
-
-
 _TORCHAO_CACHE: list[Any] = []
 
 
@@ -952,7 +1007,7 @@ def _import_torchao_pt2e() -> tuple[Callable[..., Any], Callable[..., Any], Any]
     if _TORCHAO_CACHE:
         return _TORCHAO_CACHE[0]
     try:
-        with _quiet():
+        with quiet_torch():
             from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
             import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
     except ImportError:

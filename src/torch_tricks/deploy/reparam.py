@@ -29,7 +29,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from torch_tricks.errors import UserError
 from torch_tricks.models.repvgg import RepVGGBlock
-from torch_tricks.registry import register_trick
+from torch_tricks.deploy.steps import EXACT, StepContext, StepResult, deploy_step
 
 __all__ = ["ACBlock", "RepVGGBlock", "ReparamReport", "reparameterize_model", "reparameterize_with_report"]
 
@@ -126,15 +126,6 @@ class ACBlock(nn.Module):
         del self.square, self.hor, self.ver
 
 
-@register_trick(
-    "reparameterize",
-    ids=("I2",),
-    kind="deploy",
-    trades="one conv per block at inference (faster, no branch outputs kept) for a multi-branch training-time block",
-    needs="blocks with a reparameterize() method (RepVGGBlock, ACBlock); eval-mode BN statistics",
-    measured_in="benchmarks/deploy.py",
-    switch_on="torch-tricks optimize --steps reparam",
-)
 def reparameterize_model(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     """``model`` in eval mode with every block that has a ``reparameterize()`` method folded.
 
@@ -179,6 +170,33 @@ def reparameterize_with_report(model: nn.Module, *, inplace: bool = False) -> tu
             else "the model has no block with a reparameterize() method (RepVGGBlock, ACBlock)"
         )
     return target, rep
+
+
+# -- the deploy step --------------------------------------------------------------------------
+
+
+@deploy_step(
+    "reparam",
+    summary="fold multi-branch blocks (RepVGG, ACNet) into one conv each (same outputs)",
+    tolerance=EXACT,
+    order=20,
+    # its folds need the BatchNorms and channel counts these change
+    before={"fuse": "fusing removes the BatchNorms that re-parameterization folds",
+            "prune": "pruning changes the channel counts the multi-branch blocks fold with"},
+    ids=("I2",),
+    trick="reparameterize",
+    fn=reparameterize_model,
+    trades="one conv per block at inference (faster, no branch outputs kept) for a multi-branch training-time block",
+    needs="blocks with a reparameterize() method (RepVGGBlock, ACBlock); eval-mode BN statistics",
+    measured_in="benchmarks/deploy.py",
+)
+def reparam_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResult]:
+    """The ``reparam`` step of :func:`~torch_tricks.deploy.pipeline.optimize`: :func:`reparameterize_with_report`."""
+    new, rep = reparameterize_with_report(model)
+    return new, ctx.result(
+        backend="reparameterize()", changed=bool(rep.folded), notes=list(rep.notes),
+        details={"folded": len(rep.folded), "block_types": sorted(set(rep.folded.values())),
+                 "already_folded": len(rep.already_folded)})
 
 
 def _takes_no_arguments(fn: Any) -> bool:

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from torch_tricks.inspect.inputs import as_input_tuple
 from torch_tricks.inspect.timing import compare
+from torch_tricks.outputs import primary_output
 
 __all__ = ["Agreement", "StepReport", "agreement", "model_size_bytes", "param_count", "compare_latency", "report"]
 
@@ -140,8 +141,6 @@ def report(
 def _first_tensor(out: Any) -> torch.Tensor:
     """The output compared: :func:`torch_tricks.outputs.primary_output` (a ModelOutput's or dict's
     logits, else the first floating-point tensor), with ONNX Runtime's numpy arrays as tensors."""
-    from torch_tricks.outputs import primary_output
-
     def tensor(o: Any) -> Any:
         return torch.as_tensor(o) if hasattr(o, "__array__") and not isinstance(o, torch.Tensor) else o
 

@@ -1,0 +1,368 @@
+"""The deploy-step protocol: one :class:`DeployStep` per step, registered once next to its code.
+
+A step is what :func:`torch_tricks.deploy.pipeline.optimize` chains by name (``"fuse,int8"``).
+:func:`deploy_step` decorates the step's ``apply(model, ctx) -> (model, StepResult)`` in the
+module that holds its code (``fuse.py``, ``quantize.py`` ...) and registers, in one place,
+both the step (for the planner) and its trick (:func:`torch_tricks.registry.register_trick`,
+so the tuner, ``list_tricks()`` and ``docs/tricks.md`` list it). Adding a step therefore
+touches one module: the planner, the CLI's ``--steps`` and ``list_steps()`` find it here.
+
+Each step has one name, the one ``optimize`` and ``--steps`` take (``fuse``, ``int8`` ...);
+its trick entry has the same name, except for the steps whose trick names came first
+(``fuse_conv_bn``, ``int8_static`` ...: tune reports, the docs' anchors and user code
+use them), which keep that name for the trick and accept it as an alias of the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import math
+import re
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from torch_tricks.deploy.step_report import Agreement
+from torch_tricks.errors import UserError, one_line
+from torch_tricks.registry import always, register_trick
+
+__all__ = [
+    "DeployStep",
+    "StepContext",
+    "StepResult",
+    "Tolerance",
+    "deploy_step",
+    "get_step",
+    "list_steps",
+    "registered_steps",
+]
+
+INT8_TARGETS = ("vnni", "no-vnni")  # the int8 setting a step can be forced to (:vnni / :no-vnni)
+TOP1_MIN_ROWS = 10  # top-1 agreement on fewer rows is too coarse to hold a step to
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a step's outputs may move from the model before it (None = not checked).
+
+    ``max_rel_diff`` is ``max|a - b| / max|b|``; ``max_abs_diff`` passes on its own (an
+    ``or``); ``min_top1`` applies to 2-D outputs of at least ``TOP1_MIN_ROWS`` rows.
+    """
+
+    max_rel_diff: float | None = None
+    max_abs_diff: float | None = None
+    min_top1: float | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.max_abs_diff is not None and self.max_rel_diff is not None:
+            parts.append(f"max abs diff <= {self.max_abs_diff:g} or max rel diff <= {self.max_rel_diff:g}")
+        elif self.max_rel_diff is not None:
+            parts.append(f"max rel diff <= {self.max_rel_diff:g}")
+        elif self.max_abs_diff is not None:
+            parts.append(f"max abs diff <= {self.max_abs_diff:g}")
+        if self.min_top1 is not None:
+            parts.append(f"top-1 agreement >= {self.min_top1:.0%}")
+        return " and ".join(parts)
+
+    def holds(self, a: Agreement) -> bool:
+        ok = True
+        if self.max_rel_diff is not None or self.max_abs_diff is not None:
+            ok = (self.max_rel_diff is not None and a.max_rel_diff <= self.max_rel_diff) or (
+                self.max_abs_diff is not None and a.max_abs_diff <= self.max_abs_diff
+            )
+        if self.min_top1 is not None and a.top1_agreement is not None:
+            ok = ok and a.top1_agreement >= self.min_top1
+        return bool(ok)
+
+
+EXACT = Tolerance(max_rel_diff=1e-4)
+# int8 moves outputs by a few % of their range (more on random weights, whose margins are
+# thin); this catches a broken calibration (ranges from the wrong data: rel diff ~1, top-1
+# near chance), not rounding.
+INT8 = Tolerance(max_rel_diff=0.3, min_top1=0.9)
+
+
+@dataclass
+class StepResult:
+    """One model of the chain (``"original"`` or a step) measured against the original.
+
+    ``agreement`` compares with the original model, ``step_agreement`` with the model
+    just before this step (what ``tolerance`` is about: a pruned-then-fused model differs
+    from the original because of the pruning, not the fusion). ``backend`` says which
+    implementation ran (``fx``/``eager`` fusion, ``pt2e``/``fx`` int8, ...); ``details`` is
+    the step's own report (:class:`~torch_tricks.deploy.quantize.QuantReport` etc.) as a
+    dict. ``size_bytes`` is ``torch.save(state_dict)`` bytes for modules and the file size
+    for ONNX; ``latency_s``/``speedup`` map a batch size to the median seconds and to
+    original / this (``None`` where the model cannot run that batch, or not measured).
+    ``int8_setting`` (int8 steps): the int8 range and types the kernels got and why
+    (:meth:`~torch_tricks.deploy.cpu_int8.Int8Setting.to_dict`).
+    """
+
+    step: str
+    name: str
+    backend: str = ""
+    changed: bool = True
+    seconds: float = 0.0
+    agreement: Agreement | None = None
+    step_agreement: Agreement | None = None
+    tolerance: str | None = None
+    within_tolerance: bool | None = None
+    params: int = 0
+    size_bytes: int = 0
+    size_method: str = "torch.save(state_dict()) bytes"
+    latency_s: dict[int, float | None] = field(default_factory=dict)
+    latency_iqr_s: dict[int, float | None] = field(default_factory=dict)
+    speedup: dict[int, float | None] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    int8_setting: dict[str, Any] | None = None
+    model: Any = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        shallow = copy.copy(self)
+        shallow.model = None  # asdict would deep-copy the model
+        return json_safe({k: v for k, v in asdict(shallow).items() if k != "model"})
+
+
+@dataclass
+class StepContext:
+    """What a step's ``apply`` gets besides the model: the chain's inputs and its own argument.
+
+    ``arg`` is the argument as typed (``"macs=0.5"`` for ``prune:macs=0.5``), ``mode`` the
+    checked choice among :attr:`DeployStep.args` (lower case, the first one by default);
+    ``for_vnni`` the int8 setting forced for kernels with (True) / without (False) VNNI,
+    None for this CPU's; ``workdir`` a temporary folder for steps that write files.
+    """
+
+    example: tuple[Any, ...]
+    calib: list[tuple[Any, ...]] | None
+    device: torch.device
+    workdir: Any = None
+    index: int = 1
+    text: str = ""
+    name: str = ""
+    arg: str = ""
+    mode: str = ""
+    for_vnni: bool | None = None
+
+    def result(self, **fields: Any) -> StepResult:
+        """A :class:`StepResult` for this step, named as the chain gave it."""
+        return StepResult(step=self.text, name=self.name, **fields)
+
+
+Apply = Callable[[Any, StepContext], "tuple[Any, StepResult]"]
+
+
+@dataclass(frozen=True)
+class DeployStep:
+    """One deploy step: what it does, what it takes, and how the chain must treat it.
+
+    ``final`` steps turn the model into something no other step can take (quantized
+    kernels, an ONNX Runtime session): at most one per chain, last. ``args`` are the
+    argument forms it takes (the first is the default mode); ``check_arg`` replaces the
+    choice among them for free-form arguments (``prune:0.3``); ``targets``: takes
+    ``:vnni`` / ``:no-vnni``; ``one_int8_setting``: an int8 step with a single setting (why
+    ``int8_for="vnni"`` is refused). ``before``: step name -> why this step must come
+    before it. ``check_device`` / ``check_needs(mode)`` raise a :class:`UserError` before
+    any work; ``needs_calib(mode)`` and ``needs_workdir`` say what the chain must prepare.
+    """
+
+    name: str
+    summary: str
+    apply: Apply
+    args: tuple[str, ...] = ()
+    final: bool = False
+    cpu_only: bool = False
+    tolerance: Tolerance | None = None
+    ids: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+    trick: str | None = None
+    order: int = 100
+    targets: bool = False
+    one_int8_setting: str = ""
+    check_arg: Callable[[str], None] | None = None
+    check_device: Callable[[torch.device], None] | None = None
+    check_needs: Callable[[str], None] | None = None
+    needs_calib: Callable[[str], bool] | bool = False
+    needs_workdir: bool = False
+    before: Mapping[str, str] = field(default_factory=dict)
+
+    def parse(self, arg: str) -> tuple[str, str]:
+        """Check the step's argument; return (mode, int8 target: auto | vnni | no-vnni)."""
+        if self.targets:
+            return self._int8_arg(arg)
+        if not arg:
+            return "", "auto"
+        if not self.args:
+            raise UserError(f"step {self.name!r} takes no argument, got {self.name}:{arg}")
+        if self.check_arg is not None:
+            self.check_arg(arg)
+            return "", "auto"
+        if arg.lower() not in self.args:
+            raise UserError(f"bad argument for {self.name}: {arg!r}; choose {self.name}:"
+                            + f" or {self.name}:".join(self.args))
+        return arg.lower(), "auto"
+
+    def calibrates(self, mode: str) -> bool:
+        """Whether the step, given ``mode``, needs calibration batches."""
+        return self.needs_calib(mode) if callable(self.needs_calib) else bool(self.needs_calib)
+
+    def _int8_arg(self, arg: str) -> tuple[str, str]:
+        """``int8:pt2e:no-vnni``, ``onnx-int8:vnni`` ...: at most one mode and one target, any order."""
+        tokens = [t.strip().lower() for t in arg.split(":")] if arg else []
+        modes = [t for t in tokens if t in self.args]
+        targets = [t for t in tokens if t in INT8_TARGETS]
+        if len(modes) > 1 or len(targets) > 1 or len(modes) + len(targets) != len(tokens):
+            raise UserError(f"bad argument for {self.name}: {arg!r}; choose {self.name}:"
+                            + f" or {self.name}:".join(self.args)
+                            + ", optionally followed by :vnni or :no-vnni (the int8 setting for kernels with or "
+                            "without VNNI; default: chosen for this CPU)")
+        return (modes[0] if modes else self.args[0]), (targets[0] if targets else "auto")
+
+
+_STEPS: dict[str, DeployStep] = {}
+_ALIASES: dict[str, str] = {}  # another name a step is known by -> its name
+
+
+def deploy_step(
+    name: str,
+    *,
+    summary: str,
+    ids: tuple[str, ...] = (),
+    trades: str = "",
+    needs: str = "",
+    fn: Callable[..., Any] | None = None,
+    trick: str | None = "",
+    aliases: tuple[str, ...] = (),
+    measured_in: str = "",
+    switch_on: str = "",
+    available: Callable[[torch.device], tuple[bool, str]] = always,
+    **options: Any,
+) -> Callable[[Apply], Apply]:
+    """Decorator: register ``apply`` as the deploy step ``name`` and its trick; ``apply`` is returned unchanged.
+
+    The trick (kind ``deploy``) is registered under ``trick`` (default: ``name``; an older
+    trick name is also an alias of the step; None: the step is covered by another step's
+    entry) with ``fn`` (default: ``apply``), the function a user calls alone.
+    ``options`` are the other :class:`DeployStep` fields (``final``, ``tolerance`` ...).
+    """
+
+    def deco(apply: Apply) -> Apply:
+        key = name.strip().lower()
+        trick_name = key if trick == "" else trick
+        names = [key, *(a.strip().lower() for a in aliases)]
+        if trick_name and trick_name != key:
+            names.append(trick_name)
+        taken = [n for n in names if n in _STEPS or n in _ALIASES]
+        if taken:
+            raise ValueError(f"deploy step name {taken[0]!r} is registered twice")
+        step = DeployStep(key, summary, apply, ids=tuple(ids), aliases=tuple(names[1:]), trick=trick_name, **options)
+        if trick_name:
+            register_trick(trick_name, ids=tuple(ids), kind="deploy", trades=trades or summary, needs=needs,
+                           measured_in=measured_in, switch_on=switch_on or f"torch-tricks optimize --steps {key}",
+                           available=available)(fn or apply)
+        _STEPS[key] = step
+        _ALIASES.update({a: key for a in step.aliases})
+        return apply
+
+    return deco
+
+
+def get_step(name: str) -> DeployStep:
+    """The step ``name`` (or one of its aliases); a :class:`UserError` listing the steps if unknown."""
+    key = name.strip().lower()
+    step = _STEPS.get(_ALIASES.get(key, key))
+    if step is None:
+        raise UserError(f"unknown step {key!r}: choose from {', '.join(s.name for s in registered_steps())}")
+    return step
+
+
+def registered_steps() -> list[DeployStep]:
+    """Every step, in the order they usually chain (``order``, then registration)."""
+    return sorted(_STEPS.values(), key=lambda s: s.order)
+
+
+def list_steps() -> dict[str, str]:
+    """Step name -> one-line description, in the order they usually chain."""
+    return {s.name: s.summary for s in registered_steps()}
+
+
+def unregister_step(name: str) -> None:
+    """Remove the step ``name`` and its aliases from the step table (for tests; the trick stays registered)."""
+    step = _STEPS.pop(name)
+    for a in step.aliases:
+        _ALIASES.pop(a, None)
+
+
+# -- helpers the steps share ------------------------------------------------------------------
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def plain_line(exc: BaseException, with_type: bool = True) -> str:
+    """:func:`one_line` without the colour codes torch puts in some messages for terminals."""
+    return _ANSI.sub("", one_line(exc, 300, with_type=with_type))
+
+
+@contextlib.contextmanager
+def quiet_torch() -> Iterator[None]:
+    """Silence warnings, log lines and prints from torch's deprecated ao APIs, export and
+    inductor around our calls: the library never prints; what matters goes into the report.
+
+    ``torch.export`` prints the partial graph of a failed capture straight to
+    ``sys.stderr`` (not through logging), which would bury a one-line error: both streams
+    are redirected to a discarded buffer for the duration.
+    """
+    names = ["torch", "torchao"] + [
+        n for n in list(logging.Logger.manager.loggerDict) if n.startswith(("torch.", "torchao."))
+    ]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    sink = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stderr(sink), contextlib.redirect_stdout(sink):
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL + 1)
+        try:
+            yield
+        finally:
+            for lg, lv in zip(loggers, levels):
+                lg.setLevel(lv)
+
+
+def report_details(rep: Any) -> dict[str, Any]:
+    """A step report as :attr:`StepResult.details`: without what the chain measures or holds itself."""
+    d = rep.to_dict()
+    d.pop("agreement", None)  # measured by optimize itself, against the original
+    d.pop("notes", None)
+    d.pop("int8_setting", None)  # a field of the step itself
+    return d
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` as JSON-ready data: str keys, non-finite floats as None, dtypes by name, else ``str``."""
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if isinstance(obj, torch.dtype):
+        return str(obj).removeprefix("torch.")
+    return str(obj)
+
+
+def batch_rows(args: tuple[Any, ...]) -> int | None:
+    """The batch size of positional inputs: dim 0 of the first tensor with one (None without)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            return int(a.shape[0])
+    return None
