@@ -95,7 +95,7 @@ def test_reparam_then_fuse_on_repvgg_measures_latency():
     assert len(rows) == 3 and all(len(r) == len(headers) for r in rows)
     assert rows[2][0] == "fuse (no-op)"
     assert "reparam" in res.format_table()
-    d = json.loads(json.dumps(res.as_dict()))
+    d = json.loads(json.dumps(res.to_dict()))
     assert d["steps"][0]["step"] == "reparam" and d["steps"][0]["latency_s"]["4"] > 0
     assert "model" not in d["steps"][0]
 

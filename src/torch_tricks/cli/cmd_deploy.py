@@ -73,7 +73,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             res.save(out or Path(_optimize_name(args.model, steps) + res.suggested_suffix))
         saved = res.saved
         data = {"model": args.model, "steps_asked": steps, "data": args.data, "written": saved.path if saved else None,
-                **res.as_dict()}
+                **res.to_dict()}
         emit(args, data, "\n".join(_result_lines(args, steps, res, check, exceeded)))
     finally:
         res.close()

@@ -233,7 +233,7 @@ class OptimizeResult:
         """``{"original": model, step: model, ...}``: every model of the chain."""
         return {r.step: r.model for r in [self.original, *self.steps]}
 
-    def as_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-ready data (for ``--json``)."""
         return json_safe({
             "device": self.device,
@@ -249,6 +249,8 @@ class OptimizeResult:
             "steps": [s.to_dict() for s in self.steps],
             "saved": self.saved.to_dict() if self.saved else None,
         })
+
+    as_dict = to_dict  # the earlier name; every result type of the package says to_dict
 
     def table_rows(self) -> tuple[list[str], list[list[str]]]:
         """``(headers, rows)`` of strings: one row for the original and one per step."""
