@@ -16,7 +16,7 @@ import torch
 
 from torch_tricks.errors import UserError
 
-__all__ = ["Trick", "register_trick", "list_tricks", "get_trick", "always"]
+__all__ = ["Trick", "register_trick", "unregister_trick", "list_tricks", "get_trick", "always"]
 
 
 def always(device: torch.device) -> tuple[bool, str]:
@@ -38,6 +38,7 @@ class Trick:
     measured_in: str = ""  # the benchmark script that measures it: "benchmarks/train_tricks.py"
     switch_on: str = ""  # how to switch it on where config_key does not say: "torch-tricks optimize --steps fuse"
     available: Callable[[torch.device], tuple[bool, str]] = always
+    aliases: tuple[str, ...] = ()  # earlier names that still find it: get_trick("fuse_conv_bn") is "fuse"
 
     def check(self, device: torch.device | str) -> tuple[bool, str]:
         """(can run on ``device``, reason if not)."""
@@ -45,6 +46,7 @@ class Trick:
 
 
 _TRICKS: dict[str, Trick] = {}
+_ALIASES: dict[str, str] = {}  # earlier name -> name
 
 
 def register_trick(
@@ -58,18 +60,32 @@ def register_trick(
     measured_in: str = "",
     switch_on: str = "",
     available: Callable[[torch.device], tuple[bool, str]] = always,
+    aliases: tuple[str, ...] = (),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: register ``fn`` as the trick ``name``; the function is returned unchanged."""
+    """Decorator: register ``fn`` as the trick ``name``; the function is returned unchanged.
+
+    ``aliases`` are earlier names that :func:`get_trick` still resolves to this trick (a
+    renamed trick keeps the user code and tune reports that name it working)."""
     if kind not in ("train", "data", "deploy"):
         raise ValueError(f"trick kind must be train, data or deploy, not {kind!r}")
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if name in _TRICKS:
-            raise ValueError(f"trick {name!r} is registered twice")
-        _TRICKS[name] = Trick(name, tuple(ids), kind, trades, needs, fn, config_key, measured_in, switch_on, available)
+        for n in (name, *aliases):
+            if n in _TRICKS or n in _ALIASES:
+                raise ValueError(f"trick {n!r} is registered twice")
+        _TRICKS[name] = Trick(name, tuple(ids), kind, trades, needs, fn, config_key, measured_in, switch_on, available,
+                              tuple(aliases))
+        _ALIASES.update(dict.fromkeys(aliases, name))
         return fn
 
     return deco
+
+
+def unregister_trick(name: str) -> None:
+    """Remove the trick ``name`` and its aliases (a trick registered for a test, say)."""
+    trick = _TRICKS.pop(name)
+    for alias in trick.aliases:
+        _ALIASES.pop(alias, None)
 
 
 def list_tricks(kind: str | None = None) -> list[Trick]:
@@ -82,7 +98,7 @@ def get_trick(name: str) -> Trick:
     """The trick ``name``; a :class:`UserError` listing the choices if unknown."""
     _load_all()
     try:
-        return _TRICKS[name]
+        return _TRICKS[_ALIASES.get(name, name)]
     except KeyError:
         raise UserError(f"unknown trick {name!r}: choose one of {', '.join(sorted(_TRICKS))}") from None
 

@@ -102,8 +102,10 @@ def _steps_asked(args: argparse.Namespace, known: dict[str, str]) -> list[str]:
 
 def _checked_out(args: argparse.Namespace, steps: Sequence[str]) -> Path | None:
     """``--out`` as a path whose suffix fits the last step (.onnx for the ONNX steps only)."""
+    from torch_tricks.deploy.steps import get_step
+
     out = Path(args.out) if args.out else None
-    final_onnx = steps[-1].partition(":")[0].strip().lower().startswith("onnx")
+    final_onnx = get_step(steps[-1].partition(":")[0]).writes_onnx
     if out is not None and (out.suffix.lower() == ".onnx") != final_onnx:
         raise UserError(f"--out {out.name}: " + ("the last step runs in ONNX Runtime and writes an .onnx file: "
                                                  "name it .onnx" if final_onnx else

@@ -312,6 +312,7 @@ def ort_quantize_static(
     tolerance=Tolerance(max_abs_diff=1e-4, max_rel_diff=1e-5),
     check_needs=lambda mode: _require_onnx("onnx"),
     needs_workdir=True,
+    writes_onnx=True,
     order=80,
     ids=("I7",),
     trick="onnx_export",
@@ -340,6 +341,7 @@ def onnx_step(model: nn.Module, ctx: StepContext) -> tuple[OrtModule, StepResult
     check_needs=lambda mode: _require_onnx("onnx-int8"),
     needs_calib=lambda mode: mode != "dynamic",
     needs_workdir=True,
+    writes_onnx=True,
     order=90,
     trick=None,  # the onnx_export trick covers it (an ONNX export, then ORT's own int8)
 )

@@ -192,6 +192,7 @@ class DeployStep:
     needs_calib: Callable[[str], bool] | bool = False
     needs_workdir: bool = False
     before: Mapping[str, str] = field(default_factory=dict)
+    writes_onnx: bool = False  # its final model is an ONNX Runtime session, saved as an .onnx file
 
     def parse(self, arg: str) -> tuple[str, str]:
         """Check the step's argument; return (mode, int8 target: auto | vnni | no-vnni)."""
