@@ -29,6 +29,9 @@ import torch
 import torch.nn as nn
 
 from torch_tricks.errors import UserError
+from torch_tricks.inspect.inputs import split_inputs
+from torch_tricks.outputs import get_loss, primary_output
+from torch_tricks.train.speed import to_channels_last
 
 __all__ = ["Batch", "unpack", "forward", "call", "count", "batch_size", "split", "to_device", "takes_labels",
            "example_batch"]
@@ -110,8 +113,6 @@ def to_device(batch: Any, device: torch.device, *, channels_last: bool = False) 
     nb = device.type == "cuda"
     moved = map_tensors(batch, lambda t: t.to(device, non_blocking=nb))
     if channels_last:
-        from torch_tricks.train.speed import to_channels_last
-
         moved = to_channels_last(moved)
     return moved
 
@@ -140,69 +141,39 @@ def example_batch(model: nn.Module, inputs: Any, *, seed: int = 0, loss: str | N
     dict batch with ``labels``; positional ones ``(inputs, target)``. A forward that
     raises is a UserError naming the module and the shapes it got.
     """
-    from torch_tricks.outputs import get_loss, primary_output
-
     loss_fn = get_loss(loss)
     kind = (loss or "auto").lower().replace("_", "-")
     named = isinstance(inputs, Mapping)
-    xs = tuple(inputs.values()) if named else tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    if not xs or not isinstance(xs[0], torch.Tensor) or xs[0].dim() == 0:
-        raise UserError("a training batch needs batched tensor inputs (batch dimension first)")
-    n = int(xs[0].shape[0])
-    one = map_tensors(dict(inputs) if named else xs, lambda t: t[:1] if t.dim() > 0 else t)
-    probe = _probe_copy(model)
-    try:
-        with torch.no_grad():
-            out = probe(**one) if named else probe(*one)
-    except Exception:
-        from torch_tricks.inspect.summarize import summary
-
-        summary(probe, one if not named else (), kwargs=one if named else None, depth=0)  # names the module
-        raise  # pragma: no cover  (summary ran it without error: re-raise the original)
+    xs = _input_tensors(inputs)
+    out = _probe_forward(model, inputs, named, xs)
     if kind == "none":
         return ((dict(inputs) if named else inputs), None), loss_fn
     pred = primary_output(out)
     if pred.dim() < 1:
         raise UserError("the forward's output is a scalar: a training step needs one prediction per sample, "
                         "or pass your own loss_fn from Python")
-    gen = torch.Generator().manual_seed(seed)
-    dev = pred.device
     ids = xs[0]
     token = pred.dim() == 3 and not ids.is_floating_point() and ids.dim() == 2 and ids.shape[1] == pred.shape[1]
-    classes = kind in ("auto", "ce", "nll")
-    if classes and token:
+    if token and kind in ("auto", "ce", "nll"):
         if named and kind == "auto" and takes_labels(model):
             return {**inputs, "labels": ids.clone()}, loss_fn  # the model shifts them itself
         target = torch.full_like(ids, -100)
         target[:, :-1] = ids[:, 1:]  # next-token targets from the ids
-    elif classes and pred.dim() == 2:
-        target = torch.randint(0, int(pred.shape[1]), (n,), generator=gen).to(dev)
-    elif kind == "bce-with-logits":
-        target = torch.randint(0, 2, (n, *pred.shape[1:]), generator=gen).float().to(dev)
-    elif kind in ("ce", "nll"):
-        raise UserError(f"--loss {kind} needs class logits (batch, classes) or token logits (batch, T, vocab); "
-                        f"the output is {tuple(pred.shape)}: choose --loss mse or auto")
     else:
-        target = torch.randn((n, *pred.shape[1:]), generator=gen).to(dev)
-    if named:
-        if takes_labels(model) and kind == "auto":
-            return {**inputs, "labels": target}, loss_fn
-        return (dict(inputs), target), loss_fn
-    return (inputs, target), loss_fn
+        target = _random_target(kind, pred, int(ids.shape[0]), seed)
+    if named and takes_labels(model) and kind == "auto":
+        return {**inputs, "labels": target}, loss_fn
+    return ((dict(inputs) if named else inputs), target), loss_fn
 
 
 # -- helpers ---------------------------------------------------------------------------------------
 
 def _pair(x: Any, y: Any) -> Batch:
-    from torch_tricks.inspect.inputs import split_inputs  # the inputs convention: a dict is keyword arguments
-
-    args, kwargs = split_inputs(x)
+    args, kwargs = split_inputs(x)  # the inputs convention: a dict is keyword arguments
     return Batch(args, kwargs, y)
 
 
 def _model_loss(loss_fn: Callable[..., Any]) -> bool:
-    from torch_tricks.outputs import get_loss
-
     return loss_fn is get_loss("auto") or loss_fn is get_loss("none")
 
 
@@ -218,6 +189,45 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(map_tensors(v, fn) for v in value)
     return value
+
+
+def _input_tensors(inputs: Any) -> tuple[Any, ...]:
+    """The inputs as a tuple (a dict's values in order); refused unless the first is a batched tensor."""
+    named = isinstance(inputs, Mapping)
+    xs = tuple(inputs.values()) if named else tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if not xs or not isinstance(xs[0], torch.Tensor) or xs[0].dim() == 0:
+        raise UserError("a training batch needs batched tensor inputs (batch dimension first)")
+    return xs
+
+
+def _probe_forward(model: nn.Module, inputs: Any, named: bool, xs: tuple[Any, ...]) -> Any:
+    """The output of one forward on the first sample, on an eval copy without grad; a failing forward
+    is rerun under ``summary`` so that the error names the module and the shapes it got."""
+    one = map_tensors(dict(inputs) if named else xs, lambda t: t[:1] if t.dim() > 0 else t)
+    probe = _probe_copy(model)
+    try:
+        with torch.no_grad():
+            return probe(**one) if named else probe(*one)
+    except Exception:
+        # here, not at the top: the error path alone needs the summary, and it imports the FLOP counter
+        from torch_tricks.inspect.summarize import summary
+
+        summary(probe, one if not named else (), kwargs=one if named else None, depth=0)  # names the module
+        raise  # pragma: no cover  (summary ran it without error: re-raise the original)
+
+
+def _random_target(kind: str, pred: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """A seeded random target for ``n`` samples that loss ``kind`` accepts against ``pred`` (not token logits)."""
+    gen = torch.Generator().manual_seed(seed)
+    dev = pred.device
+    if kind in ("auto", "ce", "nll") and pred.dim() == 2:
+        return torch.randint(0, int(pred.shape[1]), (n,), generator=gen).to(dev)
+    if kind == "bce-with-logits":
+        return torch.randint(0, 2, (n, *pred.shape[1:]), generator=gen).float().to(dev)
+    if kind in ("ce", "nll"):
+        raise UserError(f"--loss {kind} needs class logits (batch, classes) or token logits (batch, T, vocab); "
+                        f"the output is {tuple(pred.shape)}: choose --loss mse or auto")
+    return torch.randn((n, *pred.shape[1:]), generator=gen).to(dev)
 
 
 def _probe_copy(model: nn.Module) -> nn.Module:

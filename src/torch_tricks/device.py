@@ -39,7 +39,7 @@ def resolve(device: torch.device | str | int | None = "auto", *, what: str = "de
     return dev
 
 
-def parse(device: str | int, *, what: str = "device") -> torch.device:
+def parse(device: str | int | torch.device, *, what: str = "device") -> torch.device:
     """A device name, or an index on the current accelerator (CUDA where there is none
     other), as torch reads it: unchecked against this machine, for a timer set up before
     the device is used. One line for a name torch does not know."""

@@ -649,8 +649,8 @@ def _restart_layout(buf: Any) -> _RestartLayout | None:
     n = len(mv)
     if n < 4 or mv[0] != 0xFF or mv[1] != 0xD8:
         return None
-    i, sof, dri, comps = 2, -1, 0, 0
-    height = width = mcu_h = mcu_w = 0
+    i, sof, dri = 2, -1, 0
+    frame: tuple[int, int, int, int, int] | None = None
     while i + 4 <= n:
         if mv[i] != 0xFF:
             return None
@@ -660,26 +660,50 @@ def _restart_layout(buf: Any) -> _RestartLayout | None:
             continue
         length = (mv[i + 2] << 8) | mv[i + 3]
         if marker in (0xC0, 0xC1):  # baseline / extended sequential Huffman
-            if i + 10 > n:
+            frame = _sequential_frame(mv, i, n)
+            if frame is None:
                 return None
-            sof, height, width, comps = i, (mv[i + 5] << 8) | mv[i + 6], (mv[i + 7] << 8) | mv[i + 8], mv[i + 9]
-            if comps not in (1, 3) or i + 10 + 3 * comps > n:
-                return None
-            hs = [mv[i + 11 + 3 * c] >> 4 for c in range(comps)]
-            vs = [mv[i + 11 + 3 * c] & 15 for c in range(comps)]
-            mcu_w, mcu_h = (8, 8) if comps == 1 else (8 * max(hs), 8 * max(vs))
-        elif 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return None  # progressive, lossless, arithmetic: not cut here
+            sof = i
         elif marker == 0xDD and i + 6 <= n:
             dri = (mv[i + 4] << 8) | mv[i + 5]
         elif marker == 0xDA:
-            if sof < 0 or dri != 1 or i + 5 > n or mv[i + 4] != comps or not height or not width:
-                return None  # the one scan must hold every component (interleaved), restarts after each MCU
-            return _RestartLayout(height, width, sof, i + 2 + length, mcu_h, mcu_w)
-        elif marker in (0xD9,) or 0xD0 <= marker <= 0xD7:
+            return _scan_layout(mv, i, n, length, sof, frame, dri)
+        elif _ends_the_walk(marker):
             return None
         i += 2 + length
     return None
+
+
+def _sequential_frame(mv: memoryview, i: int, n: int) -> tuple[int, int, int, int, int] | None:
+    """``(height, width, components, MCU height, MCU width)`` of the SOF0/SOF1 segment at ``i``; None
+    for a truncated one or a component count other than 1 (gray) or 3 (YCbCr)."""
+    if i + 10 > n:
+        return None
+    height, width, comps = (mv[i + 5] << 8) | mv[i + 6], (mv[i + 7] << 8) | mv[i + 8], mv[i + 9]
+    if comps not in (1, 3) or i + 10 + 3 * comps > n:
+        return None
+    if comps == 1:
+        return height, width, comps, 8, 8
+    hs = [mv[i + 11 + 3 * c] >> 4 for c in range(comps)]
+    vs = [mv[i + 11 + 3 * c] & 15 for c in range(comps)]
+    return height, width, comps, 8 * max(vs), 8 * max(hs)
+
+
+def _scan_layout(mv: memoryview, i: int, n: int, length: int, sof: int,
+                 frame: tuple[int, int, int, int, int] | None, dri: int) -> _RestartLayout | None:
+    """The layout when the scan at ``i`` follows a sequential frame, holds every component (interleaved)
+    and restarts after each MCU; None otherwise."""
+    if frame is None or dri != 1 or i + 5 > n:
+        return None
+    height, width, comps, mcu_h, mcu_w = frame
+    if mv[i + 4] != comps or not height or not width:
+        return None
+    return _RestartLayout(height, width, sof, i + 2 + length, mcu_h, mcu_w)
+
+
+def _ends_the_walk(marker: int) -> bool:
+    """A frame kind not cut here (progressive, lossless, arithmetic), or a restart / end marker before the scan."""
+    return (0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC)) or marker == 0xD9 or 0xD0 <= marker <= 0xD7
 
 
 _DECODE = {

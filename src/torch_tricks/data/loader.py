@@ -46,6 +46,7 @@ from torch.utils.data import (
     default_collate,
 )
 
+from torch_tricks.device import parse as parse_device
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
@@ -103,40 +104,17 @@ def make_loader(
     ``skip_failed=True`` returns a :class:`SkipFailedLoader`.
     """
     _check_dataset(dataset)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise UserError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    dev = resolve_device(device)
+    _require_int("batch_size", batch_size, 1)
+    # a loader may be built for a CUDA target on a machine without one (it is pinned only for a real one)
+    dev = resolve_device(device) if device is None else parse_device(device)
+    _check_order_args(dataset, sampler, skip_failed)
     iterable = isinstance(dataset, IterableDataset)
-    if iterable and sampler is not None:
-        raise UserError("an IterableDataset decides its own order: drop sampler= (DataLoader cannot use one)")
-    if iterable and skip_failed:
-        raise UserError("skip_failed needs a map-style dataset (one with __getitem__): an iterable one cannot be resumed after an error")
-
-    workers = default_num_workers(dataset) if num_workers is None else num_workers
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise UserError(f"num_workers must be an integer >= 0, got {num_workers!r}")
-    if pin_memory is None:
-        pin_memory = dev.type == "cuda" and torch.cuda.is_available()
-    if persistent_workers is None:
-        persistent_workers = workers > 0
-    elif persistent_workers and workers == 0:
-        raise UserError("persistent_workers=True needs num_workers > 0: there are no workers to keep")
-    if prefetch_factor is None:
-        prefetch_factor = (4 if dev.type == "cuda" else 2) if workers > 0 else None
-    elif workers == 0:
-        raise UserError("prefetch_factor needs num_workers > 0: without workers nothing is prefetched")
-    elif isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
-        raise UserError(f"prefetch_factor must be an integer >= 1, got {prefetch_factor!r}")
-
-    n = _length(sampler if sampler is not None else dataset)
-    if drop_last is None:
-        # Never drop the only (partial) batch: an epoch with no batch at all helps nobody.
-        drop_last = bool(train) and not iterable and (n is None or n >= batch_size)
-    elif drop_last and n is not None and n < batch_size:
-        raise UserError(
-            f"drop_last=True with {n} samples and batch_size={batch_size} gives no batch at all: "
-            "lower batch_size or set drop_last=False"
-        )
+    workers = default_num_workers(dataset) if num_workers is None else _require_int("num_workers", num_workers, 0)
+    pin_memory, persistent_workers, prefetch_factor = _worker_settings(
+        dev, workers, pin_memory, persistent_workers, prefetch_factor
+    )
+    drop_last = _drop_last(drop_last, _length(sampler if sampler is not None else dataset), batch_size,
+                           bool(train) and not iterable)
 
     if collate_fn is None:
         collate_fn = _dataset_collate(dataset)
@@ -460,6 +438,56 @@ def _loader_kwargs(loader: DataLoader, generator: torch.Generator | None = None)
         if not iterable:
             kw["sampler"] = sampler
     return kw
+
+
+def _require_int(name: str, value: Any, minimum: int) -> int:
+    """``value`` if it is an integer (not a bool) of at least ``minimum``; else a UserError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UserError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_order_args(dataset: Any, sampler: Any, skip_failed: bool) -> None:
+    """An IterableDataset takes no sampler and cannot skip failed samples: say so before DataLoader does worse."""
+    iterable = isinstance(dataset, IterableDataset)
+    if iterable and sampler is not None:
+        raise UserError("an IterableDataset decides its own order: drop sampler= (DataLoader cannot use one)")
+    if iterable and skip_failed:
+        raise UserError("skip_failed needs a map-style dataset (one with __getitem__): an iterable one cannot be resumed after an error")
+
+
+def _worker_settings(
+    dev: torch.device, workers: int, pin_memory: bool | None, persistent_workers: bool | None,
+    prefetch_factor: int | None,
+) -> tuple[bool, bool, int | None]:
+    """``(pin_memory, persistent_workers, prefetch_factor)``: the defaults for ``None``, the given ones checked."""
+    if pin_memory is None:
+        pin_memory = dev.type == "cuda" and torch.cuda.is_available()
+    if persistent_workers is None:
+        persistent_workers = workers > 0
+    elif persistent_workers and workers == 0:
+        raise UserError("persistent_workers=True needs num_workers > 0: there are no workers to keep")
+    if prefetch_factor is None:
+        prefetch_factor = (4 if dev.type == "cuda" else 2) if workers > 0 else None
+    elif workers == 0:
+        raise UserError("prefetch_factor needs num_workers > 0: without workers nothing is prefetched")
+    else:
+        _require_int("prefetch_factor", prefetch_factor, 1)
+    return pin_memory, persistent_workers, prefetch_factor
+
+
+def _drop_last(drop_last: bool | None, n: int | None, batch_size: int, map_style_training: bool) -> bool:
+    """``drop_last`` when training, except for the only (partial) batch; an explicit True that leaves
+    no batch at all is refused."""
+    if drop_last is None:
+        # Never drop the only (partial) batch: an epoch with no batch at all helps nobody.
+        return map_style_training and (n is None or n >= batch_size)
+    if drop_last and n is not None and n < batch_size:
+        raise UserError(
+            f"drop_last=True with {n} samples and batch_size={batch_size} gives no batch at all: "
+            "lower batch_size or set drop_last=False"
+        )
+    return drop_last
 
 
 def _check_dataset(dataset: Any) -> None:

@@ -379,15 +379,12 @@ def _verdict(
     base = [x for x in trials if x.error is None and x.num_workers == 0 and x.batch_size == best.batch_size]
     if base and base[0].samples_per_s > 0 and w > 0:
         reasons.append(f"{t / base[0].samples_per_s:.2f}x the throughput without workers")
-    if read_rate is not None and stored is not None:
-        need = t * stored
-        reasons.append(f"reads {need / 1e6:.1f} MB/s of the storage's {read_rate / 1e6:.1f} MB/s sequential")
-        if need >= IO_BOUND_FRACTION * read_rate:
-            return "I/O-bound", reasons, [
-                "pack small files into one container (D4: torch-tricks pack)",
-                "cache the data in RAM if it fits (D6)",
-                "store pre-resized samples (D1) or use faster storage such as local NVMe (D7)",
-            ]
+    if read_rate is not None and stored is not None and _io_bound(t * stored, read_rate, reasons):
+        return "I/O-bound", reasons, [
+            "pack small files into one container (D4: torch-tricks pack)",
+            "cache the data in RAM if it fits (D6)",
+            "store pre-resized samples (D1) or use faster storage such as local NVMe (D7)",
+        ]
     if decode_rate is None or t <= 0:
         reasons.append("the per-sample rate could not be measured")
         return "unknown", reasons, []
@@ -397,22 +394,7 @@ def _verdict(
         f"one process does {decode_rate:.1f} samples/s; x{effective} worker(s) predicts {predicted:.1f}, measured {t:.1f}"
     )
     if t >= DECODE_BOUND_FRACTION * predicted:
-        advice = [
-            "faster decoding (D3): decode only the crop (PackedDataset(center_crop=N) on a crop-ready JPEG "
-            "pack), the fast IDCT (fast_dct=True), reduce-on-decode, or raw uint8 storage",
-            *([] if pre_resized else ["store samples pre-resized to the training size (D1)"]),
-            "move augmentation to the device as batched transforms (D2)",
-        ]
-        slower = [x for x in trials if x.error is None and x.batch_size == best.batch_size and x.num_workers > w]
-        if slower:
-            advice.insert(0, f"more worker processes were slower ({max(x.num_workers for x in slower)} measured): "
-                             "moving decoded batches between processes costs more than it saves here; read with "
-                             "ThreadLoader (threads decode straight into the batch, no inter-process copies)")
-        elif w >= cpus:
-            advice.insert(0, f"all {cpus} CPUs are busy: more workers will not help; more cores will")
-        else:
-            advice.insert(0, f"try more workers (up to {cpus})")
-        return "decode-bound", reasons, advice
+        return "decode-bound", reasons, _decode_bound_advice(best, trials, cpus, pre_resized)
     if w == 0:
         return "overhead-bound", reasons, [
             "workers cost more than they save here (cheap or in-memory samples): use num_workers=0",
@@ -422,6 +404,34 @@ def _verdict(
         "make batches larger, or collate less",
         "check that the main process is not the bottleneck (transforms in the loop, .item() syncs)",
     ]
+
+
+def _io_bound(need: float, read_rate: float, reasons: list[str]) -> bool:
+    """Whether reading ``need`` bytes/s comes close to the storage's sequential rate (said in ``reasons``)."""
+    reasons.append(f"reads {need / 1e6:.1f} MB/s of the storage's {read_rate / 1e6:.1f} MB/s sequential")
+    return need >= IO_BOUND_FRACTION * read_rate
+
+
+def _decode_bound_advice(best: LoaderTrial, trials: list[LoaderTrial], cpus: int, pre_resized: bool) -> list[str]:
+    """What helps when decoding is the limit, led by whether more workers can (they were slower, the
+    CPUs are all busy, or they are worth a try)."""
+    w = best.num_workers
+    advice = [
+        "faster decoding (D3): decode only the crop (PackedDataset(center_crop=N) on a crop-ready JPEG "
+        "pack), the fast IDCT (fast_dct=True), reduce-on-decode, or raw uint8 storage",
+        *([] if pre_resized else ["store samples pre-resized to the training size (D1)"]),
+        "move augmentation to the device as batched transforms (D2)",
+    ]
+    slower = [x for x in trials if x.error is None and x.batch_size == best.batch_size and x.num_workers > w]
+    if slower:
+        advice.insert(0, f"more worker processes were slower ({max(x.num_workers for x in slower)} measured): "
+                         "moving decoded batches between processes costs more than it saves here; read with "
+                         "ThreadLoader (threads decode straight into the batch, no inter-process copies)")
+    elif w >= cpus:
+        advice.insert(0, f"all {cpus} CPUs are busy: more workers will not help; more cores will")
+    else:
+        advice.insert(0, f"try more workers (up to {cpus})")
+    return advice
 
 
 # --- helpers ---------------------------------------------------------------------------

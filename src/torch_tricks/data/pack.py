@@ -128,40 +128,9 @@ def pack(
     ``commit_every``: samples between durable progress points (at most ~5 s apart).
     """
     t0 = time.perf_counter()
-    if fmt not in FORMATS:
-        raise UserError(f"unknown pack format {fmt!r}: choose one of {', '.join(FORMATS)}")
-    if storage not in STORAGES:
-        raise UserError(f"unknown storage {storage!r}: choose one of {', '.join(STORAGES)}")
-    if not 1 <= int(quality) <= 100:
-        raise UserError(f"JPEG quality must be 1-100, not {quality}")
-    for name, value in (("resize", resize), ("raw_size", raw_size)):
-        if value is not None and int(value) < 1:
-            raise UserError(f"{name} must be a positive number of pixels, not {value}")
-    if resize and storage == "encoded":
-        raise UserError("resize re-encodes the images: use storage='jpeg' or 'raw' ('encoded' keeps the source bytes)")
-    if raw_size and storage != "raw":
-        raise UserError(f"raw_size is for storage='raw' (fixed-shape raw pixels), not {storage!r}: use resize")
-    if raw_size and resize and resize != raw_size:
-        raise UserError("give resize or raw_size, not both: raw_size already resizes the shorter side to N")
-    if commit_every < 1:
-        raise UserError(f"commit_every must be at least 1, not {commit_every}")
-
+    _check_pack_args(fmt, storage, quality, resize, raw_size, commit_every)
     src = _resolve_source(source)
-    dec = _dec._resolve(decoder)
-    backend = _dec.resize_backend() if (resize or raw_size) else ""
-    opts = {
-        "storage": storage,
-        "resize": int(resize) if resize else None,
-        "raw_size": int(raw_size) if raw_size else None,
-        "quality": int(quality) if storage == "jpeg" else None,
-        "decoder": dec,
-        "resize_backend": backend,
-        "interpolation": interpolation if backend else None,
-    }
-    if storage == "jpeg" and crop_ready:  # recorded for jpeg storage only: other packs keep their fingerprints
-        opts["crop_ready"] = True
-        # here, once: in the workers a missing encoder would look like every image being unreadable
-        _dec.encode_jpeg(np.zeros((16, 16, 3), dtype=np.uint8), int(quality), crop_ready=True)
+    opts = _pack_options(storage, resize, raw_size, quality, decoder, interpolation, crop_ready)
     fingerprint = _fingerprint(src, opts, fmt)
     if fmt == "native":
         writer: NativeWriter | LMDBWriter = NativeWriter(
@@ -170,36 +139,9 @@ def pack(
     else:
         writer = LMDBWriter(dst, storage=storage, fingerprint=fingerprint, resume=resume, overwrite=overwrite)
 
-    from tqdm.auto import tqdm
-
     n = len(src.items)
-    nworkers = _n_workers(workers)
-    chunk = max(1, min(64, n // max(1, nworkers * 8)))
     try:
-        bar = tqdm(total=n, initial=writer.source_pos, disable=not progress, unit="img", desc="pack",
-                   dynamic_ncols=True)
-        try:
-            last_commit, since = time.monotonic(), 0
-            start = writer.source_pos
-            chunks = ([(p, *src.items[p]) for p in range(s, min(s + chunk, n))] for s in range(start, n, chunk))
-            for results in _run(chunks, nworkers, (src.dataset, opts)):
-                for pos, payload, label, shape, reason in results:
-                    name = src.names[pos] if src.names is not None else str(pos)
-                    if payload is None:
-                        writer.skip(name, reason)
-                    else:
-                        writer.add(payload, label, shape, name)
-                        since += 1
-                    last_pos = pos
-                bar.update(len(results))
-                if writer.skipped:
-                    bar.set_postfix(skipped=len(writer.skipped), refresh=False)
-                if (since >= commit_every or time.monotonic() - last_commit > 5.0
-                        or getattr(writer, "pending_bytes", 0) > (64 << 20)):
-                    writer.commit(last_pos + 1)
-                    last_commit, since = time.monotonic(), 0
-        finally:
-            bar.close()
+        _write_samples(src, opts, writer, _n_workers(workers), progress, commit_every)
         if writer.count == 0:
             first = writer.skipped[0] if writer.skipped else ("", "the source is empty")
             raise UserError(f"no sample could be packed from {src.description}: first error: {first[0]}: {first[1]}")
@@ -225,7 +167,7 @@ def pack(
         seconds=time.perf_counter() - t0,
         classes=list(classes),
         resumed_from=writer.resumed_from,
-        decoder=dec,
+        decoder=opts["decoder"],
         options=opts,
     )
 
@@ -270,17 +212,7 @@ def read_list_file(path: str | os.PathLike[str]) -> tuple[list[str], list[tuple[
     (classes ``"0"`` .. ``str(max)``); names become indices in sorted order, as ImageFolder.
     """
     p = Path(path)
-    base = p.parent
-    rows: list[tuple[str, str]] = []
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.rsplit(",", 1) if "," in line else line.rsplit(None, 1)
-        if len(parts) != 2 or not parts[0].strip() or not parts[1].strip():
-            raise UserError(f"{p}:{lineno}: expected 'path label' or 'path,label', got {line!r}")
-        file, label = parts[0].strip(), parts[1].strip()
-        rows.append((str(base / file) if not os.path.isabs(file) else file, label))
+    rows = _list_file_rows(p)
     if not rows:
         raise UserError(f"{p} lists no samples: write one 'path label' a line")
     labels = [label for _, label in rows]
@@ -294,6 +226,52 @@ def read_list_file(path: str | os.PathLike[str]) -> tuple[list[str], list[tuple[
     classes = sorted(set(labels))
     idx = {c: i for i, c in enumerate(classes)}
     return classes, [(f, idx[label]) for f, label in rows]
+
+
+# --------------------------------------------------------------------------- the arguments
+
+
+def _check_pack_args(fmt: str, storage: str, quality: int, resize: int | None, raw_size: int | None,
+                     commit_every: int) -> None:
+    """Refuse contradictory or out-of-range ``pack`` arguments before anything is read or written."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown pack format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if storage not in STORAGES:
+        raise UserError(f"unknown storage {storage!r}: choose one of {', '.join(STORAGES)}")
+    if not 1 <= int(quality) <= 100:
+        raise UserError(f"JPEG quality must be 1-100, not {quality}")
+    for name, value in (("resize", resize), ("raw_size", raw_size)):
+        if value is not None and int(value) < 1:
+            raise UserError(f"{name} must be a positive number of pixels, not {value}")
+    if resize and storage == "encoded":
+        raise UserError("resize re-encodes the images: use storage='jpeg' or 'raw' ('encoded' keeps the source bytes)")
+    if raw_size and storage != "raw":
+        raise UserError(f"raw_size is for storage='raw' (fixed-shape raw pixels), not {storage!r}: use resize")
+    if raw_size and resize and resize != raw_size:
+        raise UserError("give resize or raw_size, not both: raw_size already resizes the shorter side to N")
+    if commit_every < 1:
+        raise UserError(f"commit_every must be at least 1, not {commit_every}")
+
+
+def _pack_options(storage: str, resize: int | None, raw_size: int | None, quality: int, decoder: str | None,
+                  interpolation: str, crop_ready: bool) -> dict[str, Any]:
+    """The options the workers apply and the fingerprint records (a resumed pack must match them)."""
+    dec = _dec._resolve(decoder)
+    backend = _dec.resize_backend() if (resize or raw_size) else ""
+    opts = {
+        "storage": storage,
+        "resize": int(resize) if resize else None,
+        "raw_size": int(raw_size) if raw_size else None,
+        "quality": int(quality) if storage == "jpeg" else None,
+        "decoder": dec,
+        "resize_backend": backend,
+        "interpolation": interpolation if backend else None,
+    }
+    if storage == "jpeg" and crop_ready:  # recorded for jpeg storage only: other packs keep their fingerprints
+        opts["crop_ready"] = True
+        # here, once: in the workers a missing encoder would look like every image being unreadable
+        _dec.encode_jpeg(np.zeros((16, 16, 3), dtype=np.uint8), int(quality), crop_ready=True)
+    return opts
 
 
 # --------------------------------------------------------------------------- the source
@@ -344,6 +322,22 @@ def _classes_from_labels(max_label: int) -> list[str]:
     return [str(i) for i in range(max_label + 1)]
 
 
+def _list_file_rows(p: Path) -> list[tuple[str, str]]:
+    """The ``(path, label text)`` rows of a list file, paths made relative to its folder."""
+    base = p.parent
+    rows: list[tuple[str, str]] = []
+    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.rsplit(",", 1) if "," in line else line.rsplit(None, 1)
+        if len(parts) != 2 or not parts[0].strip() or not parts[1].strip():
+            raise UserError(f"{p}:{lineno}: expected 'path label' or 'path,label', got {line!r}")
+        file, label = parts[0].strip(), parts[1].strip()
+        rows.append((str(base / file) if not os.path.isabs(file) else file, label))
+    return rows
+
+
 def _is_int(text: str) -> bool:
     try:
         int(text)
@@ -362,6 +356,45 @@ def _n_workers(workers: int | None) -> int:
 
 
 # --------------------------------------------------------------------------- the work
+
+
+def _write_samples(src: _Source, opts: dict[str, Any], writer: NativeWriter | LMDBWriter, nworkers: int,
+                   progress: bool, commit_every: int) -> None:
+    """Encode the samples not yet packed and write them in source order, committing progress as it goes."""
+    from tqdm.auto import tqdm
+
+    n = len(src.items)
+    chunk = max(1, min(64, n // max(1, nworkers * 8)))
+    bar = tqdm(total=n, initial=writer.source_pos, disable=not progress, unit="img", desc="pack",
+               dynamic_ncols=True)
+    try:
+        last_commit, since = time.monotonic(), 0
+        start = writer.source_pos
+        chunks = ([(p, *src.items[p]) for p in range(s, min(s + chunk, n))] for s in range(start, n, chunk))
+        for results in _run(chunks, nworkers, (src.dataset, opts)):
+            since += _write_results(src, writer, results)
+            bar.update(len(results))
+            if writer.skipped:
+                bar.set_postfix(skipped=len(writer.skipped), refresh=False)
+            if (since >= commit_every or time.monotonic() - last_commit > 5.0
+                    or getattr(writer, "pending_bytes", 0) > (64 << 20)):
+                writer.commit(results[-1][0] + 1)
+                last_commit, since = time.monotonic(), 0
+    finally:
+        bar.close()
+
+
+def _write_results(src: _Source, writer: NativeWriter | LMDBWriter, results: list) -> int:
+    """Add one chunk's payloads to ``writer`` (skips listed as such); returns how many were added."""
+    added = 0
+    for pos, payload, label, shape, reason in results:
+        name = src.names[pos] if src.names is not None else str(pos)
+        if payload is None:
+            writer.skip(name, reason)
+        else:
+            writer.add(payload, label, shape, name)
+            added += 1
+    return added
 
 
 _STATE: dict[str, Any] = {}

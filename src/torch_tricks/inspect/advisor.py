@@ -66,38 +66,14 @@ def advise(
     compute = [r.name for r in s.all_rows if r.is_leaf and _matmul_dims(r)]
     first_compute, last_compute = (compute[0], compute[-1]) if compute else (None, None)
     for r in s.all_rows:
-        e = r.extra
-        if "in_channels" in e:
-            c1, c2, g = e["in_channels"], e["out_channels"], e["groups"]
-            ratio = max(c1, c2) / max(min(c1, c2), 1)
-            if g == 1 and ratio >= channel_ratio and r.name != first_compute:
-                excess = (c1 + c2) / (2 * math.sqrt(c1 * c2))
-                out.append(Advice("G1", "info", r.name,
-                    f"{c1}->{c2} channels (ratio {ratio:.0f}): a 1x1 conv at this ratio moves "
-                    f"{(excess - 1) * 100:.0f}% more activation bytes than equal widths at the same FLOPs"))
-            if g > 1:
-                kind = "depthwise" if g == c1 == c2 or (g == c1 and c2 % c1 == 0) else f"{g}-group"
-                out.append(Advice("G2", "info", r.name,
-                    f"{kind} conv: few FLOPs per byte moved, so it runs far below peak; "
-                    "fewer groups or fused kernels help"))
+        out.extend(_channel_advice(r, channel_ratio, first_compute))
         if not r.is_leaf and r.branches >= branches and not _branching_inside(s, r):
             out.append(_fragmentation(s, r))
-        share = r.pointwise_bytes / r.mac_bytes if r.mac_bytes else 0.0
-        nested = any(r.name.startswith(f + ".") for f in g4_flagged)  # say it once per subtree
-        if not r.is_leaf and r.name and not nested and share >= max(pointwise_share, model_share + 0.1):
+        g4 = _pointwise_block_advice(r, g4_flagged, max(pointwise_share, model_share + 0.1))
+        if g4 is not None:
             g4_flagged.append(r.name)
-            out.append(Advice("G4", "info", r.name,
-                f"element-wise ops move {r.pointwise_bytes / r.mac_bytes:.0%} of its bytes; "
-                "fuse them (Conv-BN-ReLU fusion, torch.compile, inplace activations)"))
-        for dim_name, value in _matmul_dims(r).items():
-            if value % multiple:
-                reads_input = r.name == first_compute or (r.input_shapes or None) == s.input_shapes
-                edge = (reads_input and dim_name in ("in_channels", "in_features")) or (
-                    r.name == last_compute and dim_name in ("out_channels", "out_features"))
-                out.append(Advice("T23", "info" if edge else "warn", r.name,
-                    f"{dim_name}={value} is not a multiple of {multiple}: tensor cores and blocked "
-                    f"CPU kernels pad it; use {math.ceil(value / multiple) * multiple}"
-                    + (" (set by the data or the classes: pad only if this layer dominates)" if edge else "")))
+            out.append(g4)
+        out.extend(_dims_advice(s, r, multiple, first_compute, last_compute))
     total = s.totals
     if total.get("mac_bytes") and total["pointwise_bytes"] / total["mac_bytes"] >= pointwise_share:
         out.insert(0, Advice("G4", "warn", "(model)",
@@ -129,6 +105,54 @@ def group_advice(advice: list[Advice], keep: int = 3) -> list[Advice]:
 
 _INDEX = re.compile(r"(?:(?<=^)|(?<=\.))\d+(?=\.|$)")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _channel_advice(r, channel_ratio: float, first_compute: str | None) -> list[Advice]:
+    """G1 (unequal in/out channels) and G2 (group convolutions) for a conv row; nothing for others."""
+    e = r.extra
+    if "in_channels" not in e:
+        return []
+    out: list[Advice] = []
+    c1, c2, g = e["in_channels"], e["out_channels"], e["groups"]
+    ratio = max(c1, c2) / max(min(c1, c2), 1)
+    if g == 1 and ratio >= channel_ratio and r.name != first_compute:
+        excess = (c1 + c2) / (2 * math.sqrt(c1 * c2))
+        out.append(Advice("G1", "info", r.name,
+            f"{c1}->{c2} channels (ratio {ratio:.0f}): a 1x1 conv at this ratio moves "
+            f"{(excess - 1) * 100:.0f}% more activation bytes than equal widths at the same FLOPs"))
+    if g > 1:
+        kind = "depthwise" if g == c1 == c2 or (g == c1 and c2 % c1 == 0) else f"{g}-group"
+        out.append(Advice("G2", "info", r.name,
+            f"{kind} conv: few FLOPs per byte moved, so it runs far below peak; "
+            "fewer groups or fused kernels help"))
+    return out
+
+
+def _pointwise_block_advice(r, flagged: list[str], threshold: float) -> Advice | None:
+    """G4 for a block whose element-wise share reaches ``threshold``, once per subtree (not inside ``flagged``)."""
+    share = r.pointwise_bytes / r.mac_bytes if r.mac_bytes else 0.0
+    nested = any(r.name.startswith(f + ".") for f in flagged)  # say it once per subtree
+    if r.is_leaf or not r.name or nested or share < threshold:
+        return None
+    return Advice("G4", "info", r.name,
+        f"element-wise ops move {r.pointwise_bytes / r.mac_bytes:.0%} of its bytes; "
+        "fuse them (Conv-BN-ReLU fusion, torch.compile, inplace activations)")
+
+
+def _dims_advice(s: Summary, r, multiple: int, first_compute: str | None, last_compute: str | None) -> list[Advice]:
+    """T23 for each matmul dim of ``r`` not a multiple of ``multiple``; only "info" where the data or
+    the classes set it (the first layer's input, the last layer's output)."""
+    out: list[Advice] = []
+    for dim_name, value in _matmul_dims(r).items():
+        if value % multiple:
+            reads_input = r.name == first_compute or (r.input_shapes or None) == s.input_shapes
+            edge = (reads_input and dim_name in ("in_channels", "in_features")) or (
+                r.name == last_compute and dim_name in ("out_channels", "out_features"))
+            out.append(Advice("T23", "info" if edge else "warn", r.name,
+                f"{dim_name}={value} is not a multiple of {multiple}: tensor cores and blocked "
+                f"CPU kernels pad it; use {math.ceil(value / multiple) * multiple}"
+                + (" (set by the data or the classes: pad only if this layer dominates)" if edge else "")))
+    return out
 
 
 def _branching_inside(s: Summary, r) -> bool:

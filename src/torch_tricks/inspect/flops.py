@@ -310,31 +310,44 @@ class OpCounter(TorchDispatchMode):
         out_flat, _ = tree_flatten(out)
         outs = [t for t in out_flat if isinstance(t, torch.Tensor)]
         in_keys = [_storage_key(t) for t in ins]
-        mutable = func._schema.is_mutable
-        view_like = func.is_view or (
-            not mutable and bool(outs) and all(_storage_key(t) in in_keys for t in outs)
-        )
         stats = OpStats(ops=1)
-        if not view_like:
-            if func._overloadpacket in _GATHERS:  # reads the gathered rows, not the whole table
-                stats.read_bytes = sum(_nbytes(t) for t in ins[1:]) + sum(_nbytes(t) for t in outs)
-            else:
-                stats.read_bytes = sum(_nbytes(t) for t in ins)
-            stats.write_bytes = sum(_nbytes(t) for t in outs)
-            if torch.Tag.pointwise in func.tags:
+        if not (func.is_view or _aliases_inputs(func, outs, in_keys)):
+            pointwise = torch.Tag.pointwise in func.tags
+            stats.read_bytes, stats.write_bytes = _traffic(func, ins, outs)
+            if pointwise:
                 stats.pointwise_bytes = stats.mac_bytes
             if self._rnn_depth == 0:
-                macs = _op_flops(func, args, kwargs, out) // 2
-                if macs:
-                    stats.macs = macs
-                    stats.by_op[self._op_name(func)] = macs
-            # G3: compute operators (not views, not element-wise) reading a block's input.
-            if torch.Tag.pointwise not in func.tags:
-                for frame in self.stack:
-                    if frame.inputs and any(k in frame.inputs for k in in_keys):
-                        frame.branch_ops += 1
+                self._count_macs(stats, func, args, kwargs, out)
+            if not pointwise:  # G3: compute operators (not views, not element-wise) reading a block's input.
+                self._count_branch(in_keys)
         self._attribute(stats)
         return out
+
+    def _count_macs(self, stats: OpStats, func, args, kwargs, out) -> None:
+        macs = _op_flops(func, args, kwargs, out) // 2
+        if macs:
+            stats.macs = macs
+            stats.by_op[self._op_name(func)] = macs
+
+    def _count_branch(self, in_keys: list[int | None]) -> None:
+        """One more compute operator for every open block whose input it reads."""
+        for frame in self.stack:
+            if frame.inputs and any(k in frame.inputs for k in in_keys):
+                frame.branch_ops += 1
+
+
+def _aliases_inputs(func, outs: list[torch.Tensor], in_keys: list[int | None]) -> bool:
+    """A non-mutating operator whose outputs all share storage with its inputs: a view in all but name."""
+    return not func._schema.is_mutable and bool(outs) and all(_storage_key(t) in in_keys for t in outs)
+
+
+def _traffic(func, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[int, int]:
+    """``(bytes read, bytes written)`` by an operator that is not a view."""
+    if func._overloadpacket in _GATHERS:  # reads the gathered rows, not the whole table
+        read = sum(_nbytes(t) for t in ins[1:]) + sum(_nbytes(t) for t in outs)
+    else:
+        read = sum(_nbytes(t) for t in ins)
+    return read, sum(_nbytes(t) for t in outs)
 
 
 def _shapes_of(obj: Any) -> Any:

@@ -77,81 +77,12 @@ def autograd_dot(
             "inference_mode() with parameters that require grad"
         )
     names = {id(t): name for name, t in (params or {}).items() if isinstance(t, torch.Tensor)}
-
-    lines = [
-        "digraph autograd {",
-        '  graph [rankdir=TB, fontname="monospace", fontsize=10];',
-        '  node [shape=box, style="rounded,filled", fillcolor="#eeeeee", fontname="monospace", fontsize=10];',
-        '  edge [fontname="monospace", fontsize=9];',
-    ]
-    ids: dict[int, str] = {}
-    keep: list[Any] = []  # hold references so id() values stay unique during the walk
-    truncated = False
-
-    def node_id(obj: Any) -> str:
-        key = id(obj)
-        if key not in ids:
-            ids[key] = f"n{len(ids)}"
-            keep.append(obj)
-        return ids[key]
-
-    def add_leaf(t: torch.Tensor) -> str:
-        nid = node_id(t)
-        name = names.get(id(t))
-        label = f"{name}\n{_shape(t)}" if name else f"(leaf tensor)\n{_shape(t)}"
-        lines.append(f"  {nid} [label={_q(label)}, fillcolor=lightblue];")
-        return nid
-
-    # Outputs first, then a breadth-first walk from their grad_fns.
-    queue: list[Any] = []
-    done: set[int] = set()
-    for i, t in enumerate(tensors):
-        out_id = f"out{i}"
-        label = f"output{'' if len(tensors) == 1 else f' {i}'}\n{_shape(t)}"
-        lines.append(f"  {out_id} [label={_q(label)}, fillcolor=darkolivegreen1];")
-        if t.grad_fn is not None:
-            lines.append(f"  {node_id(t.grad_fn)} -> {out_id};")
-            queue.append(t.grad_fn)
-        elif t.requires_grad:  # the output is itself a leaf
-            if id(t) not in done:
-                done.add(id(t))
-                add_leaf(t)
-            lines.append(f"  {node_id(t)} -> {out_id};")
-
-    head = 0
-    while head < len(queue):
-        fn = queue[head]
-        head += 1
-        if id(fn) in done:
-            continue
-        if len(done) >= max_nodes:
-            truncated = True
-            break
-        done.add(id(fn))
-        nid = node_id(fn)
-        variable = getattr(fn, "variable", None)  # AccumulateGrad: the leaf it accumulates into
-        if isinstance(variable, torch.Tensor):
-            name = names.get(id(variable))
-            label = f"{name}\n{_shape(variable)}" if name else f"(leaf tensor)\n{_shape(variable)}"
-            lines.append(f"  {nid} [label={_q(label)}, fillcolor=lightblue];")
-        else:
-            label = type(fn).__name__
-            if show_saved:
-                label += "".join(f"\n{k}: {v}" for k, v in _saved(fn))
-            lines.append(f"  {nid} [label={_q(label)}];")
-        for nxt, _ in getattr(fn, "next_functions", ()):
-            if nxt is not None:
-                lines.append(f"  {node_id(nxt)} -> {nid};")
-                queue.append(nxt)
-
-    if truncated:
-        described = {ids[k] for k in done if k in ids}
-        for nid in ids.values():
-            if nid not in described:
-                lines.append(f'  {nid} [label="...", style=dashed];')
-        lines.append(f"  graph [label={_q(f'truncated after {max_nodes} nodes (max_nodes)')}, labelloc=t];")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    dot = _AutogradDot(names, show_saved)
+    dot.add_outputs(tensors)
+    if not dot.walk(max_nodes):
+        dot.mark_truncated(max_nodes)
+    dot.lines.append("}")
+    return "\n".join(dot.lines) + "\n"
 
 
 def model_graph(model: torch.nn.Module, inputs: Any, *, show_saved: bool = False, max_nodes: int = 5000) -> str:
@@ -304,6 +235,89 @@ def save_graph(model: torch.nn.Module, inputs: Any, path: str | os.PathLike[str]
 
 
 # --- helpers ---------------------------------------------------------------------------
+
+
+class _AutogradDot:
+    """The DOT lines of :func:`autograd_dot`, built as the walk goes: outputs, then a breadth-first
+    walk from their grad_fns, then (if it stopped early) the nodes left undescribed."""
+
+    def __init__(self, names: dict[int, str], show_saved: bool) -> None:
+        self.names = names
+        self.show_saved = show_saved
+        self.lines = [
+            "digraph autograd {",
+            '  graph [rankdir=TB, fontname="monospace", fontsize=10];',
+            '  node [shape=box, style="rounded,filled", fillcolor="#eeeeee", fontname="monospace", fontsize=10];',
+            '  edge [fontname="monospace", fontsize=9];',
+        ]
+        self.ids: dict[int, str] = {}
+        self.keep: list[Any] = []  # hold references so id() values stay unique during the walk
+        self.queue: list[Any] = []
+        self.done: set[int] = set()
+
+    def node_id(self, obj: Any) -> str:
+        key = id(obj)
+        if key not in self.ids:
+            self.ids[key] = f"n{len(self.ids)}"
+            self.keep.append(obj)
+        return self.ids[key]
+
+    def add_leaf(self, nid: str, t: torch.Tensor) -> None:
+        name = self.names.get(id(t))
+        label = f"{name}\n{_shape(t)}" if name else f"(leaf tensor)\n{_shape(t)}"
+        self.lines.append(f"  {nid} [label={_q(label)}, fillcolor=lightblue];")
+
+    def add_outputs(self, tensors: list[torch.Tensor]) -> None:
+        """One node per output, an edge from what produced it, and its grad_fn queued for the walk."""
+        for i, t in enumerate(tensors):
+            out_id = f"out{i}"
+            label = f"output{'' if len(tensors) == 1 else f' {i}'}\n{_shape(t)}"
+            self.lines.append(f"  {out_id} [label={_q(label)}, fillcolor=darkolivegreen1];")
+            if t.grad_fn is not None:
+                self.lines.append(f"  {self.node_id(t.grad_fn)} -> {out_id};")
+                self.queue.append(t.grad_fn)
+            elif t.requires_grad:  # the output is itself a leaf
+                if id(t) not in self.done:
+                    self.done.add(id(t))
+                    self.add_leaf(self.node_id(t), t)
+                self.lines.append(f"  {self.node_id(t)} -> {out_id};")
+
+    def walk(self, max_nodes: int) -> bool:
+        """Describe the queued backward functions breadth-first; False when ``max_nodes`` stopped it."""
+        head = 0
+        while head < len(self.queue):
+            fn = self.queue[head]
+            head += 1
+            if id(fn) in self.done:
+                continue
+            if len(self.done) >= max_nodes:
+                return False
+            self.done.add(id(fn))
+            self.add_function(fn)
+        return True
+
+    def add_function(self, fn: Any) -> None:
+        """A backward function's node (a leaf's for AccumulateGrad), its in-edges, its inputs queued."""
+        nid = self.node_id(fn)
+        variable = getattr(fn, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if isinstance(variable, torch.Tensor):
+            self.add_leaf(nid, variable)
+        else:
+            label = type(fn).__name__
+            if self.show_saved:
+                label += "".join(f"\n{k}: {v}" for k, v in _saved(fn))
+            self.lines.append(f"  {nid} [label={_q(label)}];")
+        for nxt, _ in getattr(fn, "next_functions", ()):
+            if nxt is not None:
+                self.lines.append(f"  {self.node_id(nxt)} -> {nid};")
+                self.queue.append(nxt)
+
+    def mark_truncated(self, max_nodes: int) -> None:
+        described = {self.ids[k] for k in self.done if k in self.ids}
+        for nid in self.ids.values():
+            if nid not in described:
+                self.lines.append(f'  {nid} [label="...", style=dashed];')
+        self.lines.append(f"  graph [label={_q(f'truncated after {max_nodes} nodes (max_nodes)')}, labelloc=t];")
 
 
 def _q(text: str) -> str:

@@ -266,77 +266,21 @@ def load_checkpoint(
     If none loads, the error is ``path``'s. Only reading falls back: a checkpoint that
     reads but does not fit the model or optimizer is an error, as without fallback.
     """
-    p = Path(path)
     read = dict(map_location=map_location, weights_only=weights_only, encoding=encoding)
-    unreadable: list[tuple[str, str]] = []
-    if not fallback:
-        obj = _torch_load(p, **read)
+    if fallback:
+        obj, p, unreadable = _read_with_fallback(Path(path), read)
     else:
-        kept = previous_checkpoints(p)
-        first: UserError | None = None
-        for c in [p] + kept:  # a missing path falls back too (deleted by hand: the kept ones are still the run's)
-            try:
-                obj = _torch_load(c, **read)
-            except UserError as exc:
-                first = first or exc
-                unreadable.append((str(c), getattr(exc, "reason", None) or f"does not load ({exc})"))
-                continue
-            p = c
-            break
-        else:
-            assert first is not None
-            if not kept:
-                raise first
-            n = len(kept)
-            raise UserError(f"{first}; the {n} earlier checkpoint{'s' if n > 1 else ''} kept beside it "
-                            f"do{'' if n > 1 else 'es'} not load either") from None
+        obj, p, unreadable = _torch_load(Path(path), **read), Path(path), []
     ckpt = _as_checkpoint(obj)
     report = LoadReport(path=str(p), unreadable=unreadable)
-
     if model is not None:
-        state = ckpt.get("model")
-        if state is None:
-            keys = ", ".join(map(str, list(obj)[:8])) if isinstance(obj, Mapping) else type(obj).__name__
-            raise UserError(
-                f"no model state found in {str(p)!r} (it holds: {keys}): pass a checkpoint or a state_dict file"
-            )
-        sub = load_state_dict_flexible(model, state, strict=strict)
-        for name in ("loaded", "skipped_shape", "missing", "unexpected", "notes"):
-            setattr(report, name, getattr(sub, name))
-        report.restored.append("model")
-
+        _restore_model(model, ckpt, obj, p, strict, report)
     for name, target in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler), ("ema", ema)):
-        if target is None:
-            continue
-        state = ckpt.get(name)
-        if state is None or (isinstance(state, Mapping) and not state):  # {}: e.g. a disabled GradScaler's
-            report.not_in_checkpoint.append(name)
-            continue
-        try:
-            target.load_state_dict(state)
-        except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as exc:
-            raise UserError(
-                f"the {name} state in {str(p)!r} does not fit the {name} given ({one_line(exc, 160)}): "
-                f"build it as when saving, or pass {name}=None to skip it"
-            ) from None
-        report.restored.append(name)
-
-    for name in ("step", "epoch", "batch_index"):
-        value = ckpt.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            setattr(report, name, int(value))
-    if isinstance(ckpt.get("sampler_epoch"), int):
-        report.sampler_epoch = int(ckpt["sampler_epoch"])
-    report.extra = ckpt.get("extra")
-
+        if target is not None:
+            _restore_component(name, target, ckpt, p, report)
+    _read_position(ckpt, report)
     if restore_rng and isinstance(ckpt.get("rng"), Mapping):
-        per_rank = ckpt["rng"].get("per_rank") or []
-        rank = get_rank()
-        if rank < len(per_rank):
-            restore_rng_state(per_rank[rank])
-            report.restored.append("rng")
-        else:
-            report.notes.append(f"RNG state not restored on rank {rank}: the checkpoint has {len(per_rank)} rank(s).")
+        _restore_rank_rng(ckpt["rng"], report)
     return report
 
 
@@ -359,45 +303,10 @@ def load_state_dict_flexible(model: nn.Module, state_dict: Mapping[str, Any], st
         raise UserError(f"expected a state_dict (a mapping of names to tensors), got {type(state_dict).__name__}")
 
     own = model.state_dict()
-    by_clean: dict[str, str | None] = {}
-    for k in own:
-        ck = _clean_key(k)
-        by_clean[ck] = k if ck not in by_clean else None  # None: ambiguous after cleaning
-
-    report = LoadReport()
-    to_load: OrderedDict[str, Any] = OrderedDict()
-    used: set[str] = set()
-    keys = [k for k in state_dict if not isinstance(k, str) or k in own]  # exact matches first
-    keys += [k for k in state_dict if isinstance(k, str) and k not in own]
-    for k in keys:
-        v = state_dict[k]
-        if not isinstance(k, str):
-            report.unexpected.append(repr(k))
-            continue
-        tgt = k if k in own else by_clean.get(_clean_key(k))
-        if tgt is None or tgt in used:
-            report.unexpected.append(_clean_key(k))
-            continue
-        used.add(tgt)
-        mine = own[tgt]
-        if isinstance(v, torch.Tensor) and isinstance(mine, torch.Tensor) and v.shape != mine.shape:
-            report.skipped_shape.append((_clean_key(k), tuple(v.shape), tuple(mine.shape)))
-            continue
-        to_load[tgt] = v
-        report.loaded.append(_clean_key(tgt))
-    report.missing = [
-        _clean_key(k) for k in own if k not in used and not k.rsplit(".", 1)[-1] == "num_batches_tracked"
-    ]
-
+    report, to_load = _match_state_dict(own, state_dict)
     if strict and not report.complete:
-        bits = []
-        if report.missing:
-            bits.append(f"{len(report.missing)} missing ({_few(report.missing)})")
-        if report.unexpected:
-            bits.append(f"{len(report.unexpected)} unexpected ({_few(report.unexpected)})")
-        if report.skipped_shape:
-            bits.append(f"{len(report.skipped_shape)} of another shape ({_few([s[0] for s in report.skipped_shape])})")
-        raise UserError(f"state_dict does not match the model: {'; '.join(bits)}: pass strict=False to load what fits")
+        raise UserError(f"state_dict does not match the model: {_mismatch(report)}: "
+                        "pass strict=False to load what fits")
 
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None:  # per-module versions (e.g. BatchNorm's) drive _load_from_state_dict
@@ -504,6 +413,134 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         for idx, s in zip(devices, state["cuda"]):
             if idx < torch.cuda.device_count():
                 torch.cuda.set_rng_state(s.cpu(), idx)
+
+
+# --- loading, part by part ---------------------------------------------------------------
+
+
+def _read_with_fallback(p: Path, read: dict[str, Any]) -> tuple[Any, Path, list[tuple[str, str]]]:
+    """``(object, path read, unreadable)``: ``p``, or the newest kept checkpoint beside it that loads."""
+    unreadable: list[tuple[str, str]] = []
+    kept = previous_checkpoints(p)
+    first: UserError | None = None
+    for c in [p] + kept:  # a missing path falls back too (deleted by hand: the kept ones are still the run's)
+        try:
+            return _torch_load(c, **read), c, unreadable
+        except UserError as exc:
+            first = first or exc
+            unreadable.append((str(c), getattr(exc, "reason", None) or f"does not load ({exc})"))
+    assert first is not None
+    if not kept:
+        raise first
+    n = len(kept)
+    raise UserError(f"{first}; the {n} earlier checkpoint{'s' if n > 1 else ''} kept beside it "
+                    f"do{'' if n > 1 else 'es'} not load either") from None
+
+
+def _restore_model(model: nn.Module, ckpt: Mapping[str, Any], obj: Any, p: Path, strict: bool,
+                   report: LoadReport) -> None:
+    state = ckpt.get("model")
+    if state is None:
+        keys = ", ".join(map(str, list(obj)[:8])) if isinstance(obj, Mapping) else type(obj).__name__
+        raise UserError(
+            f"no model state found in {str(p)!r} (it holds: {keys}): pass a checkpoint or a state_dict file"
+        )
+    sub = load_state_dict_flexible(model, state, strict=strict)
+    for name in ("loaded", "skipped_shape", "missing", "unexpected", "notes"):
+        setattr(report, name, getattr(sub, name))
+    report.restored.append("model")
+
+
+def _restore_component(name: str, target: Any, ckpt: Mapping[str, Any], p: Path, report: LoadReport) -> None:
+    """Load the optimizer / scheduler / scaler / EMA state ``name`` into ``target``; absent: listed, not an error."""
+    state = ckpt.get(name)
+    if state is None or (isinstance(state, Mapping) and not state):  # {}: e.g. a disabled GradScaler's
+        report.not_in_checkpoint.append(name)
+        return
+    try:
+        target.load_state_dict(state)
+    except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as exc:
+        raise UserError(
+            f"the {name} state in {str(p)!r} does not fit the {name} given ({one_line(exc, 160)}): "
+            f"build it as when saving, or pass {name}=None to skip it"
+        ) from None
+    report.restored.append(name)
+
+
+def _read_position(ckpt: Mapping[str, Any], report: LoadReport) -> None:
+    """The step counters, the data position and the caller's ``extra``, as far as the file has them."""
+    for name in ("step", "epoch", "batch_index"):
+        value = ckpt.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            setattr(report, name, int(value))
+    if isinstance(ckpt.get("sampler_epoch"), int):
+        report.sampler_epoch = int(ckpt["sampler_epoch"])
+    report.extra = ckpt.get("extra")
+
+
+def _restore_rank_rng(rng: Mapping[str, Any], report: LoadReport) -> None:
+    """This rank's own saved RNG state; a note when the checkpoint was saved by fewer ranks."""
+    per_rank = rng.get("per_rank") or []
+    rank = get_rank()
+    if rank < len(per_rank):
+        restore_rng_state(per_rank[rank])
+        report.restored.append("rng")
+    else:
+        report.notes.append(f"RNG state not restored on rank {rank}: the checkpoint has {len(per_rank)} rank(s).")
+
+
+def _match_state_dict(
+    own: Mapping[str, Any], state_dict: Mapping[str, Any]
+) -> tuple[LoadReport, OrderedDict[str, Any]]:
+    """Pair the keys of ``state_dict`` with the model's (``own``), exactly or with wrapper prefixes removed:
+    the report (loaded, skipped for their shape, missing, unexpected) and what to load under the model's names."""
+    by_clean = _by_clean_key(own)
+    report = LoadReport()
+    to_load: OrderedDict[str, Any] = OrderedDict()
+    used: set[str] = set()
+    keys = [k for k in state_dict if not isinstance(k, str) or k in own]  # exact matches first
+    keys += [k for k in state_dict if isinstance(k, str) and k not in own]
+    for k in keys:
+        v = state_dict[k]
+        if not isinstance(k, str):
+            report.unexpected.append(repr(k))
+            continue
+        tgt = k if k in own else by_clean.get(_clean_key(k))
+        if tgt is None or tgt in used:
+            report.unexpected.append(_clean_key(k))
+            continue
+        used.add(tgt)
+        mine = own[tgt]
+        if isinstance(v, torch.Tensor) and isinstance(mine, torch.Tensor) and v.shape != mine.shape:
+            report.skipped_shape.append((_clean_key(k), tuple(v.shape), tuple(mine.shape)))
+            continue
+        to_load[tgt] = v
+        report.loaded.append(_clean_key(tgt))
+    report.missing = [
+        _clean_key(k) for k in own if k not in used and not k.rsplit(".", 1)[-1] == "num_batches_tracked"
+    ]
+    return report, to_load
+
+
+def _by_clean_key(own: Mapping[str, Any]) -> dict[str, str | None]:
+    """The model's keys by their name without wrapper prefixes; None where two clean to one name."""
+    by_clean: dict[str, str | None] = {}
+    for k in own:
+        ck = _clean_key(k)
+        by_clean[ck] = k if ck not in by_clean else None  # None: ambiguous after cleaning
+    return by_clean
+
+
+def _mismatch(report: LoadReport) -> str:
+    """What does not match, counted, with the first few names, for a strict load's error."""
+    bits = []
+    if report.missing:
+        bits.append(f"{len(report.missing)} missing ({_few(report.missing)})")
+    if report.unexpected:
+        bits.append(f"{len(report.unexpected)} unexpected ({_few(report.unexpected)})")
+    if report.skipped_shape:
+        bits.append(f"{len(report.skipped_shape)} of another shape ({_few([s[0] for s in report.skipped_shape])})")
+    return "; ".join(bits)
 
 
 # --------------------------------------------------------------------------- internals

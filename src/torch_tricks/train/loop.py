@@ -43,7 +43,12 @@ from torch_tricks.device import synchronize
 from torch_tricks.errors import UserError
 from torch_tricks.outputs import get_loss, primary_output
 from torch_tricks.registry import register_trick
+from torch_tricks.train.checkpoint import load_checkpoint, previous_checkpoints, save_checkpoint
 from torch_tricks.train.config import TrainConfig
+from torch_tricks.train.distributed import all_reduce_sum, any_rank, barrier, watch_ranks
+from torch_tricks.train.ema import SWA
+from torch_tricks.train.precision import autocast
+from torch_tricks.train.sharded_checkpoint import POINTER, load_sharded, save_sharded, sharded_to_resume
 from torch_tricks.train.tricks import Tricks, TrainingDiverged, _len, as_config, run_length
 
 __all__ = ["fit", "History", "TrainingDiverged", "TrainStep", "micro_batches"]
@@ -224,7 +229,6 @@ class _Trainer:
         bar = self._progress()
         anomaly = torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else contextlib.nullcontext()
         step_times: list[float] = []
-        from torch_tricks.train.distributed import watch_ranks
 
         try:
             with anomaly, watch_ranks(lambda: self.step, lambda: self.tricks.last_good):
@@ -323,8 +327,6 @@ class _Trainer:
     def _accumulate(self, group: list[Any]) -> None:
         """Forward/backward of every micro-batch of ``group``, each loss weighted by its
         share of the group's samples; DDP all-reduces only on the last one."""
-        from torch_tricks.train.distributed import any_rank
-
         micro = [m for b in group for m in B.split(b, self.micro)]
         counts = [B.count(m) for m in micro]
         total = sum(counts)
@@ -364,8 +366,6 @@ class _Trainer:
             return
         self._swa_start_epoch = int(cfg.swa_start * cfg.epochs)
         if epoch >= self._swa_start_epoch:
-            from torch_tricks.train.ema import SWA
-
             self.swa = SWA(self.raw_model, self.optimizer, swa_lr=cfg.swa_lr or None)
             self.tricks.scheduler = self.swa.scheduler  # SWA's lr schedule replaces the main one from here
             self.history.applied.append("swa")
@@ -382,15 +382,12 @@ class _Trainer:
                  "recent_losses": torch.stack(list(self._recent)).float().tolist() if self._recent else []}
         keep = self.cfg.keep_checkpoints
         if self.tricks._sharded_mode():  # no rank holds the whole model or optimizer: every rank writes its shards
-            from torch_tricks.train.sharded_checkpoint import save_sharded
-
             folder = save_sharded(self.cfg.checkpoint_dir, model=self.raw_model, optimizer=self.optimizer,
                                   scheduler=self.scheduler, scaler=self.scaler, ema=self.ema, step=self.step,
                                   epoch=epoch, batch_index=batch_index, extra=extra, keep=keep)
             self.tricks.last_good = f"{folder} (step {self.step})"
             self.history.checkpoint = str(folder)
             return
-        from torch_tricks.train.checkpoint import save_checkpoint
 
         save_checkpoint(
             path, model=self.raw_model, optimizer=self.optimizer, scheduler=self.scheduler,
@@ -404,9 +401,6 @@ class _Trainer:
         path = self._ckpt_path()
         if not self.cfg.resume or path is None:
             return
-        from torch_tricks.train.checkpoint import previous_checkpoints
-        from torch_tricks.train.sharded_checkpoint import POINTER, load_sharded, sharded_to_resume
-
         sharded, note = sharded_to_resume(self.cfg.checkpoint_dir)
         whole = path if path.exists() else next(iter(previous_checkpoints(path)), None)  # newest whole-model file
         if sharded is not None and (whole is None or sharded.stat().st_mtime >= whole.stat().st_mtime):
@@ -419,7 +413,6 @@ class _Trainer:
                             f"one ({Path(self.cfg.checkpoint_dir) / POINTER}), or resume under ddp")
         if whole is None:
             return
-        from torch_tricks.train.checkpoint import load_checkpoint
 
         report = load_checkpoint(  # a last.pt that does not load: the newest kept one that does
             path, model=self.raw_model, optimizer=self.optimizer, scheduler=self.scheduler,
@@ -515,8 +508,6 @@ class _Trainer:
         if self._recent:  # the last training loss, with validation data or without
             h.final["train_loss"] = float(torch.stack(list(self._recent)).float().mean())
         if self.dist is not None:
-            from torch_tricks.train.distributed import barrier
-
             barrier()
 
     def _log_final(self, metrics: dict[str, float]) -> None:
@@ -532,8 +523,6 @@ class _OutOfMemory(Exception):
 
 def _evaluate(model: nn.Module, loader: Iterable[Any], loss_fn: Callable, trainer: _Trainer) -> dict[str, float]:
     """Mean loss and (for class targets) accuracy, in eval mode under inference_mode (T13)."""
-    from torch_tricks.train.precision import autocast
-
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=trainer.device)
@@ -556,8 +545,6 @@ def _evaluate(model: nn.Module, loader: Iterable[Any], loss_fn: Callable, traine
             n += count
     model.train(was_training)
     if trainer.dist is not None:
-        from torch_tricks.train.distributed import all_reduce_sum
-
         loss_sum, correct, n = all_reduce_sum(loss_sum), all_reduce_sum(correct), int(all_reduce_sum(torch.tensor(n, device=trainer.device)))
     out = {"loss": float(loss_sum) / max(n, 1)}
     if classify:

@@ -239,34 +239,8 @@ def memory_efficient_bn_act(model: nn.Module, *, return_count: bool = False) -> 
     the number of pairs converted with ``return_count=True``).
     """
     uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
-    converted = 0
-    for seq in [m for m in model.modules() if isinstance(m, nn.Sequential)]:
-        if type(seq).forward is not nn.Sequential.forward:
-            continue
-        keys = list(seq._modules)
-        for k0, k1 in zip(keys, keys[1:]):
-            bn, act = seq._modules[k0], seq._modules[k1]
-            if (
-                type(bn) in _BN_TYPES and _is_param_free_act(act)
-                and uses[id(bn)] == 1 and uses[id(act)] == 1
-            ):
-                seq._modules[k0] = MemoryEfficientBNAct.from_bn(bn, act)
-                seq._modules[k1] = nn.Identity()
-                converted += 1
-    graph = _trace(model)
-    if graph is not None:
-        for node in graph.nodes:
-            if node.op != "call_module" or len(node.users) != 1:
-                continue
-            bn = model.get_submodule(node.target)
-            user = next(iter(node.users))
-            if type(bn) not in _BN_TYPES or uses[id(bn)] != 1 or user.op != "call_module":
-                continue
-            act = model.get_submodule(user.target)
-            if type(act) is nn.ReLU and act.inplace and user.args and user.args[0] is node:
-                parent, _, name = node.target.rpartition(".")
-                setattr(model.get_submodule(parent), name, MemoryEfficientBNAct.from_bn(bn, nn.ReLU()))
-                converted += 1
+    converted = _convert_sequential_pairs(model, uses)
+    converted += _convert_traced_pairs(model, uses)
     return (model, converted) if return_count else model
 
 
@@ -311,25 +285,9 @@ def checkpoint_blocks(
         if not (isinstance(t, type) and issubclass(t, nn.Module)):
             raise UserError(f"checkpoint_blocks: types must be nn.Module classes, got {t!r}")
     if types is None and names is None:
-        chosen = default_blocks(model)
-        if not chosen:
-            raise UserError(
-                f"checkpoint_blocks found no repeated blocks in {type(model).__name__}: "
-                "pass types=(BlockClass,) or names=['pattern.*'], or use checkpoint_sequential_sqrt on an nn.Sequential"
-            )
+        chosen = _default_blocks_or_raise(model)
     else:
-        tset = tuple(types or ())
-        chosen = {
-            id(m) for n, m in model.named_modules()
-            if n and ((tset and isinstance(m, tset)) or any(fnmatch.fnmatchcase(n, p) for p in names or ()))
-        }
-        if not chosen:
-            what = [f"types={[t.__name__ for t in tset]}"] if tset else []
-            what += [f"names={list(names)}"] if names else []
-            raise UserError(
-                f"checkpoint_blocks: no submodule of {type(model).__name__} matches {', '.join(what)}: "
-                "check the names with model.named_modules()"
-            )
+        chosen = _matching_blocks(model, tuple(types or ()), names)
     for _, m in _outermost(model, chosen):
         if not isinstance(m.__dict__.get("forward"), _CheckpointedForward):
             m.forward = _CheckpointedForward(m)
@@ -508,6 +466,33 @@ def _outermost(model: nn.Module, chosen: set[int]) -> list[tuple[str, nn.Module]
     return out
 
 
+def _default_blocks_or_raise(model: nn.Module) -> set[int]:
+    chosen = default_blocks(model)
+    if not chosen:
+        raise UserError(
+            f"checkpoint_blocks found no repeated blocks in {type(model).__name__}: "
+            "pass types=(BlockClass,) or names=['pattern.*'], or use checkpoint_sequential_sqrt on an nn.Sequential"
+        )
+    return chosen
+
+
+def _matching_blocks(model: nn.Module, tset: tuple[type, ...], names: Sequence[str] | None) -> set[int]:
+    """ids of the submodules that are instances of ``tset`` or whose names match a glob of ``names``;
+    a UserError naming what was asked for when none does."""
+    chosen = {
+        id(m) for n, m in model.named_modules()
+        if n and ((tset and isinstance(m, tset)) or any(fnmatch.fnmatchcase(n, p) for p in names or ()))
+    }
+    if not chosen:
+        what = [f"types={[t.__name__ for t in tset]}"] if tset else []
+        what += [f"names={list(names)}"] if names else []
+        raise UserError(
+            f"checkpoint_blocks: no submodule of {type(model).__name__} matches {', '.join(what)}: "
+            "check the names with model.named_modules()"
+        )
+    return chosen
+
+
 def _segment_bounds(seq: nn.Sequential, segments: int) -> list[tuple[int, int]]:
     n = len(seq)
     mods = list(seq)
@@ -556,6 +541,46 @@ _FRESH_FUNCTIONS |= {  # what fx records when it traces through the F.* wrappers
     torch.max_pool1d, torch.max_pool2d, torch.max_pool3d, torch.avg_pool1d, torch.adaptive_avg_pool1d,
 }
 _FRESH_METHODS = {"add", "sub", "mul", "div", "matmul", "mm", "bmm", "neg"}
+
+
+def _convert_sequential_pairs(model: nn.Module, uses: Counter) -> int:
+    """Pattern 1 of :func:`memory_efficient_bn_act`: BN -> activation neighbours in plain Sequentials."""
+    converted = 0
+    for seq in [m for m in model.modules() if isinstance(m, nn.Sequential)]:
+        if type(seq).forward is not nn.Sequential.forward:
+            continue
+        keys = list(seq._modules)
+        for k0, k1 in zip(keys, keys[1:]):
+            bn, act = seq._modules[k0], seq._modules[k1]
+            if (
+                type(bn) in _BN_TYPES and _is_param_free_act(act)
+                and uses[id(bn)] == 1 and uses[id(act)] == 1
+            ):
+                seq._modules[k0] = MemoryEfficientBNAct.from_bn(bn, act)
+                seq._modules[k1] = nn.Identity()
+                converted += 1
+    return converted
+
+
+def _convert_traced_pairs(model: nn.Module, uses: Counter) -> int:
+    """Pattern 2 of :func:`memory_efficient_bn_act`: on an fx trace, a BN whose only user is an inplace ReLU."""
+    graph = _trace(model)
+    if graph is None:
+        return 0
+    converted = 0
+    for node in graph.nodes:
+        if node.op != "call_module" or len(node.users) != 1:
+            continue
+        bn = model.get_submodule(node.target)
+        user = next(iter(node.users))
+        if type(bn) not in _BN_TYPES or uses[id(bn)] != 1 or user.op != "call_module":
+            continue
+        act = model.get_submodule(user.target)
+        if type(act) is nn.ReLU and act.inplace and user.args and user.args[0] is node:
+            parent, _, name = node.target.rpartition(".")
+            setattr(model.get_submodule(parent), name, MemoryEfficientBNAct.from_bn(bn, nn.ReLU()))
+            converted += 1
+    return converted
 
 
 def _inplace_capable(m: nn.Module) -> bool:

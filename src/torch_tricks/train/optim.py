@@ -133,38 +133,8 @@ def param_groups(
     patterns, types = _split_extra(extra_no_decay)
     patterns.extend(_model_no_weight_decay(model))
 
-    # id -> [name, param, no_decay]; insertion order = named_parameters order
-    seen: dict[int, list[Any]] = {}
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        is_norm = isinstance(module, NORM_TYPES) or "Norm" in type(module).__name__
-        is_embedding = isinstance(module, _EMBEDDING_TYPES)
-        is_extra_type = bool(types) and isinstance(module, types)
-        for p_name, p in module.named_parameters(recurse=False):
-            full = f"{mod_name}.{p_name}" if mod_name else p_name
-            entry = seen.setdefault(id(p), [full, p, False])
-            if not p.requires_grad:
-                continue
-            no_decay = is_extra_type or any(fnmatch.fnmatchcase(full, pat) for pat in patterns)
-            if no_decay_bias_and_norm:
-                no_decay = no_decay or is_norm or p_name == "bias" or p.ndim <= 1
-            if no_decay_embeddings:
-                no_decay = no_decay or is_embedding or any(fnmatch.fnmatchcase(full, pat) for pat in _POSITION_NAMES)
-            entry[2] = entry[2] or no_decay
-
-    decay: list[tuple[str, nn.Parameter]] = []
-    no_decay: list[tuple[str, nn.Parameter]] = []
-    for name, p, nd in seen.values():
-        if p.requires_grad:
-            (no_decay if nd else decay).append((name, p))
-    groups = []
-    for gname, items, wd in (("decay", decay, weight_decay), ("no_decay", no_decay, 0.0)):
-        if not items:
-            continue
-        group: dict[str, Any] = {"name": gname, "params": [p for _, p in items], "weight_decay": wd}
-        if with_names:
-            group["param_names"] = [n for n, _ in items]
-        groups.append(group)
-    return groups
+    rules = _NoDecayRules(patterns, types, no_decay_bias_and_norm, no_decay_embeddings)
+    return _decay_groups(_no_decay_flags(model, rules), weight_decay, with_names)
 
 
 @register_trick(
@@ -217,32 +187,8 @@ def build_optimizer(
         raise UserError("fused=True and foreach=True exclude each other: set at most one of them")
     lr = _check_number("lr", lr, minimum=0.0)
     notes: list[str] = []
-
-    if weight_decay is None:
-        weight_decay = 0.01 if key == "adamw" else 0.0
-    weight_decay = _check_weight_decay(weight_decay)
-    built = key
-    if key == "adam" and weight_decay > 0:
-        if decoupled:
-            built = "adamw"
-            notes.append(
-                f"adam with weight_decay={weight_decay:g} built as AdamW: Adam+L2 is not weight decay "
-                "(the L2 gradient is rescaled by Adam); pass decoupled=False to keep Adam+L2"
-            )
-        else:
-            notes.append("adam with coupled L2 (decoupled=False): decay is weakened where gradients are large")
-
-    # parameters -> groups
-    frozen = 0
-    sparse = False
-    if isinstance(model_or_params, nn.Module):
-        groups = param_groups(model_or_params, weight_decay, no_decay_bias_and_norm=no_decay_bias_and_norm)
-        frozen = sum(1 for p in _unique_params(model_or_params) if not p.requires_grad)
-        sparse = any(
-            getattr(m, "sparse", False) for m in model_or_params.modules() if isinstance(m, _EMBEDDING_TYPES)
-        )
-    else:
-        groups, frozen = _groups_from_iterable(model_or_params)
+    weight_decay, built = _decay_and_class(key, weight_decay, decoupled, notes)
+    groups, frozen, sparse = _trainable_groups(model_or_params, weight_decay, no_decay_bias_and_norm)
     params = [p for g in groups for p in g["params"]]
     if not params:
         raise UserError(
@@ -251,21 +197,10 @@ def build_optimizer(
         )
     if sparse:
         notes.append("sparse embedding gradients: fused/foreach steps do not take them, the loop is used")
-
-    # optimizer options
-    cls = OPTIMIZERS[built]
-    opts: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay}
-    if built == "sgd":
-        opts["momentum"] = 0.9 if momentum is None else _check_number("momentum", momentum, minimum=0.0)
-    elif built == "rmsprop":
-        opts["momentum"] = 0.0 if momentum is None else _check_number("momentum", momentum, minimum=0.0)
-    else:
-        if momentum is not None:  # a config's shared momentum field: not an error, but not silent
-            notes.append(f"momentum={momentum:g} ignored: {built} has none (its betas[0]={betas[0]:g} plays that part)")
-        opts["betas"] = tuple(betas)
+    opts = _optimizer_options(built, lr, weight_decay, momentum, betas, notes)
     opts.update(kwargs)
 
-    implementation, optimizer = _construct(cls, groups, opts, fused=fused, foreach=foreach, sparse=sparse)
+    implementation, optimizer = _construct(OPTIMIZERS[built], groups, opts, fused=fused, foreach=foreach, sparse=sparse)
     devices = {p.device.type for p in params}
     info = OptimizerInfo(
         requested=key,
@@ -321,15 +256,8 @@ def _construct(
         raise UserError(f"fused=True is not possible here: {why_not_fused}; leave fused=None to use the fastest available")
     foreach_ok = not sparse and all(p.device.type in _foreach_devices() for p in params)
 
-    order: list[str] = []
-    if fused is not False and fused_ok and foreach is not True:
-        order.append("fused")
-    if foreach is True or (foreach is None and foreach_ok and fused is not True):
-        order.append("foreach")
-    if fused is not True and foreach is not True:
-        order.append("for-loop")
     last_error: Exception | None = None
-    for impl in order:
+    for impl in _implementations_to_try(fused, foreach, fused_ok, foreach_ok):
         impl_opts = dict(opts)
         if impl == "fused":
             impl_opts["fused"] = True
@@ -340,9 +268,131 @@ def _construct(
             raise UserError(f"bad option for {cls.__name__}: {exc}; see torch.optim.{cls.__name__}") from None
         except (RuntimeError, ValueError) as exc:
             last_error = exc
-            if impl == "for-loop" or (impl == "fused" and fused is True) or (impl == "foreach" and foreach is True):
+            if impl == "for-loop" or _insisted_on(impl, fused, foreach):
                 raise UserError(f"cannot build {cls.__name__} ({impl}): {one_line(exc)}") from None
     raise UserError(f"cannot build {cls.__name__}: {one_line(last_error) if last_error else 'unknown error'}")  # pragma: no cover
+
+
+def _implementations_to_try(fused: bool | None, foreach: bool | None, fused_ok: bool, foreach_ok: bool) -> list[str]:
+    """Fused, foreach, the loop: in that order, those that the arguments allow and the parameters can use."""
+    order: list[str] = []
+    if fused is not False and fused_ok and foreach is not True:
+        order.append("fused")
+    if foreach is True or (foreach is None and foreach_ok and fused is not True):
+        order.append("foreach")
+    if fused is not True and foreach is not True:
+        order.append("for-loop")
+    return order
+
+
+def _insisted_on(impl: str, fused: bool | None, foreach: bool | None) -> bool:
+    """The caller asked for exactly this implementation (True), so failing it is an error, not a fallback."""
+    return (impl == "fused" and fused is True) or (impl == "foreach" and foreach is True)
+
+
+def _decay_and_class(key: str, weight_decay: float | None, decoupled: bool, notes: list[str]) -> tuple[float, str]:
+    """``(weight decay, optimizer to build)``: PyTorch's default decay when None; Adam with decay as AdamW
+    when ``decoupled`` (module docstring). The decision goes into ``notes``."""
+    if weight_decay is None:
+        weight_decay = 0.01 if key == "adamw" else 0.0
+    weight_decay = _check_weight_decay(weight_decay)
+    if key != "adam" or weight_decay <= 0:
+        return weight_decay, key
+    if not decoupled:
+        notes.append("adam with coupled L2 (decoupled=False): decay is weakened where gradients are large")
+        return weight_decay, key
+    notes.append(
+        f"adam with weight_decay={weight_decay:g} built as AdamW: Adam+L2 is not weight decay "
+        "(the L2 gradient is rescaled by Adam); pass decoupled=False to keep Adam+L2"
+    )
+    return weight_decay, "adamw"
+
+
+def _trainable_groups(
+    model_or_params: nn.Module | Iterable[Any], weight_decay: float, no_decay_bias_and_norm: bool
+) -> tuple[list[dict[str, Any]], int, bool]:
+    """``(param groups, frozen parameters left out, sparse embedding gradients)``: a model split with
+    :func:`param_groups`, anything else used as given."""
+    if not isinstance(model_or_params, nn.Module):
+        groups, frozen = _groups_from_iterable(model_or_params)
+        return groups, frozen, False
+    groups = param_groups(model_or_params, weight_decay, no_decay_bias_and_norm=no_decay_bias_and_norm)
+    frozen = sum(1 for p in _unique_params(model_or_params) if not p.requires_grad)
+    sparse = any(getattr(m, "sparse", False) for m in model_or_params.modules() if isinstance(m, _EMBEDDING_TYPES))
+    return groups, frozen, sparse
+
+
+def _optimizer_options(built: str, lr: float, weight_decay: float, momentum: float | None,
+                       betas: tuple[float, float], notes: list[str]) -> dict[str, Any]:
+    """The class's options: momentum for SGD (0.9 by default) and RMSprop, betas for Adam / AdamW."""
+    opts: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay}
+    if built == "sgd":
+        opts["momentum"] = 0.9 if momentum is None else _check_number("momentum", momentum, minimum=0.0)
+    elif built == "rmsprop":
+        opts["momentum"] = 0.0 if momentum is None else _check_number("momentum", momentum, minimum=0.0)
+    else:
+        if momentum is not None:  # a config's shared momentum field: not an error, but not silent
+            notes.append(f"momentum={momentum:g} ignored: {built} has none (its betas[0]={betas[0]:g} plays that part)")
+        opts["betas"] = tuple(betas)
+    return opts
+
+
+@dataclass(frozen=True)
+class _NoDecayRules:
+    """What :func:`param_groups` spares from weight decay."""
+
+    patterns: list[str]  # fnmatch patterns on full parameter names
+    types: tuple[type, ...]  # module types whose parameters all go without decay
+    bias_and_norm: bool
+    embeddings: bool
+
+    def for_module(self, module: nn.Module) -> bool:
+        """Every parameter held directly by ``module`` goes without decay."""
+        if self.types and isinstance(module, self.types):
+            return True
+        if self.bias_and_norm and (isinstance(module, NORM_TYPES) or "Norm" in type(module).__name__):
+            return True
+        return self.embeddings and isinstance(module, _EMBEDDING_TYPES)
+
+    def for_param(self, full: str, p_name: str, p: torch.Tensor) -> bool:
+        """This parameter goes without decay, by its name or its shape."""
+        if any(fnmatch.fnmatchcase(full, pat) for pat in self.patterns):
+            return True
+        if self.bias_and_norm and (p_name == "bias" or p.ndim <= 1):
+            return True
+        return self.embeddings and any(fnmatch.fnmatchcase(full, pat) for pat in _POSITION_NAMES)
+
+
+def _no_decay_flags(model: nn.Module, rules: _NoDecayRules) -> dict[int, list[Any]]:
+    """id -> [name, param, no_decay] for each parameter once, in ``named_parameters`` order; a shared
+    parameter goes without decay when any module holding it says so."""
+    seen: dict[int, list[Any]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        module_no_decay = rules.for_module(module)
+        for p_name, p in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            entry = seen.setdefault(id(p), [full, p, False])
+            if p.requires_grad:
+                entry[2] = entry[2] or module_no_decay or rules.for_param(full, p_name, p)
+    return seen
+
+
+def _decay_groups(seen: dict[int, list[Any]], weight_decay: float, with_names: bool) -> list[dict[str, Any]]:
+    """The "decay" and "no_decay" groups of the trainable parameters, empty ones dropped."""
+    decay: list[tuple[str, nn.Parameter]] = []
+    no_decay: list[tuple[str, nn.Parameter]] = []
+    for name, p, nd in seen.values():
+        if p.requires_grad:
+            (no_decay if nd else decay).append((name, p))
+    groups = []
+    for gname, items, wd in (("decay", decay, weight_decay), ("no_decay", no_decay, 0.0)):
+        if not items:
+            continue
+        group: dict[str, Any] = {"name": gname, "params": [p for _, p in items], "weight_decay": wd}
+        if with_names:
+            group["param_names"] = [n for n, _ in items]
+        groups.append(group)
+    return groups
 
 
 def _fused_possible(

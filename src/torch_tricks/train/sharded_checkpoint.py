@@ -27,6 +27,8 @@ import contextlib
 import json
 import os
 import shutil
+import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -36,6 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_tricks.errors import UserError
+from torch_tricks.train.checkpoint import _atomic_torch_save, _gather_rng_states, restore_rng_state
+from torch_tricks.train.distributed import barrier, get_rank, is_main_process
 
 __all__ = ["POINTER", "last_sharded", "complete_sharded", "sharded_to_resume", "save_sharded", "load_sharded",
            "export_checkpoint"]
@@ -112,9 +116,6 @@ def save_sharded(checkpoint_dir: str | os.PathLike[str], *, model: nn.Module, op
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    from torch_tricks.train.checkpoint import _gather_rng_states
-    from torch_tricks.train.distributed import barrier, is_main_process
-
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"step-{int(step):08d}.dcp"
@@ -164,9 +165,6 @@ def load_sharded(path: str | os.PathLike[str], *, model: nn.Module, optimizer: A
         set_state_dict,
     )
 
-    from torch_tricks.train.checkpoint import restore_rng_state
-    from torch_tricks.train.distributed import get_rank
-
     zero = _is_zero(optimizer)
     if zero:  # this rank's share of the state, materialised as the template DCP loads into in place
         model_sd, optim_sd = model.state_dict(), _zero_optimizer_state(model, optimizer)
@@ -204,8 +202,6 @@ def load_sharded(path: str | os.PathLike[str], *, model: nn.Module, optimizer: A
 
 
 def _is_zero(optimizer: Any) -> bool:
-    import sys
-
     # not imported here: torch.distributed.optim's import scripts functions (deprecation warnings); a ZeRO
     # optimizer exists only once its module was imported
     mod = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
@@ -247,10 +243,6 @@ def export_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]) 
     ``out`` is written atomically; ``torch.load(out, weights_only=True)`` gives the state_dict
     that ``model.load_state_dict`` takes. Returns what was written.
     """
-    import tempfile
-
-    from torch_tricks.train.checkpoint import _atomic_torch_save
-
     p = Path(src)
     if not p.exists():
         raise UserError(f"no checkpoint at {str(p)!r}: give a checkpoint_dir, a step-N.dcp folder or a last.pt file")

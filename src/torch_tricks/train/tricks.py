@@ -47,15 +47,42 @@ import contextlib
 import inspect
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from torch_tricks.batches import to_device as batch_to_device
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError
-from torch_tricks.train.config import TrainConfig
+from torch_tricks.seed import seed_everything, seeded_generator, worker_init_fn
+from torch_tricks.train.checkpoint import _atomic_torch_save
+from torch_tricks.train.config import TrainConfig, load_config
+from torch_tricks.train.distributed import (
+    any_rank,
+    barrier,
+    distributed_sampler,
+    init_distributed,
+    no_sync_if,
+    wrap_ddp,
+)
+from torch_tricks.train.ema import EMA
+from torch_tricks.train.memory import (
+    checkpoint_blocks,
+    checkpoint_sequential_sqrt,
+    inplace_activations,
+    memory_efficient_bn_act,
+)
+from torch_tricks.train.optim import _fused_devices, build_optimizer, param_groups
+from torch_tricks.train.precision import autocast as precision_autocast
+from torch_tricks.train.precision import check_precision, make_grad_scaler, scaler_step
+from torch_tricks.train.schedule import scale_lr, warmup_schedule
+from torch_tricks.train.sharded_checkpoint import last_sharded, load_sharded, save_sharded
+from torch_tricks.train.sharding import shard_fsdp, zero1_optimizer
+from torch_tricks.train.speed import channels_last, compile_model, cudnn_benchmark, keep_heap
+from torch_tricks.train.syncbn import convert_sync_batchnorm
 
 __all__ = ["Tricks", "TrainingDiverged"]
 
@@ -85,8 +112,6 @@ class Tricks:
         self._ddp: nn.Module | None = None
         self._fsdp: nn.Module | None = None
         self._setup_runtime()
-        from torch_tricks.train.precision import make_grad_scaler
-
         self.scaler = make_grad_scaler(self.config.precision, self.device)
         self._loss_sum = torch.zeros((), device=self.device)
 
@@ -136,15 +161,12 @@ class Tricks:
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward's context: the config's precision, and DDP's ``no_sync`` unless this micro-batch ends its group."""
-        from torch_tricks.train.distributed import no_sync_if
-        from torch_tricks.train.precision import autocast
-
         stack = contextlib.ExitStack()
         if self._ddp is not None:
             stack.enter_context(no_sync_if(self._ddp, not self.sync_gradients))
         if self._fsdp is not None:  # no reduce-scatter before a group's last micro-batch
             self._fsdp.set_requires_gradient_sync(self.sync_gradients)
-        stack.enter_context(autocast(self.config.precision, self.device))
+        stack.enter_context(precision_autocast(self.config.precision, self.device))
         return stack
 
     def backward(self, loss: torch.Tensor, *, weight: float | None = None) -> torch.Tensor:
@@ -188,18 +210,15 @@ class Tricks:
 
     def to_device(self, batch: Any) -> Any:
         """``batch`` (any form of :mod:`torch_tricks.batches`) on the device; images channels_last if switched on."""
-        from torch_tricks.batches import to_device
-
-        return to_device(batch, self.device, channels_last=self.config.channels_last)
+        return batch_to_device(batch, self.device, channels_last=self.config.channels_last)
 
     def prepare_data(self, data: Any, *, train: bool = True) -> Any:
         """A loader for ``data``: a Dataset gets a seeded DataLoader of ``batch_size``; under ``torchrun``
         a DataLoader is rebuilt with a DistributedSampler; any other iterable is kept as it is."""
-        from torch_tricks.seed import seeded_generator, worker_init_fn
-
         cfg = self.config
         if isinstance(data, DataLoader):
             if self.dist is not None and not isinstance(data.sampler, DistributedSampler):
+                # here, not at the top: torch_tricks.data's __init__ imports the whole data package (~85 ms)
                 from torch_tricks.data.loader import rebuild_loader
 
                 data = rebuild_loader(data, sampler=self._sampler(data.dataset, train))
@@ -276,18 +295,11 @@ class Tricks:
         writes the one file. Either loads on any number of ranks, one plain process included
         (:meth:`load`).
         """
-        from pathlib import Path
-
-        from torch_tricks.train.checkpoint import _atomic_torch_save
-        from torch_tricks.train.distributed import barrier
-
         self._need_prepare()
         if self._sharded_mode():
             if self._micro:
                 raise UserError(f"under distributed = {self.config.distributed} save at a group's end (after "
                                 "tricks.step()): the gradients of a half-done group are not saved")
-            from torch_tricks.train.sharded_checkpoint import save_sharded
-
             save_sharded(path, model=self.unwrapped_model, optimizer=self.optimizer, scheduler=self.scheduler,
                          scaler=self.scaler, ema=self.ema, step=self.step_count,
                          extra={"tricks": True, "skipped_steps": self.skipped_steps})
@@ -299,13 +311,9 @@ class Tricks:
     def load(self, path: str | os.PathLike[str]) -> None:
         """Restore what :meth:`save` wrote: a file (loaded with weights_only), or a DCP folder of an fsdp run,
         on any number of ranks (call it on every rank)."""
-        from pathlib import Path
-
         p = Path(path)
         self._need_prepare()
         if p.is_dir():
-            from torch_tricks.train.sharded_checkpoint import last_sharded, load_sharded
-
             folder = last_sharded(p)
             if folder is None:
                 raise UserError(f"{str(p)!r} holds no complete sharded checkpoint: give the folder tricks.save() "
@@ -332,10 +340,6 @@ class Tricks:
 
     # -- set-up ----------------------------------------------------------------------------------
     def _setup_runtime(self) -> None:
-        from torch_tricks.train.distributed import init_distributed
-        from torch_tricks.train.precision import check_precision
-        from torch_tricks.seed import seed_everything
-
         cfg = self.config
         launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
         if cfg.distributed in ("ddp", "zero1", "fsdp") and not launched:
@@ -354,13 +358,9 @@ class Tricks:
         seed_everything(cfg.seed + (self.dist.rank if self.dist else 0), deterministic=cfg.deterministic,
                         device=self.device)
         if cfg.cudnn_benchmark:
-            from torch_tricks.train.speed import cudnn_benchmark
-
             cudnn_benchmark(True, fixed_shapes=True)
             self.applied.append("cudnn_benchmark")
         if cfg.keep_heap and self.device.type == "cpu":
-            from torch_tricks.train.speed import keep_heap
-
             if keep_heap():
                 self.applied.append("keep_heap")
         if cfg.detect_anomaly:  # debugging only: slow, and for the rest of the process (fit scopes it to its run)
@@ -370,18 +370,12 @@ class Tricks:
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         cfg, applied = self.config, self.applied
         if cfg.inplace:
-            from torch_tricks.train.memory import inplace_activations
-
             model = inplace_activations(model)
             applied.append("inplace")
         if cfg.memory_efficient_bn:
-            from torch_tricks.train.memory import memory_efficient_bn_act
-
             model = memory_efficient_bn_act(model)
             applied.append("memory_efficient_bn")
         if cfg.checkpointing:
-            from torch_tricks.train.memory import checkpoint_blocks, checkpoint_sequential_sqrt
-
             if cfg.checkpointing == "sqrt":
                 if not isinstance(model, nn.Sequential):
                     raise UserError("checkpointing='sqrt' needs an nn.Sequential model: use 'blocks' or a name pattern")
@@ -395,8 +389,6 @@ class Tricks:
             _adjust_bn_momentum(model, cfg.accumulate)
             applied.append("bn_momentum_adjust")
         if cfg.sync_bn and self.dist is not None:
-            from torch_tricks.train.syncbn import convert_sync_batchnorm
-
             model = convert_sync_batchnorm(model)
             applied.append("sync_bn")
         model = model.to(self.device)
@@ -405,8 +397,6 @@ class Tricks:
             # channels_last (to_device), which a convolution follows (its output and kernels take the input's)
             applied.append("channels_last=inputs")
         elif cfg.channels_last:
-            from torch_tricks.train.speed import channels_last
-
             model = channels_last(model)
             applied.append("channels_last")
         return model
@@ -420,8 +410,6 @@ class Tricks:
 
     def _shard(self, module: nn.Module) -> nn.Module:
         """FSDP2 on ``module`` with this config's precision and resharding (the model, and its EMA alike)."""
-        from torch_tricks.train.sharding import shard_fsdp
-
         return shard_fsdp(module, precision=self.config.precision, reshard_after_forward=self.config.fsdp_reshard)
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
@@ -429,13 +417,9 @@ class Tricks:
             model = self._fsdp = self._shard(model)
             self.applied.append("fsdp")
         elif self.dist is not None:
-            from torch_tricks.train.distributed import wrap_ddp
-
             model = self._ddp = wrap_ddp(model, self.dist)
             self.applied.append("ddp")
         if self.config.compile:
-            from torch_tricks.train.speed import compile_model
-
             model = compile_model(model)
             self.applied.append("compile")
         return model
@@ -443,51 +427,57 @@ class Tricks:
     def _build_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         opt = self._build_local_optimizer(optimizer)
         if self.dist is not None and self.config.distributed == "zero1":
-            from torch_tricks.train.sharding import zero1_optimizer
-
             opt = zero1_optimizer(opt)
             self.applied.append("zero1")
         return opt
 
     def _build_local_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         cfg = self.config
-        if isinstance(optimizer, torch.optim.Optimizer) and self.dist is not None \
-                and cfg.distributed in ("zero1", "fsdp"):
-            raise UserError(f"under distributed = {cfg.distributed} Tricks builds the optimizer it shards: pass "
-                            "prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
         if isinstance(optimizer, torch.optim.Optimizer):
+            if self.dist is not None and cfg.distributed in ("zero1", "fsdp"):
+                raise UserError(f"under distributed = {cfg.distributed} Tricks builds the optimizer it shards: pass "
+                                "prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
             if cfg.fused_optimizer:
-                kind = _switch_to_fast_step(optimizer)
-                self.applied.append(f"{kind}_optimizer" if kind else "fused_optimizer=unavailable")
+                self._note_fast_step(_switch_to_fast_step(optimizer))
             return optimizer
-        params = self.unwrapped_model.parameters()
         if callable(optimizer):
-            return optimizer([p for p in params if p.requires_grad])
+            return optimizer([p for p in self.unwrapped_model.parameters() if p.requires_grad])
         if optimizer is not None:
             raise UserError(f"optimizer must be a torch.optim.Optimizer, a callable params -> optimizer, or None; "
                             f"got {type(optimizer).__name__}")
-        from torch_tricks.train.optim import build_optimizer, param_groups
+        return self._config_optimizer()
 
-        lr = cfg.lr
-        if cfg.scale_lr:
-            from torch_tricks.train.schedule import scale_lr
-
-            world = self.dist.world_size if self.dist else 1
-            lr = scale_lr(cfg.lr, cfg.batch_size * cfg.accumulate * world, base_batch=cfg.base_batch)
-            self.applied.append(f"scale_lr={lr:.3g}")
+    def _config_optimizer(self) -> torch.optim.Optimizer:
+        """``config.optimizer`` over the model, with no-decay groups and the scaled lr when switched on."""
+        cfg = self.config
+        lr = self._lr()
         groups = (
             param_groups(self.unwrapped_model, cfg.weight_decay)
             if cfg.no_decay_norm_bias
-            else [{"params": [p for p in params if p.requires_grad], "weight_decay": cfg.weight_decay}]
+            else [{"params": [p for p in self.unwrapped_model.parameters() if p.requires_grad],
+                   "weight_decay": cfg.weight_decay}]
         )
         opt = build_optimizer(
             groups, cfg.optimizer, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
             fused=None if cfg.fused_optimizer else False, foreach=None if cfg.fused_optimizer else False,
         )
         if cfg.fused_optimizer:  # say which multi-tensor form PyTorch could give this optimizer here
-            kind = "fused" if opt.defaults.get("fused") else "foreach" if opt.defaults.get("foreach") else ""
-            self.applied.append(f"{kind}_optimizer" if kind else "fused_optimizer=unavailable")
+            defaults = opt.defaults
+            self._note_fast_step("fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "")
         return opt
+
+    def _lr(self) -> float:
+        """``config.lr``, scaled to the global batch (all ranks, all micro-batches of a group) when ``scale_lr``."""
+        cfg = self.config
+        if not cfg.scale_lr:
+            return cfg.lr
+        world = self.dist.world_size if self.dist else 1
+        lr = scale_lr(cfg.lr, cfg.batch_size * cfg.accumulate * world, base_batch=cfg.base_batch)
+        self.applied.append(f"scale_lr={lr:.3g}")
+        return lr
+
+    def _note_fast_step(self, kind: str) -> None:
+        self.applied.append(f"{kind}_optimizer" if kind else "fused_optimizer=unavailable")
 
     def _build_scheduler(self, total_steps: int | None, loader: Any) -> Any:
         cfg = self.config
@@ -497,21 +487,15 @@ class Tricks:
         if not total:
             raise UserError("a learning-rate schedule needs a known length: give max_steps, total_steps= or a "
                             "sized DataLoader to prepare()")
-        from torch_tricks.train.schedule import warmup_schedule
-
         return warmup_schedule(self.optimizer, cfg.warmup_steps, total, kind=cfg.schedule)
 
     def _build_ema(self) -> Any:
         if not self.config.ema:
             return None
-        from torch_tricks.train.ema import EMA
-
         self.applied.append("ema")
         return EMA(self.unwrapped_model, decay=self.config.ema_decay)
 
     def _sampler(self, dataset: Dataset, train: bool) -> DistributedSampler:
-        from torch_tricks.train.distributed import distributed_sampler
-
         return distributed_sampler(dataset, self.dist, shuffle=train, seed=self.config.seed)
 
     # -- the step ----------------------------------------------------------------------------------
@@ -529,8 +513,6 @@ class Tricks:
         if cfg.grad_clip:
             self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.unwrapped_model.parameters(), cfg.grad_clip)
-        from torch_tricks.train.precision import scaler_step
-
         stepped = scaler_step(self.scaler, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
@@ -550,8 +532,6 @@ class Tricks:
             return True
         bad = not bool(torch.isfinite(loss))
         if self.dist is not None:
-            from torch_tricks.train.distributed import any_rank
-
             bad = any_rank(bad)
         return not bad
 
@@ -563,8 +543,6 @@ class Tricks:
 def as_config(config: Any) -> TrainConfig | None:
     """A TrainConfig from a path (TOML/YAML), a dict, or a TrainConfig; None stays None."""
     if isinstance(config, (str, os.PathLike)):
-        from torch_tricks.train.config import load_config
-
         return TrainConfig.from_dict(load_config(config))
     if isinstance(config, dict):
         return TrainConfig.from_dict(config)
@@ -589,8 +567,6 @@ def _switch_to_fast_step(opt: torch.optim.Optimizer) -> str:
         return "foreach"
     if opt.state or opt.defaults.get("differentiable"):
         return ""
-    from torch_tricks.train.optim import _fused_devices
-
     params = [p for g in opt.param_groups for p in g["params"]]
     ok = ("fused" in inspect.signature(type(opt).__init__).parameters and params
           and all(p.device.type in _fused_devices() and p.is_floating_point() and not p.is_sparse for p in params))
