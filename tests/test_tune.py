@@ -709,3 +709,23 @@ def test_drift_is_measured_with_dropout_off_so_it_shows_the_trick_not_the_masks(
     assert acc.step.model[2].p == 0.3
     with dropout_off(nn.Linear(2, 2)) as had:
         assert not had
+
+
+def test_the_summary_says_its_parts_in_order():
+    """The lines under the table, on given figures: the set-up and the race, the choice, what compile costs,
+    the faster rows not recommended, the run length, then how to apply it and the time."""
+    report, r = _report_with_compile(run_steps=100)
+    report.notes = ["a note"]
+    lines = report.summary_lines()
+    starts = ["net: batch 32", "30 interleaved rounds; noise ±1.0%", "race: all 5 tricks", "stopped: settled",
+              "plain fp32 step: 1000.0 ms, peak 100.0 MiB", "throughput: mixed_precision:bf16: 2.00x",
+              "compile (mixed_precision:bf16+compile): first call 40.0 s",
+              "faster, not recommended: fused_optimizer: inside the noise of mixed_precision:bf16",
+              "faster, not recommended: channels_last: its peak 2.0 GiB is over the memory limit",
+              "faster, not recommended: mixed_precision:bf16+compile: compile not amortised",
+              "run length: 100 steps (assumed)", "note: a note", "tricks.toml switches on: precision=bf16",
+              "tune took 0 s (budget 60 s)"]
+    assert len(lines) == len(starts), lines
+    for line, start in zip(lines, starts):
+        assert line.startswith(start), (line, start)
+    assert "pays back after 304 steps, beyond the 100 steps the tune assumes for a run" in lines[6]

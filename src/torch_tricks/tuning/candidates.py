@@ -12,6 +12,8 @@ skipped with why, so the report accounts for every registered trick.
 from __future__ import annotations
 
 import copy
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -20,6 +22,9 @@ import torch.nn as nn
 
 from torch_tricks.errors import one_line
 from torch_tricks.registry import Trick, list_tricks
+from torch_tricks.seed import CUBLAS_DETERMINISTIC_CONFIGS
+from torch_tricks.train.memory import default_blocks, inplace_activations, memory_efficient_bn_act
+from torch_tricks.train.precision import DTYPES, precision_support
 
 __all__ = ["Candidate", "Skipped", "training_candidates"]
 
@@ -86,21 +91,9 @@ def training_candidates(
     skipped: list[Skipped] = []
     skip = set(skip)
     for trick in list_tricks():
-        if trick.name in skip:
-            skipped.append(Skipped(trick.name, trick.ids, trick.kind, "left out by the caller (skip)"))
-            continue
-        if trick.kind != "train":
-            where = "--data" if trick.kind == "data" else "--deploy"
-            skipped.append(Skipped(trick.name, trick.ids, trick.kind,
-                                   f"a {trick.kind} trick: measured with {where}" if trick.name in _MEASURED_ELSEWHERE
-                                   else f"a {trick.kind} trick, not a switch of the training step"))
-            continue
-        if trick.config_key is None:
-            skipped.append(Skipped(trick.name, trick.ids, trick.kind,
-                                   "changes the model itself (not a switch of fit); apply it by hand"))
-            continue
-        if trick.name in _NOT_A_STEP_SWITCH:
-            skipped.append(Skipped(trick.name, trick.ids, trick.kind, _NOT_A_STEP_SWITCH[trick.name]))
+        reason = _left_out(trick, skip)
+        if reason:
+            skipped.append(Skipped(trick.name, trick.ids, trick.kind, reason))
             continue
         try:
             ok, why = trick.check(device)
@@ -121,21 +114,42 @@ def training_candidates(
             skipped.append(Skipped(trick.name, trick.ids, trick.kind, f"checking whether it applies raised {_line(exc)}",
                                    status="failed"))
             continue
-        for item in made if isinstance(made, list) else [made]:
-            if isinstance(item, (Candidate, Skipped)) and item.name in skip:
-                skipped.append(Skipped(item.name, trick.ids, trick.kind, "left out by the caller (skip)"))
-                continue
-            if isinstance(item, Skipped):
-                item.ids, item.kind = trick.ids, trick.kind
-                skipped.append(item)
-            elif isinstance(item, str):
-                skipped.append(Skipped(trick.name, trick.ids, trick.kind, item))
-            else:
-                item.ids = trick.ids
-                if why and not item.note:
-                    item.note = why  # available with a caveat
-                cands.append(item)
+        _file_made(made, trick, why, skip, cands, skipped)
     return cands, skipped
+
+
+def _left_out(trick: Trick, skip: set[str]) -> str:
+    """Why ``trick`` is not measured as a switch of the training step, before anything is checked ('' if
+    it may be): the caller left it out, a data or deploy trick, a change to the model itself, or no switch."""
+    if trick.name in skip:
+        return "left out by the caller (skip)"
+    if trick.kind != "train":
+        where = "--data" if trick.kind == "data" else "--deploy"
+        return (f"a {trick.kind} trick: measured with {where}" if trick.name in _MEASURED_ELSEWHERE
+                else f"a {trick.kind} trick, not a switch of the training step")
+    if trick.config_key is None:
+        return "changes the model itself (not a switch of fit); apply it by hand"
+    return _NOT_A_STEP_SWITCH.get(trick.name, "")
+
+
+def _file_made(made: Any, trick: Trick, why: str, skip: set[str], cands: list[Candidate],
+               skipped: list[Skipped]) -> None:
+    """What a maker returned (a Candidate, a Skipped, a reason, or a list of them) into ``cands`` or
+    ``skipped``; a candidate available with a caveat (``why``) carries it as its note."""
+    for item in made if isinstance(made, list) else [made]:
+        if isinstance(item, (Candidate, Skipped)) and item.name in skip:
+            skipped.append(Skipped(item.name, trick.ids, trick.kind, "left out by the caller (skip)"))
+            continue
+        if isinstance(item, Skipped):
+            item.ids, item.kind = trick.ids, trick.kind
+            skipped.append(item)
+        elif isinstance(item, str):
+            skipped.append(Skipped(trick.name, trick.ids, trick.kind, item))
+        else:
+            item.ids = trick.ids
+            if why and not item.note:
+                item.note = why  # available with a caveat
+            cands.append(item)
 
 
 def _line(exc: BaseException) -> str:
@@ -153,8 +167,6 @@ _MEASURED_ELSEWHERE = {"packed_dataset", "loader_defaults", "fast_decode", "onnx
 
 def _precision(trick: Trick, model, inputs, device, batch, own_opt) -> list[Candidate | Skipped]:
     """bf16 and fp16 autocast, each measured where it runs, else skipped with the reason."""
-    from torch_tricks.train.precision import precision_support
-
     out: list[Candidate | Skipped] = []
     for p in ("bf16", "fp16"):
         ok, why = precision_support(p, device)
@@ -177,10 +189,6 @@ def _autocast_slowdown(p: str, model: nn.Module) -> tuple[float, str]:
     building and probing the whole model in an emulated precision, which can take
     minutes on a large input.
     """
-    import time
-
-    from torch_tricks.train.precision import DTYPES
-
     gen = torch.Generator().manual_seed(0)
     if any(isinstance(m, nn.Conv2d) for m in model.modules()):
         layer, x, what = nn.Conv2d(32, 32, 3, padding=1), torch.randn(4, 32, 32, 32, generator=gen), "3x3 convolution"
@@ -211,8 +219,6 @@ def _channels_last(trick: Trick, model, inputs, device, batch, own_opt) -> Candi
 
 
 def _checkpointing(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
-    from torch_tricks.train.memory import default_blocks
-
     if isinstance(model, nn.Sequential) and not default_blocks(model):
         return Candidate(trick.name, {"checkpointing": "sqrt"}, "memory")
     if not default_blocks(model):
@@ -231,8 +237,6 @@ def _fused(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | s
 
 
 def _inplace(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
-    from torch_tricks.train.memory import inplace_activations
-
     _, n = inplace_activations(copy.deepcopy(model), return_count=True)
     if not n:
         return "no activation that can safely run in place is out of place already"
@@ -240,8 +244,6 @@ def _inplace(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate |
 
 
 def _mem_bn(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
-    from torch_tricks.train.memory import memory_efficient_bn_act
-
     try:
         _, n = memory_efficient_bn_act(copy.deepcopy(model), return_count=True)
     except Exception as exc:  # a model the pass cannot handle
@@ -280,10 +282,6 @@ _MAKERS: dict[str, Callable[..., Candidate | str]] = {
 
 
 def _deterministic(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
-    import os
-
-    from torch_tricks.seed import CUBLAS_DETERMINISTIC_CONFIGS
-
     if device.type == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_DETERMINISTIC_CONFIGS:
         # cuBLAS reads it when CUDA starts, which it has by now: setting it here would be too late
         return ("deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set before CUDA starts: "

@@ -42,10 +42,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from torch_tricks import batches as B
+from torch_tricks._format import human_bytes
+from torch_tricks.data.prefetch import batch_nbytes
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError, one_line
+from torch_tricks.train.distributed import any_rank, barrier, cleanup, init_distributed, is_dist, reduce_mean
+from torch_tricks.train.loop import TrainStep
+from torch_tricks.tuning.measure import _Peak, paired_ratio
 
 __all__ = ["MODES", "DistJob", "launched_world", "check_world", "launch", "unsendable", "measure_modes", "recommend",
            "usable_cores", "local_bytes", "optimizer_state_bytes"]
@@ -153,10 +160,6 @@ def _rank_entry(job: DistJob) -> dict[str, Any]:
     import warnings
 
     warnings.simplefilter("ignore")
-    import torch.distributed as dist
-
-    from torch_tricks.train.distributed import cleanup, init_distributed
-
     try:
         if job.threads:
             torch.set_num_threads(job.threads)
@@ -199,11 +202,6 @@ class _Lane:
 
 def measure_modes(job: DistJob) -> dict[str, Any]:
     """Every lane's memory, drift and time, on every rank of the process group; the result (all ranks)."""
-    import torch.distributed as dist
-
-    from torch_tricks import batches as B
-    from torch_tricks.train.distributed import barrier, init_distributed
-
     t_start = time.perf_counter()
     info = init_distributed(device=job.config.get("device", "auto"))
     if not info.initialized:
@@ -225,45 +223,76 @@ def measure_modes(job: DistJob) -> dict[str, Any]:
 
     # 1. build each lane: memory (peak, what the rank holds) and the losses of its first steps
     for lane in lanes:
-        if _decide(time.perf_counter() > build_end and lane.name not in (ONE_PROCESS, ONE_RANK)):
-            lane.row.update(status="skipped", reason="over the budget of the distributed phase: raise "
-                                                     "--budget-seconds")
-            continue
-        error = ""
-        if lane.runs_here(rank):
-            try:
-                with _threads(lane.threads):
-                    _build(lane, job, {**cfg, "distributed": lane.mode, "batch_size": B.batch_size(lane.batch)})
-            except Exception as exc:
-                error = one_line(exc, with_type=True)
-        if lane.everyone:  # every rank knows whether any failed; then every rank drops it
-            errors: list[Any] = [None] * world
-            dist.all_gather_object(errors, (error, lane.row.get("state"), lane.row.get("peak_bytes"),
-                                            lane.row.get("losses")))
-            bad = [f"rank {r}: {e[0]}" for r, e in enumerate(errors) if e[0]]
-            if bad:
-                lane.step = None
-                lane.row.update(status="failed", reason=bad[0])
-            else:
-                states = [e[1] for e in errors]
-                lane.row["state"] = max(states, key=lambda s: s["total"])
-                lane.row["state_per_rank"] = [s["total"] for s in states]
-                lane.row["peak_bytes"] = max(e[2] for e in errors)
-                lane.row["peak_per_rank"] = [e[2] for e in errors]
-                lane.row["status"] = "measured"
-        else:
-            got: list[Any] = [error]
-            dist.broadcast_object_list(got, src=0)
-            if got[0]:
-                lane.step = None
-                lane.row.update(status="failed", reason=got[0])
-            else:
-                lane.row["status"] = "measured"
-        barrier()
-
+        _build_on_every_rank(lane, job, cfg, rank, world, build_end)
     # 2. the rounds: every live lane once per round, a new order each (the same on every rank)
-    live = [lane for lane in lanes if lane.row["status"] == "measured"]
-    rng = random.Random(job.seed)
+    rounds = _rounds([lane for lane in lanes if lane.row["status"] == "measured"], job.seed, rank, dev, deadline)
+
+    # 3. rank 0's clock is the one that counts; the figures against the references
+    result = {"status": "measured", "reason": "", "processes": world, "backend": dist.get_backend(),
+              "device": dev.type, "global_batch": total, "per_rank_batch": per, "rounds": rounds,
+              "threads_per_rank": job.threads or torch.get_num_threads(),
+              "one_process_threads": job.one_process_threads or torch.get_num_threads(),
+              "changes": dict(job.changes), "config": {k: v for k, v in cfg.items() if k != "device"},
+              "notes": list(job.notes), "seconds": 0.0}
+    rows = [_figures(lane, lanes, per, total, world) for lane in lanes]
+    result["rows"] = rows
+    result["seconds"] = time.perf_counter() - t_start
+    for lane in lanes:
+        lane.step = None
+    return result
+
+
+def _build_on_every_rank(lane: _Lane, job: DistJob, cfg: dict[str, Any], rank: int, world: int,
+                         build_end: float) -> None:
+    """Build ``lane`` where it runs (skipped past ``build_end``, but never a reference); every rank then
+    agrees on whether it failed (:func:`_agree_on_build`), and waits for the others."""
+    if _decide(time.perf_counter() > build_end and lane.name not in (ONE_PROCESS, ONE_RANK)):
+        lane.row.update(status="skipped", reason="over the budget of the distributed phase: raise "
+                                                 "--budget-seconds")
+        return
+    error = ""
+    if lane.runs_here(rank):
+        try:
+            with _threads(lane.threads):
+                _build(lane, job, {**cfg, "distributed": lane.mode, "batch_size": B.batch_size(lane.batch)})
+        except Exception as exc:
+            error = one_line(exc, with_type=True)
+    _agree_on_build(lane, error, world)
+    barrier()
+
+
+def _agree_on_build(lane: _Lane, error: str, world: int) -> None:
+    """A mode: every rank knows whether any failed (then every rank drops it), and the row takes the
+    largest rank's state and peak; a reference (rank 0 alone): rank 0's error, sent to the others."""
+    if lane.everyone:
+        errors: list[Any] = [None] * world
+        dist.all_gather_object(errors, (error, lane.row.get("state"), lane.row.get("peak_bytes"),
+                                        lane.row.get("losses")))
+        bad = [f"rank {r}: {e[0]}" for r, e in enumerate(errors) if e[0]]
+        if bad:
+            lane.step = None
+            lane.row.update(status="failed", reason=bad[0])
+            return
+        states = [e[1] for e in errors]
+        lane.row["state"] = max(states, key=lambda s: s["total"])
+        lane.row["state_per_rank"] = [s["total"] for s in states]
+        lane.row["peak_bytes"] = max(e[2] for e in errors)
+        lane.row["peak_per_rank"] = [e[2] for e in errors]
+        lane.row["status"] = "measured"
+        return
+    got: list[Any] = [error]
+    dist.broadcast_object_list(got, src=0)
+    if got[0]:
+        lane.step = None
+        lane.row.update(status="failed", reason=got[0])
+    else:
+        lane.row["status"] = "measured"
+
+
+def _rounds(live: list[_Lane], seed: int, rank: int, dev: torch.device, deadline: float) -> int:
+    """Every lane once per round, each step between two barriers, a new order each round (the same on
+    every rank), until ``deadline`` on rank 0's clock (at least ``_MIN_ROUNDS``, at most ``_MAX_ROUNDS``)."""
+    rng = random.Random(seed)
     rounds = 0
     last_round = 0.0
     while live:
@@ -285,28 +314,11 @@ def measure_modes(job: DistJob) -> dict[str, Any]:
             lane.times.append(time.perf_counter() - t0)
         rounds += 1
         last_round = time.perf_counter() - t_round
-
-    # 3. rank 0's clock is the one that counts; the figures against the references
-    result = {"status": "measured", "reason": "", "processes": world, "backend": dist.get_backend(),
-              "device": dev.type, "global_batch": total, "per_rank_batch": per, "rounds": rounds,
-              "threads_per_rank": job.threads or torch.get_num_threads(),
-              "one_process_threads": job.one_process_threads or torch.get_num_threads(),
-              "changes": dict(job.changes), "config": {k: v for k, v in cfg.items() if k != "device"},
-              "notes": list(job.notes), "seconds": 0.0}
-    rows = [_figures(lane, lanes, per, total, world) for lane in lanes]
-    result["rows"] = rows
-    result["seconds"] = time.perf_counter() - t_start
-    for lane in lanes:
-        lane.step = None
-    return result
+    return rounds
 
 
 def _build(lane: _Lane, job: DistJob, cfg: dict[str, Any]) -> None:
     """The lane's TrainStep on a copy of the model, with its memory and first losses measured."""
-    from torch_tricks.train.distributed import is_dist, reduce_mean
-    from torch_tricks.train.loop import TrainStep
-    from torch_tricks.tuning.measure import _Peak
-
     dev = resolve_device(cfg.get("device", "cpu"))
     with _Peak(dev) as pk:
         step = TrainStep(copy.deepcopy(job.model), loss_fn=job.loss_fn, optimizer=job.optimizer_fn, config=cfg)
@@ -329,8 +341,6 @@ def _build(lane: _Lane, job: DistJob, cfg: dict[str, Any]) -> None:
 
 def _figures(lane: _Lane, lanes: list[_Lane], per: int, total: int, world: int) -> dict[str, Any]:
     """One row: step time, throughput, against one process and one rank (paired by round), drift."""
-    from torch_tricks.tuning.measure import paired_ratio
-
     row = dict(lane.row)
     row["ranks"] = world if lane.everyone else 1
     row["batch_per_rank"] = mine_batch = per if lane.name != ONE_PROCESS else total
@@ -343,25 +353,32 @@ def _figures(lane: _Lane, lanes: list[_Lane], per: int, total: int, world: int) 
     samples = total if lane.everyone else mine_batch
     row["samples_per_s"] = samples / step_s
     if one.times and lane is not one:
-        # step-time ratio (< 1: a step takes less time than one process's on the global batch), and the
-        # throughput ratio: the share of the global batch this lane trains per step, over that
-        ratio, half = paired_ratio(lane.times, one.times)
-        row["vs_one_process"], row["vs_one_process_half_ci"] = ratio, half
-        share = samples / total
-        if ratio and math.isfinite(ratio):
-            row["throughput_vs_one_process"] = share / ratio
-            row["throughput_vs_one_process_half_ci"] = share * _inv_half(ratio, half)
+        _against_one_process(row, lane, one, samples / total)
     if single.times and lane.everyone:
         ratio, _ = paired_ratio(lane.times, single.times)  # 1.0: each rank as fast as one rank alone
         row["scaling_efficiency"] = 1 / ratio if ratio else None
     base = one.row.get("losses")
     mine = row.get("losses")
     if base and mine and lane.everyone and len(base) == len(mine):
-        if all(math.isfinite(x) for x in mine):
-            row["loss_drift"] = max(abs(a - b) for a, b in zip(mine, base)) / max(abs(base[0]), 1e-12)
-        else:
-            row["loss_drift"] = math.inf
+        row["loss_drift"] = _loss_drift(mine, base)
     return row
+
+
+def _against_one_process(row: dict[str, Any], lane: _Lane, one: _Lane, share: float) -> None:
+    """The step-time ratio (< 1: a step takes less time than one process's on the global batch), and the
+    throughput ratio: the ``share`` of the global batch this lane trains per step, over that."""
+    ratio, half = paired_ratio(lane.times, one.times)
+    row["vs_one_process"], row["vs_one_process_half_ci"] = ratio, half
+    if ratio and math.isfinite(ratio):
+        row["throughput_vs_one_process"] = share / ratio
+        row["throughput_vs_one_process_half_ci"] = share * _inv_half(ratio, half)
+
+
+def _loss_drift(mine: list[float], base: list[float]) -> float:
+    """The largest loss difference from one process's, relative to its first loss (inf if not finite)."""
+    if not all(math.isfinite(x) for x in mine):
+        return math.inf
+    return max(abs(a - b) for a, b in zip(mine, base)) / max(abs(base[0]), 1e-12)
 
 
 # -- the decision -----------------------------------------------------------------------------------
@@ -378,25 +395,40 @@ def recommend(result: dict[str, Any], limit: int, *, local_ranks: int, min_effec
     rows = result.get("rows") or []
     per_rank_limit = limit if result.get("device") == "cuda" else limit // max(local_ranks, 1)
     result["memory_limit_per_rank"] = per_rank_limit
+    _mark_rows(rows, limit, per_rank_limit, drift_tolerance, min_effect)
     one = next((r for r in rows if r["name"] == ONE_PROCESS), None)
-    modes = [r for r in rows if r["name"] in MODES]
+    ok = [r for r in rows if r["name"] in MODES and r.get("step_s") and r.get("fits")
+          and (r.get("loss_drift") or 0.0) <= drift_tolerance]
+    one_fits = one is not None and bool(one.get("step_s")) and one.get("fits") is not False
+    if not ok:
+        if one_fits:
+            return ONE_PROCESS, "no distributed mode was measured that fits and trains the same: keep one process"
+        return None, "nothing measured fits the memory limit: lower the batch or raise --memory-limit"
+    return _pick_mode(ok, one_fits, min_effect)
+
+
+def _mark_rows(rows: list[dict[str, Any]], limit: int, per_rank_limit: int, drift_tolerance: float,
+               min_effect: float) -> None:
+    """Each row's ``fits`` (one process and one rank against ``limit``, a mode against the per-rank limit)
+    and ``verdict``."""
     for r in rows:
         r["fits"] = None if r.get("peak_bytes") is None else r["peak_bytes"] <= (
             limit if r["name"] in (ONE_PROCESS, ONE_RANK) else per_rank_limit)
-    for r in modes:
-        r["verdict"] = _verdict(r, drift_tolerance, min_effect)
+    for r in rows:
+        if r["name"] in MODES:
+            r["verdict"] = _verdict(r, drift_tolerance, min_effect)
+    one = next((r for r in rows if r["name"] == ONE_PROCESS), None)
     if one is not None:
         one["verdict"] = "reference: the global batch in one process" if one.get("step_s") else one["status"]
     single = next((r for r in rows if r["name"] == ONE_RANK), None)
     if single is not None:
         single["verdict"] = ("reference: a rank's share of the batch, alone" if single.get("step_s")
                              else single["status"])
-    ok = [r for r in modes if r.get("step_s") and r.get("fits") and (r.get("loss_drift") or 0.0) <= drift_tolerance]
-    one_fits = one is not None and bool(one.get("step_s")) and one.get("fits") is not False
-    if not ok:
-        if one_fits:
-            return ONE_PROCESS, "no distributed mode was measured that fits and trains the same: keep one process"
-        return None, "nothing measured fits the memory limit: lower the batch or raise --memory-limit"
+
+
+def _pick_mode(ok: list[dict[str, Any]], one_fits: bool, min_effect: float) -> tuple[str, str]:
+    """Of the modes that fit and train the same (``ok``), the fastest, or the leanest within the margin of
+    it; one process where none beats it beyond the margin (and it fits)."""
     fastest = min(ok, key=lambda r: r["vs_one_process"] if r.get("vs_one_process") else r["step_s"])
     margin = max(min_effect, fastest.get("vs_one_process_half_ci") or 0.0)
     close = [r for r in ok if r.get("vs_one_process") and fastest.get("vs_one_process")
@@ -456,10 +488,6 @@ class _threads:
 
 def _decide(flag: bool, src_only: bool = False) -> bool:
     """One decision for every rank: any rank's flag (or rank 0's, with ``src_only``)."""
-    import torch.distributed as dist
-
-    from torch_tricks.train.distributed import any_rank, is_dist
-
     if not is_dist():
         return flag
     if src_only:
@@ -485,8 +513,6 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 
 
 def _nbytes(batch: Any) -> int:
-    from torch_tricks.data.prefetch import batch_nbytes
-
     return batch_nbytes(batch)
 
 
@@ -498,6 +524,4 @@ def _inv_half(ratio: float, half: float) -> float:
 
 
 def _mib(n: float | None) -> str:
-    from torch_tricks._format import human_bytes
-
     return human_bytes(n) if n is not None else "n/a"

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from torch_tricks.batches import batch_size, forward, map_tensors
 from torch_tricks.data.prefetch import batch_nbytes
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.device import synchronize
@@ -311,9 +312,6 @@ def _activation_bytes(step: TrainStep, batch: Any) -> int | None:
     """Live tensor bytes one forward + loss leaves for backward (the first micro-batch of ``batch``)."""
     if step.config.compile:
         return None  # a compiled graph plans its own buffers; measured eagerly elsewhere
-
-    from torch_tricks.batches import forward
-
     t = step._trainer  # the very forward fit runs (autocast, channels_last input, checkpointed blocks)
     mb = micro_batches(batch, step.config.accumulate)[0]
     with _Peak(step.device) as p:
@@ -404,12 +402,8 @@ def relative_diff(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) ->
 # -- helpers -----------------------------------------------------------------------------------
 
 def _batch_len(batch: Any) -> int:
-    from torch_tricks.batches import batch_size
-
     return batch_size(batch)
 
 
 def _slice(batch: Any, n: int) -> Any:
-    from torch_tricks.batches import map_tensors
-
     return map_tensors(batch, lambda t: t[:n] if t.dim() > 0 else t)

@@ -264,6 +264,14 @@ class Race:
     def _judge(self) -> None:
         """Drop the candidates whose question is answered; decide whether the race is settled."""
         noise = self.noise()
+        self._drop_the_answered()
+        self._drop_the_resolved(noise)
+        live = self.candidates()
+        self._settled = (not live or (len(live) == 1 and self.rounds >= self.settle_rounds
+                                      and self.faster(live[0], noise))) and self.noise_resolved()
+
+    def _drop_the_answered(self) -> None:
+        """After the least rounds: who is timed for its cost only, and who cannot be ``min_effect`` faster."""
         for i in self.candidates():
             lane = self.lanes[i]
             if len(lane.times) < self.min_rounds:
@@ -278,35 +286,38 @@ class Race:
                 ref = self.lanes[self._ref(i)].name
                 self._leave(i, f"cannot be {self.min_effect:.0%} faster than {ref}: {_span(r, h, ref)} "
                                f"after {len(lane.times)} rounds")
-        # resolution: once the intervals (and the A/A noise's) are narrower than half the least effect that
-        # counts, more rounds cannot move a decision by anything that matters
+
+    def _drop_the_resolved(self, noise: float) -> None:
+        """Resolution: once the intervals (and the A/A noise's) are narrower than half the least effect that
+        counts, more rounds cannot move a decision by anything that matters. A contender not faster than its
+        reference leaves then; a faster one that is not the best leaves when behind it (:meth:`_leave_if_behind`)."""
         fine = self.min_effect / 2
         noise_fine = self.twin is None or self.noise_half() <= fine
         live = [i for i in self.candidates() if self.lanes[i].contender]
         best = min(live, key=lambda i: self.ratio(i)[0]) if live else None
         for i in live:
-            r, h = self.ratio(i)
-            n = len(self.lanes[i].times)
-            ref = self.lanes[self._ref(i)].name
             if not self.faster(i, noise):
+                r, h = self.ratio(i)
+                n = len(self.lanes[i].times)
                 if h <= fine and noise_fine and n >= self.settle_rounds:
+                    ref = self.lanes[self._ref(i)].name
                     beyond = f"the noise (±{noise:.1%}) and " if not math.isnan(noise) else ""
                     self._leave(i, f"resolved to ±{h:.1%} after {n} rounds: {_span(r, h, ref)}, not faster beyond "
                                    f"{beyond}{self.min_effect:.0%}")
-                continue
-            if i == best:
-                continue
-            rb, hb = self.ratio(i, best)
-            other = self.lanes[best].name
-            if rb - hb > 1:
-                self._leave(i, f"faster than {ref}, and slower than {other} beyond the interval: "
-                               f"{_span(rb, hb, other)} after {n} rounds")
-            elif hb <= fine and n >= self.settle_rounds:
-                self._leave(i, f"faster than {ref}, and as fast as {other} within ±{hb:.1%}: "
-                               f"{_span(rb, hb, other)} after {n} rounds")
-        live = self.candidates()
-        self._settled = (not live or (len(live) == 1 and self.rounds >= self.settle_rounds
-                                      and self.faster(live[0], noise))) and self.noise_resolved()
+            elif i != best:
+                self._leave_if_behind(i, best, fine)
+
+    def _leave_if_behind(self, i: int, best: int, fine: float) -> None:
+        """A faster candidate leaves when slower than the best beyond the interval, or as fast within ``fine``."""
+        rb, hb = self.ratio(i, best)
+        n = len(self.lanes[i].times)
+        ref, other = self.lanes[self._ref(i)].name, self.lanes[best].name
+        if rb - hb > 1:
+            self._leave(i, f"faster than {ref}, and slower than {other} beyond the interval: "
+                           f"{_span(rb, hb, other)} after {n} rounds")
+        elif hb <= fine and n >= self.settle_rounds:
+            self._leave(i, f"faster than {ref}, and as fast as {other} within ±{hb:.1%}: "
+                           f"{_span(rb, hb, other)} after {n} rounds")
 
 
 def margin(noise: float | None, half: float | None, min_effect: float) -> float:

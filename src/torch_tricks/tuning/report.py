@@ -20,6 +20,8 @@ from typing import Any
 from torch_tricks._format import human_bytes, table
 from torch_tricks._io import atomic_path
 from torch_tricks._optional import available, install_hint
+from torch_tricks.train.config import TrainConfig
+from torch_tricks.tuning.race import margin
 
 __all__ = ["Result", "TuneReport"]
 
@@ -144,8 +146,7 @@ class TuneReport:
         ``accumulate``, so the effective batch is the one measured (for ``which="batch"``,
         the estimated largest batch).
         """
-        from torch_tricks.train.config import TrainConfig
-        from torch_tricks.tuning.tuner import TUNED_KEYS
+        from torch_tricks.tuning.tuner import TUNED_KEYS  # here: tuner imports this module (a circle)
 
         best = self.best_throughput if which == "throughput" else self.best_batch
         changes = dict(best.changes) if best else {}
@@ -174,9 +175,9 @@ class TuneReport:
 
     def recommended_tricks(self, which: str = "throughput") -> list[str]:
         """The switches the recommendation turns on (``key=value`` for non-boolean ones)."""
+        from torch_tricks.tuning.tuner import TUNED_KEYS  # here: tuner imports this module (a circle)
+
         cfg = self.recommended_config(which)
-        from torch_tricks.train.config import TrainConfig
-        from torch_tricks.tuning.tuner import TUNED_KEYS
 
         plain = {**{k: getattr(TrainConfig(), k) for k in TUNED_KEYS}, "fused_optimizer": False}
         out = []
@@ -189,24 +190,10 @@ class TuneReport:
 
     def tricks_toml(self, which: str = "throughput") -> str:
         self.explain()
-        best = self.best_throughput if which == "throughput" else self.best_batch
         cfg = self.recommended_config(which)
         on = self.recommended_tricks(which)
         head = f"# torch-tricks tune: {self.model}, batch {self.batch}, {self.device}, {self.optimizer}"
-        if which == "throughput":
-            why = "throughput under the memory limit"
-            if best is None or best is self.baseline:
-                what = ("the plain fp32 step (no trick was faster beyond the noise)"
-                        if any(r.status.startswith("measured") for r in self.results)
-                        else "the plain fp32 step (no trick was measured: over --budget-seconds)")
-            else:
-                what = best.name + (f" ({best.speedup:.2f}x the plain step)" if best.speedup else "")
-        else:
-            why = "the largest batch under the memory limit"
-            what = (best.name if best else "plain") + (
-                f"; batch_size is a straight-line estimate ({best.max_batch}), not a run at that size"
-                if best and best.max_batch else "")
-        lines = [head, f"# chosen for {why}: {what}",
+        lines = [head, f"# chosen for {self._chosen_for(which)}",
                  f"# switched on: {', '.join(on) if on else 'nothing'}; every tuned switch is stated",
                  *self._distributed_header(which),
                  *(self._toml_reasons() if which == "throughput" else []),
@@ -214,6 +201,22 @@ class TuneReport:
                  "[train]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in cfg.items()]
         return "\n".join(lines) + "\n"
+
+    def _chosen_for(self, which: str) -> str:
+        """'what it is chosen for: the configuration' (throughput, or the largest batch), for tricks.toml's header."""
+        if which != "throughput":
+            best = self.best_batch
+            return "the largest batch under the memory limit: " + (best.name if best else "plain") + (
+                f"; batch_size is a straight-line estimate ({best.max_batch}), not a run at that size"
+                if best and best.max_batch else "")
+        best = self.best_throughput
+        if best is not None and best is not self.baseline:
+            what = best.name + (f" ({best.speedup:.2f}x the plain step)" if best.speedup else "")
+        elif any(r.status.startswith("measured") for r in self.results):
+            what = "the plain fp32 step (no trick was faster beyond the noise)"
+        else:
+            what = "the plain fp32 step (no trick was measured: over --budget-seconds)"
+        return f"throughput under the memory limit: {what}"
 
     def _toml_reasons(self) -> list[str]:
         """Comment lines: every trick's verdict with its reason, and what would change it."""
@@ -242,24 +245,7 @@ class TuneReport:
     def distributed_rows(self) -> list[list[str]]:
         """Rows of the distributed table: the two references, then each mode."""
         d = self.distributed or {}
-        out = []
-        for r in d.get("rows", []):
-            st = r.get("state") or {}
-            vs = r.get("throughput_vs_one_process")
-            half = r.get("throughput_vs_one_process_half_ci")
-            eff = r.get("scaling_efficiency")
-            verdict = r.get("verdict") or (f"{r.get('status')}: {r.get('reason')}" if r.get("reason") else r.get(
-                "status", ""))
-            if d.get("recommended") == r["name"]:
-                verdict = "* recommended: " + verdict
-            out.append([r["name"], str(r.get("ranks") or ""), str(r.get("batch_per_rank") or ""), _fmt_s(r.get("step_s")),
-                        f"{r['samples_per_s']:,.1f}" if r.get("samples_per_s") else "",
-                        (f"{vs:.2f}x" + (f" ±{half:.2f}" if half is not None and math.isfinite(half) else "")) if vs
-                        else "",
-                        f"{eff:.2f}" if eff else "", _bytes(r.get("peak_bytes")), _bytes(st.get("total")),
-                        " / ".join(_bytes(st.get(k)) for k in ("params", "grads", "optimizer")) if st else "",
-                        _pct(r.get("loss_drift")), verdict])
-        return out
+        return [_distributed_row(r, d.get("recommended") == r["name"]) for r in d.get("rows", [])]
 
     def distributed_lines(self) -> list[str]:
         d = self.distributed
@@ -370,8 +356,6 @@ class TuneReport:
         return next((r for r in rows if r.name == name), None)
 
     def _margin(self, half: float | None) -> float:
-        from torch_tricks.tuning.race import margin
-
         return margin(self.noise, half, self.min_effect)
 
     def _fits(self, r: Result | None) -> bool:
@@ -422,48 +406,76 @@ class TuneReport:
 
     def _explain_kind(self, r: Result) -> tuple[str, str, str] | None:
         """The verdict settled by what the row is, before its speed is looked at; None otherwise."""
-        best, base = self.best_throughput, self.baseline
         if r.status in ("skipped", "failed"):
             return r.status, r.reason or r.status, self._skip_advice(r.name, "train", r.reason, r.status)
-        if r is base:
+        if r is self.baseline:
             return self._explain_baseline()
-        if r.reason.startswith("measured on top of"):  # the compile row: its figures are the +compile one's
-            target = self._by_name(r.reason.rsplit("see ", 1)[-1])
-            if target is not None and target is not r:
-                decision, why, advice = self._explain(target)
-                if decision == "recommended":
-                    return "part of the recommendation", f"switched on in {target.name}, the recommendation", ""
-                return decision, f"{r.reason}: {why}", advice
+        return (self._explain_compile_row(r) or self._explain_chosen(r) or self._explain_ruled_out(r)
+                or self._explain_memory_only(r) or self._explain_goal(r))
+
+    def _explain_compile_row(self, r: Result) -> tuple[str, str, str] | None:
+        """The compile row: its figures are the +compile one's, so is its verdict."""
+        if not r.reason.startswith("measured on top of"):
+            return None
+        target = self._by_name(r.reason.rsplit("see ", 1)[-1])
+        if target is None or target is r:
+            return None
+        decision, why, advice = self._explain(target)
+        if decision == "recommended":
+            return "part of the recommendation", f"switched on in {target.name}, the recommendation", ""
+        return decision, f"{r.reason}: {why}", advice
+
+    def _explain_chosen(self, r: Result) -> tuple[str, str, str] | None:
+        """The recommendation, or a trick it switches on."""
+        best, base = self.best_throughput, self.baseline
         if r is best:
             return "recommended", self._why_best(r), ""
         if best is not None and best is not base and r.changes and r.changes.items() <= best.changes.items():
             return "part of the recommendation", f"switched on as part of {best.name}, the recommendation", ""
+        return None
+
+    def _explain_ruled_out(self, r: Result) -> tuple[str, str, str] | None:
+        """Out before its speed counts: far slower in a probe, a loss that drifts, or over the memory limit."""
         if r.status == "measured (probe)":
             return "not recommended", r.reason or "far slower than the plain step in a probe", self._native_advice(r)
         if not self._drift_ok(r):
-            n = len(base.losses) if base else 0
-            drift = ("its loss is not finite" if not math.isfinite(r.loss_drift) else
-                     f"its loss drifts {r.loss_drift:.1%} from fp32's over {n} steps (relative to the first fp32 loss)")
-            return "not recommended", f"{drift}, beyond the {self.drift_tolerance.get('loss', 0):.0%} tolerance", ""
+            tolerance = f"{self.drift_tolerance.get('loss', 0):.0%}"
+            return "not recommended", f"{self._drift_text(r)}, beyond the {tolerance} tolerance", ""
         if r.peak_bytes is not None and r.peak_bytes > self.memory_limit:
             return ("not recommended", f"its peak {_bytes(r.peak_bytes)} is over the memory limit "
                     f"{_bytes(self.memory_limit)} ({self.memory_limit_source})",
                     "a smaller --batch, or a larger --memory-limit")
-        bb = self.best_batch
-        in_bb = bb is not None and bb is not base and r.changes.items() <= bb.changes.items()
-        if r.status == "measured (memory)":
-            if r is bb:
-                return ("largest batch", f"the configuration that fits the most samples under the memory limit "
-                        f"({r.max_batch}, a straight-line estimate): tricks-largest-batch.toml; memory only, "
-                        "not timed", "")
-            return "not recommended", r.verdict or "memory only: not timed", ""
-        plain_fits = self._plain_fits()
-        if r.goal == "cost" and plain_fits:
+        return None
+
+    def _drift_text(self, r: Result) -> str:
+        """How far its loss drifts from fp32's (or that it is not finite)."""
+        n = len(self.baseline.losses) if self.baseline else 0
+        if not math.isfinite(r.loss_drift):
+            return "its loss is not finite"
+        return f"its loss drifts {r.loss_drift:.1%} from fp32's over {n} steps (relative to the first fp32 loss)"
+
+    def _explain_memory_only(self, r: Result) -> tuple[str, str, str] | None:
+        """A row measured for memory only: the largest-batch configuration, or not timed."""
+        if r.status != "measured (memory)":
+            return None
+        if r is self.best_batch:
+            return ("largest batch", f"the configuration that fits the most samples under the memory limit "
+                    f"({r.max_batch}, a straight-line estimate): tricks-largest-batch.toml; memory only, "
+                    "not timed", "")
+        return "not recommended", r.verdict or "memory only: not timed", ""
+
+    def _explain_goal(self, r: Result) -> tuple[str, str, str] | None:
+        """A cost or memory trick while the plain step fits: not a throughput choice, whatever its speed."""
+        if not self._plain_fits():
+            return None
+        if r.goal == "cost":
             cost = f" (its step: {_speedup(r)} the plain one)" if r.speedup else ""
             keys = ", ".join(f"{k} = {_toml_value(v)}" for k, v in r.changes.items())
             return ("not recommended", f"a cost trick, switched on for what it gives, not for speed{cost}",
                     f"switch it on yourself if you want it ({keys} in tricks.toml)")
-        if r.goal == "memory" and plain_fits:
+        if r.goal == "memory":
+            bb = self.best_batch
+            in_bb = bb is not None and bb is not self.baseline and r.changes.items() <= bb.changes.items()
             where = ("; it is in the largest-batch configuration (tricks-largest-batch.toml)" if in_bb else "")
             return ("not recommended", "a memory trick: not a throughput choice while the plain step fits under the "
                     f"memory limit{where}", "" if in_bb else
@@ -473,47 +485,61 @@ class TuneReport:
     def _explain_speed(self, r: Result) -> tuple[str, str, str]:
         """The verdict of a timed candidate that is not the recommendation: against plain, against what
         it extends, the price of compile, then against the best (:meth:`_explain_against_best`)."""
-        best, plain_fits = self.best_throughput, self._plain_fits()
-        ref = r.vs_current_name or "plain"
-        ratio, half = (r.vs_current, r.vs_current_half_ci) if r.vs_current_name else (r.ratio, r.ratio_half_ci)
         if not _measured(r.ratio):
             return ("not recommended", r.left_reason or "not timed: its race ran no round with it",
                     "raise --budget-seconds")
         pb = self.payback(r) if r.changes.get("compile") else None
         cost = f"; {self._payback_text(pb)}" if pb and pb["steps"] != 0 else ""
-        # not faster than plain (every candidate's first question)
+        return (self._explain_against_plain(r, cost) or self._explain_against_extended(r, cost)
+                or self._explain_compile_price(r, pb) or self._explain_extension(r) or self._explain_against_best(r))
+
+    def _explain_against_plain(self, r: Result, cost: str) -> tuple[str, str, str] | None:
+        """Every candidate's first question: not faster than plain (slower, or inside its noise)."""
         m = self._margin(r.ratio_half_ci)
-        if not r.ratio < 1 - m:
-            if r.ratio > 1 + m:
-                return "not recommended", f"slower than plain: {_speed_of(r.ratio, r.ratio_half_ci, 'plain')}", ""
-            return ("not recommended", f"inside the noise of plain: {_speed_of(r.ratio, r.ratio_half_ci, 'plain')}; "
-                    f"{self._the_margin(r.ratio_half_ci)}{cost}", self._open_advice(r))
-        # faster than plain, but not recommended: against what it extends (a combination, compile on top) ...
-        if r.vs_current_name:
-            if not _measured(ratio):
-                return "not recommended", f"not compared with {ref}, which it extends", ""
-            if not ratio < 1 - self._margin(half):
-                reaches = _measured(half) and ratio + half >= 1
-                overlap = " (its interval reaches 1.00x: the two overlap)" if reaches else ""
-                return ("not recommended", f"inside the noise of {ref}, which it extends: {_speed_of(ratio, half, ref)}"
-                        f"{overlap}; {self._the_margin(half)}{cost}", self._open_advice(r))
-        # ... the price of compile ...
-        if r.changes.get("compile") and not plain_fits:
+        if r.ratio < 1 - m:
+            return None
+        if r.ratio > 1 + m:
+            return "not recommended", f"slower than plain: {_speed_of(r.ratio, r.ratio_half_ci, 'plain')}", ""
+        return ("not recommended", f"inside the noise of plain: {_speed_of(r.ratio, r.ratio_half_ci, 'plain')}; "
+                f"{self._the_margin(r.ratio_half_ci)}{cost}", self._open_advice(r))
+
+    def _explain_against_extended(self, r: Result, cost: str) -> tuple[str, str, str] | None:
+        """Faster than plain, but not beyond the noise of what it extends (a combination, compile on top)."""
+        ref, ratio, half = r.vs_current_name, r.vs_current, r.vs_current_half_ci
+        if not ref:
+            return None
+        if not _measured(ratio):
+            return "not recommended", f"not compared with {ref}, which it extends", ""
+        if ratio < 1 - self._margin(half):
+            return None
+        reaches = _measured(half) and ratio + half >= 1
+        overlap = " (its interval reaches 1.00x: the two overlap)" if reaches else ""
+        return ("not recommended", f"inside the noise of {ref}, which it extends: {_speed_of(ratio, half, ref)}"
+                f"{overlap}; {self._the_margin(half)}{cost}", self._open_advice(r))
+
+    def _explain_compile_price(self, r: Result, pb: dict[str, Any] | None) -> tuple[str, str, str] | None:
+        """Compile, faster, but a bet under a tight memory limit or not paid back within the run."""
+        if r.changes.get("compile") and not self._plain_fits():
             return ("not recommended", "its memory is not measured under compile and the plain step does not fit "
                     "the memory limit: no bet under a tight limit", "a larger --memory-limit, or a smaller --batch")
-        if pb is not None and self.amortised(r) is False:
-            n = pb["steps"]
-            advice = (f"a run of at least {n:,} steps, said to the tune (--steps {n} or more; tune(steps=...)); "
-                      "shorter runs: keep compile off" if n is not None else "")
-            return ("not recommended", f"compile not amortised within {self._run_text()}: {self._payback_text(pb)}",
-                    advice)
-        if r.vs_current_name or _among(r, self.combos):
-            if best is not None and best.name != ref:
-                return ("not recommended", f"faster than {ref}, which it extends, but the recommendation (after more "
-                        f"rounds) is {best.name}, on top of which it was not measured",
-                        "raise --budget-seconds (a longer tune settles the best first)")
-            return "not recommended", f"faster than {ref}, but {best.name if best else 'plain'} was kept", ""
-        return self._explain_against_best(r)
+        if pb is None or self.amortised(r) is not False:
+            return None
+        n = pb["steps"]
+        advice = (f"a run of at least {n:,} steps, said to the tune (--steps {n} or more; tune(steps=...)); "
+                  "shorter runs: keep compile off" if n is not None else "")
+        return ("not recommended", f"compile not amortised within {self._run_text()}: {self._payback_text(pb)}",
+                advice)
+
+    def _explain_extension(self, r: Result) -> tuple[str, str, str] | None:
+        """A faster combination (or compile on top) that the recommendation is not."""
+        if not (r.vs_current_name or _among(r, self.combos)):
+            return None
+        best, ref = self.best_throughput, r.vs_current_name or "plain"
+        if best is not None and best.name != ref:
+            return ("not recommended", f"faster than {ref}, which it extends, but the recommendation (after more "
+                    f"rounds) is {best.name}, on top of which it was not measured",
+                    "raise --budget-seconds (a longer tune settles the best first)")
+        return "not recommended", f"faster than {ref}, but {best.name if best else 'plain'} was kept", ""
 
     def _explain_against_best(self, r: Result) -> tuple[str, str, str]:
         """A single trick, faster than plain but not the fastest: why the best was kept instead."""
@@ -522,13 +548,7 @@ class TuneReport:
             return ("not recommended", "faster than plain, but the plain step is kept: "
                     + ("it does not fit the memory limit, and no configuration tried does" if not plain_fits
                        else "see the notes"), "")
-        if best.speedup is None:
-            than = f"{best.name} was chosen"
-        elif _overlap(r, best):
-            than = (f"inside the noise of {best.name}, the best: {_speedup(r)} against {_speedup(best)} the plain step "
-                    "(overlapping intervals); the tune keeps the faster median")
-        else:
-            than = f"{best.name} is faster: {_speedup(best)} against {_speedup(r)} the plain step"
+        than = _than_best(r, best)
         shared = sorted(set(r.changes) & set(best.changes))
         if shared:
             return "not recommended", f"{than}; the two cannot be combined (both set {', '.join(shared)})", ""
@@ -657,12 +677,26 @@ class TuneReport:
                 _bytes(r.activation_bytes), _maxb(r), _drift(r), _with_advice(verdict, r.advice)]
 
     def summary_lines(self) -> list[str]:
-        b = self.baseline
+        """The lines under the table, in order: the set-up and the race, what to switch on and what it
+        costs, memory, notes, the distributed rows, data and deploy, then how to apply it and the time."""
+        lines = self._setup_lines() + self._race_lines() + self._baseline_lines() + self._throughput_lines()
+        self.explain()
+        lines += self._compile_lines() + self._faster_not_recommended_lines() + self._run_length_lines()
+        lines += self._memory_lines() + [f"note: {n}" for n in self.notes] + self.distributed_lines()
+        lines += self._data_lines() + self._deploy_lines()
+        return lines + [self._tricks_toml_line(), self._time_line()]
+
+    def _setup_lines(self) -> list[str]:
+        """What was tuned, and the rule a verdict follows."""
         noise = "n/a" if math.isnan(self.noise) else f"±{self.noise:.1%}"
-        lines = [f"{self.model}: batch {self.batch}, input {self.inputs}, {self.device}, {self.optimizer}; "
-                 f"memory limit {human_bytes(self.memory_limit)} ({self.memory_limit_source})",
-                 f"{self.rounds} interleaved rounds; noise {noise} (plain vs plain, A/A); a trick is called faster or "
-                 f"slower only beyond the larger of the noise, its own 95% interval and {self.min_effect:.0%}"]
+        return [f"{self.model}: batch {self.batch}, input {self.inputs}, {self.device}, {self.optimizer}; "
+                f"memory limit {human_bytes(self.memory_limit)} ({self.memory_limit_source})",
+                f"{self.rounds} interleaved rounds; noise {noise} (plain vs plain, A/A); a trick is called faster or "
+                f"slower only beyond the larger of the noise, its own 95% interval and {self.min_effect:.0%}"]
+
+    def _race_lines(self) -> list[str]:
+        """Who left the race early, and why it stopped."""
+        lines = []
         left = [r for r in self.results if r.left_round is not None and r.rounds is not None and r.status == "measured"]
         if self.rounds:
             timed = sum(1 for r in self.results if r.rounds)
@@ -672,63 +706,93 @@ class TuneReport:
                          f"race: all {timed} tricks and both baselines got all {self.rounds} rounds")
         if self.stop_reason:
             lines.append(f"stopped: {self.stop_reason}")
-        if b and b.step_s:
-            lines.append(f"plain fp32 step: {_fmt_s(b.step_s)}" + (
-                f", peak {_bytes(b.peak_bytes)} (state {_bytes(b.state_bytes)}, activations "
-                f"{_bytes(b.activation_bytes)})" if b.peak_bytes else " (memory not measured)"))
-        bt = self.best_throughput
-        measured = any(r.status.startswith("measured") for r in self.results)
-        if bt is not None:
-            if bt is b and not measured:
-                lines.append("throughput: no trick was measured: keep the plain step until a longer tune says more")
-            elif bt is b:
-                lines.append("throughput: no trick is faster beyond the noise here: keep the plain step")
-            else:
-                lines.append(f"throughput: {bt.name}: {_speedup(bt)} the plain step"
-                             + (f", peak {_bytes(bt.peak_bytes)}" if bt.peak_bytes else ""))
-        self.explain()
-        for r in self.results + self.combos:
-            if r.changes.get("compile") and r.status == "measured" and r.first_call_s is not None:
-                pb = self.payback(r)
-                pays = ""
-                if pb is not None and pb["steps"] is not None and pb["steps"] > 0:
-                    ok = self.amortised(r)
-                    pays = (f"; against {pb['ref']} it pays back after {pb['steps']:,} steps"
-                            + ("" if ok is None else f", {'within' if ok else 'beyond'} {self._run_text()}"))
-                elif pb is not None and pb["steps"] is None:
-                    pays = f"; its step is not faster than {pb['ref']}'s: it never pays back"
-                lines.append(f"compile ({r.name}): first call {r.first_call_s:.1f} s (compilation), apart from the "
-                             f"step times{pays}; its memory is not measured (the eager figures do not apply)")
-        for r in self.results + self.combos:
-            if (r.verdict.startswith("faster") and r.decision == "not recommended"
-                    and not r.reason.startswith("measured on top of")):  # (the compile row: see its +compile one)
-                lines.append(f"faster, not recommended: {r.name}: {r.why}")
+        return lines
+
+    def _baseline_lines(self) -> list[str]:
+        """The plain fp32 step's time and memory."""
+        b = self.baseline
+        if not (b and b.step_s):
+            return []
+        return [f"plain fp32 step: {_fmt_s(b.step_s)}" + (
+            f", peak {_bytes(b.peak_bytes)} (state {_bytes(b.state_bytes)}, activations "
+            f"{_bytes(b.activation_bytes)})" if b.peak_bytes else " (memory not measured)")]
+
+    def _throughput_lines(self) -> list[str]:
+        """The throughput choice, against the plain step."""
+        b, bt = self.baseline, self.best_throughput
+        if bt is None:
+            return []
+        if bt is b and not any(r.status.startswith("measured") for r in self.results):
+            return ["throughput: no trick was measured: keep the plain step until a longer tune says more"]
+        if bt is b:
+            return ["throughput: no trick is faster beyond the noise here: keep the plain step"]
+        return [f"throughput: {bt.name}: {_speedup(bt)} the plain step"
+                + (f", peak {_bytes(bt.peak_bytes)}" if bt.peak_bytes else "")]
+
+    def _compile_lines(self) -> list[str]:
+        """Each compiled row's first call, and when its compilation pays back."""
+        return [f"compile ({r.name}): first call {r.first_call_s:.1f} s (compilation), apart from the "
+                f"step times{self._pays_back_text(r)}; its memory is not measured (the eager figures do not apply)"
+                for r in self.results + self.combos
+                if r.changes.get("compile") and r.status == "measured" and r.first_call_s is not None]
+
+    def _pays_back_text(self, r: Result) -> str:
+        """'; against REF it pays back after N steps, within the run' (or never), from :meth:`payback`."""
+        pb = self.payback(r)
+        if pb is not None and pb["steps"] is not None and pb["steps"] > 0:
+            ok = self.amortised(r)
+            return (f"; against {pb['ref']} it pays back after {pb['steps']:,} steps"
+                    + ("" if ok is None else f", {'within' if ok else 'beyond'} {self._run_text()}"))
+        if pb is not None and pb["steps"] is None:
+            return f"; its step is not faster than {pb['ref']}'s: it never pays back"
+        return ""
+
+    def _faster_not_recommended_lines(self) -> list[str]:
+        """Each faster row that was not recommended, with its reason (the compile row: see its +compile one)."""
+        return [f"faster, not recommended: {r.name}: {r.why}" for r in self.results + self.combos
+                if r.verdict.startswith("faster") and r.decision == "not recommended"
+                and not r.reason.startswith("measured on top of")]
+
+    def _run_length_lines(self) -> list[str]:
+        """The run a compilation must pay back within, where anything was compiled."""
         compiled = any(r.changes.get("compile") and r.status == "measured" for r in self.combos + self.results)
-        if self.run_steps and compiled:
-            lines.append(f"run length: {self.run_steps:,} steps ({self.run_steps_source or 'assumed'}): compile is "
-                         "recommended only where its compilation pays back within it"
-                         + ("" if self.run_steps_source == "given" else "; say yours with --steps N or tune(steps=N)"))
+        if not (self.run_steps and compiled):
+            return []
+        return [f"run length: {self.run_steps:,} steps ({self.run_steps_source or 'assumed'}): compile is "
+                "recommended only where its compilation pays back within it"
+                + ("" if self.run_steps_source == "given" else "; say yours with --steps N or tune(steps=N)")]
+
+    def _memory_lines(self) -> list[str]:
+        """What fits when the plain step does not, and the largest batch under the limit."""
+        b, bb, lines = self.baseline, self.best_batch, []
         if self.fits_with:
             lines.append(f"memory: the plain step does not fit under the limit; it fits with {self.fits_with}")
-        bb = self.best_batch
         if bb is not None and bb.max_batch is not None:
             lines.append(f"largest batch under the limit: {bb.max_batch} with {bb.name}"
                          + (f" (plain: {b.max_batch})" if b and b.max_batch is not None and bb is not b else "")
                          + " (straight-line estimate from the batch and half of it)")
-        lines += [f"note: {n}" for n in self.notes]
-        lines += self.distributed_lines()
-        if self.data:
-            lines.append("data: " + (self.data.get("summary") or f"{self.data.get('status')}: {self.data.get('reason', '')}"))
-        if self.deploy:
-            for s in self.deploy.get("steps", []):
-                lines.append("deploy " + "+".join(s["steps"]) + ": " + _deploy_line(s))
-        on = self.recommended_tricks("throughput") if self.baseline else []
-        lines.append(f"tricks.toml switches on: {', '.join(on) if on else 'nothing (the plain step)'}; apply it with "
-                     "`torch-tricks train --config tricks.toml`, fit(..., config='tricks.toml'), or in your own "
-                     "loop with torch_tricks.Tricks('tricks.toml') (six lines: see report.md or tricks.toml)")
-        spent = ", ".join(f"{k} {v:.0f} s" for k, v in self.phase_s.items())
-        lines.append(f"tune took {self.elapsed_s:.0f} s (budget {self.budget_s:.0f} s" + (f": {spent})" if spent else ")"))
         return lines
+
+    def _data_lines(self) -> list[str]:
+        if not self.data:
+            return []
+        return ["data: " + (self.data.get("summary") or f"{self.data.get('status')}: {self.data.get('reason', '')}")]
+
+    def _deploy_lines(self) -> list[str]:
+        if not self.deploy:
+            return []
+        return ["deploy " + "+".join(s["steps"]) + ": " + _deploy_line(s) for s in self.deploy.get("steps", [])]
+
+    def _tricks_toml_line(self) -> str:
+        """What tricks.toml switches on, and the three ways to apply it."""
+        on = self.recommended_tricks("throughput") if self.baseline else []
+        return (f"tricks.toml switches on: {', '.join(on) if on else 'nothing (the plain step)'}; apply it with "
+                "`torch-tricks train --config tricks.toml`, fit(..., config='tricks.toml'), or in your own "
+                "loop with torch_tricks.Tricks('tricks.toml') (six lines: see report.md or tricks.toml)")
+
+    def _time_line(self) -> str:
+        spent = ", ".join(f"{k} {v:.0f} s" for k, v in self.phase_s.items())
+        return f"tune took {self.elapsed_s:.0f} s (budget {self.budget_s:.0f} s" + (f": {spent})" if spent else ")")
 
     def to_text(self) -> str:
         parts = [table(self.HEADERS, self.rows(compact=True), "llllrrrrrll"), ""]
@@ -843,58 +907,70 @@ class TuneReport:
             self.notes.append(f"no plot: matplotlib is not installed ({install_hint('plot')})")
             return None
         plt = _pyplot()
-        rows = list(self.results)
-        chosen = self.best_throughput
-        extra = [r for r in self.combos if r.speedup is not None]  # the timed combinations (compile on top of the best)
-        extra += [chosen] if chosen is not None and chosen is not self.baseline else []
-        for r in extra:
-            if r not in rows:
-                rows.append(r)
-        names = [("* " if r is chosen else "") + r.name for r in rows]
-        base_peak = self.baseline.peak_bytes if self.baseline else None
-        base_act = self.baseline.activation_bytes if self.baseline else None
-        speed = [r.speedup or 0.0 for r in rows]
-        err = [r.speedup_half_ci if r.speedup_half_ci is not None and math.isfinite(r.speedup_half_ci) else 0.0
-               for r in rows]
-        peak = [(r.peak_bytes / base_peak) if (r.peak_bytes and base_peak) else 0.0 for r in rows]
-        act = [(r.activation_bytes / base_act) if (r.activation_bytes is not None and base_act) else 0.0 for r in rows]
+        rows, chosen = self._plot_rows(), self.best_throughput
         fig, axes = plt.subplots(1, 2, figsize=(15, 0.5 * len(rows) + 2.2), sharey=True,
                                  gridspec_kw={"width_ratios": [3, 2]})
         colors = ["tab:orange" if r is chosen else ("tab:red" if r.status == "failed" else "tab:blue") for r in rows]
-        y = list(range(len(rows)))
-        axes[0].barh(y, speed, xerr=err, color=colors, capsize=2)
-        axes[0].axvline(1.0, color="k", lw=1)
-        if not math.isnan(self.noise):
-            band = max(self.noise, self.min_effect)
-            axes[0].axvspan(1 - band, 1 + band, color="grey", alpha=0.25, label=f"within noise: ±{band:.0%}")
-            axes[0].legend(loc="lower right", fontsize=8)
-        axes[0].set_xlabel("training-step speed-up vs plain fp32 (higher is better)")
-        h = 0.38
-        axes[1].barh([v - h / 2 for v in y], peak, height=h, color=colors, label="peak")
-        axes[1].barh([v + h / 2 for v in y], act, height=h, color=colors, alpha=0.45, label="activations")
-        axes[1].axvline(1.0, color="k", lw=1)
-        if base_peak and self.memory_limit < 2 * base_peak:
-            axes[1].axvline(self.memory_limit / base_peak, color="tab:red", lw=1.5, ls="--",
-                            label=f"memory limit ({human_bytes(self.memory_limit)})")
-        axes[1].set_xlabel("memory vs plain fp32 (lower is better)")
-        axes[1].legend(loc="lower right", fontsize=8)
-        left = axes[0].get_yaxis_transform()
-        for i, r in enumerate(rows):
-            if r.speedup is not None:
-                axes[0].text(speed[i] + err[i] + 0.01, i, f"{speed[i]:.2f}x", va="center", fontsize=8)
-            else:
-                axes[0].text(0.02, i, _plot_label(r), va="center", fontsize=8, transform=left,
-                             color="tab:red" if r.status == "failed" else "dimgray")
-            if not peak[i]:
-                axes[1].text(0.02, i, "memory not measured", va="center", fontsize=8, color="dimgray",
-                             transform=axes[1].get_yaxis_transform())
-        axes[0].set_yticks(y)
-        axes[0].set_yticklabels(names)
+        self._plot_speed(axes[0], rows, colors)
+        self._plot_memory(axes[1], rows, colors)
+        axes[0].set_yticks(list(range(len(rows))))
+        axes[0].set_yticklabels([("* " if r is chosen else "") + r.name for r in rows])
         axes[0].invert_yaxis()
         noise = "" if math.isnan(self.noise) else f", noise ±{self.noise:.1%}"
         fig.suptitle(f"torch-tricks tune: {self.model}, batch {self.batch}, {self.device}{noise} "
                      "(* = recommended, orange)")
         return _save_figure(fig, path)
+
+    def _plot_rows(self) -> list[Result]:
+        """The single tricks, then the timed combinations (compile on top of the best) and the chosen one."""
+        rows = list(self.results)
+        chosen = self.best_throughput
+        extra = [r for r in self.combos if r.speedup is not None]
+        extra += [chosen] if chosen is not None and chosen is not self.baseline else []
+        for r in extra:
+            if r not in rows:
+                rows.append(r)
+        return rows
+
+    def _plot_speed(self, ax: Any, rows: list[Result], colors: list[str]) -> None:
+        """The speed-up panel: a bar per row with its interval, the noise band, and why a row has no bar."""
+        speed = [r.speedup or 0.0 for r in rows]
+        err = [r.speedup_half_ci if r.speedup_half_ci is not None and math.isfinite(r.speedup_half_ci) else 0.0
+               for r in rows]
+        ax.barh(list(range(len(rows))), speed, xerr=err, color=colors, capsize=2)
+        ax.axvline(1.0, color="k", lw=1)
+        if not math.isnan(self.noise):
+            band = max(self.noise, self.min_effect)
+            ax.axvspan(1 - band, 1 + band, color="grey", alpha=0.25, label=f"within noise: ±{band:.0%}")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_xlabel("training-step speed-up vs plain fp32 (higher is better)")
+        left = ax.get_yaxis_transform()
+        for i, r in enumerate(rows):
+            if r.speedup is not None:
+                ax.text(speed[i] + err[i] + 0.01, i, f"{speed[i]:.2f}x", va="center", fontsize=8)
+            else:
+                ax.text(0.02, i, _plot_label(r), va="center", fontsize=8, transform=left,
+                        color="tab:red" if r.status == "failed" else "dimgray")
+
+    def _plot_memory(self, ax: Any, rows: list[Result], colors: list[str]) -> None:
+        """The memory panel: peak and activations per row against plain fp32, and the memory limit."""
+        base_peak = self.baseline.peak_bytes if self.baseline else None
+        base_act = self.baseline.activation_bytes if self.baseline else None
+        peak = [(r.peak_bytes / base_peak) if (r.peak_bytes and base_peak) else 0.0 for r in rows]
+        act = [(r.activation_bytes / base_act) if (r.activation_bytes is not None and base_act) else 0.0 for r in rows]
+        y, h = list(range(len(rows))), 0.38
+        ax.barh([v - h / 2 for v in y], peak, height=h, color=colors, label="peak")
+        ax.barh([v + h / 2 for v in y], act, height=h, color=colors, alpha=0.45, label="activations")
+        ax.axvline(1.0, color="k", lw=1)
+        if base_peak and self.memory_limit < 2 * base_peak:
+            ax.axvline(self.memory_limit / base_peak, color="tab:red", lw=1.5, ls="--",
+                       label=f"memory limit ({human_bytes(self.memory_limit)})")
+        ax.set_xlabel("memory vs plain fp32 (lower is better)")
+        ax.legend(loc="lower right", fontsize=8)
+        for i in y:
+            if not peak[i]:
+                ax.text(0.02, i, "memory not measured", va="center", fontsize=8, color="dimgray",
+                        transform=ax.get_yaxis_transform())
 
     def plot_distributed(self, path: str | Path) -> Path | None:
         """Two panels: throughput against one process (scaling efficiency on each bar), and per-rank state
@@ -906,36 +982,61 @@ class TuneReport:
         rows = [r for r in d.get("rows", []) if r.get("status") == "measured"]
         if not rows:
             return None
-        names = [("* " if d.get("recommended") == r["name"] else "") + r["name"] for r in rows]
         fig, axes = plt.subplots(1, 2, figsize=(13, 0.55 * len(rows) + 2.4), sharey=True)
-        y = list(range(len(rows)))
-        speed = [r.get("throughput_vs_one_process") or (1.0 if r["name"] == "one process" else 0.0) for r in rows]
         colors = ["tab:orange" if d.get("recommended") == r["name"] else "tab:blue" for r in rows]
-        axes[0].barh(y, speed, color=colors)
-        axes[0].axvline(1.0, color="k", lw=1)
-        for i, r in enumerate(rows):
-            eff = r.get("scaling_efficiency")
-            label = f"{speed[i]:.2f}x" + (f"  (scaling eff. {eff:.2f})" if eff else "")
-            axes[0].text(speed[i] + 0.01, i, label, va="center", fontsize=8)
-        axes[0].set_xlabel("throughput vs one process on the global batch (higher is better)")
-        left = [0.0] * len(rows)
-        for key, color in (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green")):
-            vals = [((r.get("state") or {}).get(key) or 0) / 2**20 for r in rows]
-            axes[1].barh(y, vals, left=left, color=color, label=key, height=0.5)
-            left = [a + b for a, b in zip(left, vals)]
-        peaks = [(r.get("peak_bytes") or 0) / 2**20 for r in rows]
-        axes[1].scatter(peaks, y, marker="|", s=300, color="k", label="peak", zorder=3)
-        lim = d.get("memory_limit_per_rank")
-        if lim and lim < 2 * max(peaks + [1.0]) * 2**20:
-            axes[1].axvline(lim / 2**20, color="tab:red", ls="--", lw=1.5, label="per-rank limit")
-        axes[1].set_xlabel("per-rank MiB: parameters + gradients + optimizer state, and the peak")
-        axes[1].legend(loc="lower right", fontsize=8)
-        axes[0].set_yticks(y)
-        axes[0].set_yticklabels(names)
+        _plot_distributed_speed(axes[0], rows, colors)
+        _plot_distributed_memory(axes[1], rows, d.get("memory_limit_per_rank"))
+        axes[0].set_yticks(list(range(len(rows))))
+        axes[0].set_yticklabels([("* " if d.get("recommended") == r["name"] else "") + r["name"] for r in rows])
         axes[0].invert_yaxis()
         fig.suptitle(f"torch-tricks tune: {self.model}, global batch {d.get('global_batch')} on "
                      f"{d.get('processes')} processes ({d.get('backend')}, {d.get('device')}; * = recommended)")
         return _save_figure(fig, path)
+
+
+def _plot_distributed_speed(ax: Any, rows: list[dict[str, Any]], colors: list[str]) -> None:
+    """Throughput against one process, a bar per mode, with its scaling efficiency."""
+    speed = [r.get("throughput_vs_one_process") or (1.0 if r["name"] == "one process" else 0.0) for r in rows]
+    ax.barh(list(range(len(rows))), speed, color=colors)
+    ax.axvline(1.0, color="k", lw=1)
+    for i, r in enumerate(rows):
+        eff = r.get("scaling_efficiency")
+        label = f"{speed[i]:.2f}x" + (f"  (scaling eff. {eff:.2f})" if eff else "")
+        ax.text(speed[i] + 0.01, i, label, va="center", fontsize=8)
+    ax.set_xlabel("throughput vs one process on the global batch (higher is better)")
+
+
+def _plot_distributed_memory(ax: Any, rows: list[dict[str, Any]], limit: int | None) -> None:
+    """Per-rank state (parameters, gradients, optimizer state) stacked, the peak, and the per-rank limit."""
+    y, left = list(range(len(rows))), [0.0] * len(rows)
+    for key, color in (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green")):
+        vals = [((r.get("state") or {}).get(key) or 0) / 2**20 for r in rows]
+        ax.barh(y, vals, left=left, color=color, label=key, height=0.5)
+        left = [a + b for a, b in zip(left, vals)]
+    peaks = [(r.get("peak_bytes") or 0) / 2**20 for r in rows]
+    ax.scatter(peaks, y, marker="|", s=300, color="k", label="peak", zorder=3)
+    if limit and limit < 2 * max(peaks + [1.0]) * 2**20:
+        ax.axvline(limit / 2**20, color="tab:red", ls="--", lw=1.5, label="per-rank limit")
+    ax.set_xlabel("per-rank MiB: parameters + gradients + optimizer state, and the peak")
+    ax.legend(loc="lower right", fontsize=8)
+
+
+def _distributed_row(r: dict[str, Any], recommended: bool) -> list[str]:
+    """One row of the distributed table (see :attr:`TuneReport.DIST_HEADERS`)."""
+    st = r.get("state") or {}
+    vs = r.get("throughput_vs_one_process")
+    half = r.get("throughput_vs_one_process_half_ci")
+    eff = r.get("scaling_efficiency")
+    verdict = r.get("verdict") or (f"{r.get('status')}: {r.get('reason')}" if r.get("reason") else r.get(
+        "status", ""))
+    if recommended:
+        verdict = "* recommended: " + verdict
+    return [r["name"], str(r.get("ranks") or ""), str(r.get("batch_per_rank") or ""), _fmt_s(r.get("step_s")),
+            f"{r['samples_per_s']:,.1f}" if r.get("samples_per_s") else "",
+            (f"{vs:.2f}x" + (f" ±{half:.2f}" if half is not None and math.isfinite(half) else "")) if vs else "",
+            f"{eff:.2f}" if eff else "", _bytes(r.get("peak_bytes")), _bytes(st.get("total")),
+            " / ".join(_bytes(st.get(k)) for k in ("params", "grads", "optimizer")) if st else "",
+            _pct(r.get("loss_drift")), verdict]
 
 
 def _save_figure(fig: Any, path: str | Path) -> Path:
@@ -1004,6 +1105,16 @@ def _speed_of(ratio: float | None, half: float | None, ref: str) -> str:
         return f"{1 / ratio:.2f}x the speed of {ref}"
     hi = f"{1 / (ratio - half):.2f}x" if ratio > half else "inf"
     return f"{1 / ratio:.2f}x the speed of {ref} (95% interval {1 / (ratio + half):.2f}-{hi})"
+
+
+def _than_best(r: Result, best: Result) -> str:
+    """Why ``best`` was kept rather than ``r``, as far as their speed-ups say."""
+    if best.speedup is None:
+        return f"{best.name} was chosen"
+    if _overlap(r, best):
+        return (f"inside the noise of {best.name}, the best: {_speedup(r)} against {_speedup(best)} the plain step "
+                "(overlapping intervals); the tune keeps the faster median")
+    return f"{best.name} is faster: {_speedup(best)} against {_speedup(r)} the plain step"
 
 
 def _overlap(a: Result, b: Result) -> bool:

@@ -38,18 +38,27 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import statistics
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
+from torch_tricks import batches as B
+from torch_tricks._format import human_bytes
 from torch_tricks.batches import example_batch  # the CLI's way in, re-exported
+from torch_tricks.data.loader_tune import tune_loader_path
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.device import synchronize
 from torch_tricks.errors import UserError, one_line
+from torch_tricks.registry import get_trick
+from torch_tricks.seed import seed_everything
+from torch_tricks.train.distributed import cleanup, init_distributed
+from torch_tricks.tuning import distributed as D
 from torch_tricks.tuning.candidates import Candidate, training_candidates
 from torch_tricks.tuning.measure import (
     Runner,
@@ -148,47 +157,15 @@ def tune(
     every row's verdict says why it is or is not recommended (:meth:`TuneReport.explain`).
     """
     t_start = time.perf_counter()
-    if not budget_s or budget_s <= 0:
-        raise UserError("--budget-seconds must be > 0")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise UserError(f"steps (the training run's length in optimizer steps) must be a whole number >= 1, "
-                        f"not {steps!r}")
+    _check_budget_and_steps(budget_s, steps)
     dev = resolve_device(device)
-    from torch_tricks import batches as B
-
     parts = B.unpack(example_batch)  # a UserError for what is not a batch
-    from torch_tricks.registry import get_trick
-    from torch_tricks.seed import seed_everything
-
-    for name_ in skip:
-        get_trick(name_.split(":")[0])  # an unknown name is a UserError listing the tricks
-    if data is not None:
-        from pathlib import Path
-
-        if not Path(data).exists():
-            raise UserError(f"no data set at {str(data)!r} (--data takes a pack, an ImageFolder tree or an HDF5 file)")
+    _check_skip_and_data(skip, data)
     seed_everything(seed)
-    if isinstance(model_fn, nn.Module):
-        model = copy.deepcopy(model_fn)
-    else:
-        try:
-            model = model_fn()
-        except UserError:
-            raise
-        except Exception as exc:
-            raise UserError(f"building the model raised {one_line(exc, with_type=True)}") from None
-        if not isinstance(model, nn.Module):
-            raise UserError(f"model_fn returned {type(model).__name__}, not an nn.Module")
+    model = _build_model(model_fn)
     inputs_t = parts.inputs
     batch = B.batch_size(example_batch)
-    from torch_tricks.tuning import distributed as D
-
-    world = D.launched_world()
-    if processes is not None and world > 1:
-        raise UserError("--processes launches the ranks itself: run the tune without torchrun, or drop --processes")
-    dist_world = world if world > 1 else (processes or 0)
-    if processes is not None or world > 1:
-        D.check_world(dist_world, batch, dev)
+    world, dist_world = _worlds(processes, batch, dev)
     if world > 1 and _channel is None:
         return _tune_on_ranks(model, example_batch, loss_fn, optimizer_fn, dict(
             optimizer=optimizer, lr=lr, device=device, budget_s=budget_s, memory_limit=memory_limit, data=data,
@@ -213,20 +190,66 @@ def tune(
 
     total = 4 + len(cands) + bool(data) + bool(deploy) + bool(dist_world)
     bar = tqdm(total=total, desc="tune", unit="phase", disable=not progress, leave=False)
-    job = _Tune(model, batches, base_cfg, kw, limit, report, bar, t_start, float(budget_s), bool(data), bool(deploy),
-                dist_world=dist_world, channel=_channel)
+    _run_job(_Tune(model, batches, base_cfg, kw, limit, report, bar, t_start, float(budget_s), bool(data),
+                   bool(deploy), dist_world=dist_world, channel=_channel), cands, data)
+    report.elapsed_s = time.perf_counter() - t_start
+    report.explain()  # every row's reason (the views take it again from the figures)
+    return report
+
+
+def _check_budget_and_steps(budget_s: float, steps: int | None) -> None:
+    if not budget_s or budget_s <= 0:
+        raise UserError("--budget-seconds must be > 0")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise UserError(f"steps (the training run's length in optimizer steps) must be a whole number >= 1, "
+                        f"not {steps!r}")
+
+
+def _check_skip_and_data(skip: Sequence[str], data: str | None) -> None:
+    """An unknown trick name to skip, or a data path that is not there: a UserError before anything is measured."""
+    for name_ in skip:
+        get_trick(name_.split(":")[0])  # an unknown name is a UserError listing the tricks
+    if data is not None and not Path(data).exists():
+        raise UserError(f"no data set at {str(data)!r} (--data takes a pack, an ImageFolder tree or an HDF5 file)")
+
+
+def _build_model(model_fn: Callable[[], nn.Module] | nn.Module) -> nn.Module:
+    """A copy of the given module, or what ``model_fn()`` builds; what goes wrong is one UserError line."""
+    if isinstance(model_fn, nn.Module):
+        return copy.deepcopy(model_fn)
+    try:
+        model = model_fn()
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"building the model raised {one_line(exc, with_type=True)}") from None
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model_fn returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _worlds(processes: int | None, batch: int, dev: torch.device) -> tuple[int, int]:
+    """(the world torchrun launched this process in, the ranks of the distributed rows: 0 for none), checked."""
+    world = D.launched_world()
+    if processes is not None and world > 1:
+        raise UserError("--processes launches the ranks itself: run the tune without torchrun, or drop --processes")
+    dist_world = world if world > 1 else (processes or 0)
+    if processes is not None or world > 1:
+        D.check_world(dist_world, batch, dev)
+    return world, dist_world
+
+
+def _run_job(job: _Tune, cands: list[Candidate], data: str | None) -> None:
+    """The job's plan with torch's warnings kept off the table; the progress bar is closed whatever happens."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch/inductor chatter would break the report's table
             job.run(cands, data)
     finally:
-        bar.close()
-    if dist_world and report.distributed is None:
-        report.distributed = {"status": "skipped", "processes": dist_world, "rows": [], "reason":
-                              "the tune stopped before the distributed rows (over --budget-seconds): raise it"}
-    report.elapsed_s = time.perf_counter() - t_start
-    report.explain()  # every row's reason (the views take it again from the figures)
-    return report
+        job.bar.close()
+    if job.dist_world and job.report.distributed is None:
+        job.report.distributed = {"status": "skipped", "processes": job.dist_world, "rows": [], "reason":
+                                  "the tune stopped before the distributed rows (over --budget-seconds): raise it"}
 
 
 def _tune_on_ranks(model, example_batch, loss_fn, optimizer_fn, kwargs: dict[str, Any], budget_s: float
@@ -234,9 +257,6 @@ def _tune_on_ranks(model, example_batch, loss_fn, optimizer_fn, kwargs: dict[str
     """``tune`` on every rank under torchrun: rank 0 runs the tune (the single-process part on all the
     host's cores while the others wait), the ranks measure the modes together, every rank gets the report."""
     import torch.distributed as dist
-
-    from torch_tricks.train.distributed import cleanup, init_distributed
-    from torch_tricks.tuning import distributed as D
 
     created = not (dist.is_available() and dist.is_initialized())
     # the others wait while rank 0 measures alone: the collectives' timeout must outlast the whole tune
@@ -353,6 +373,27 @@ class _Tune:
 
     # -- the plan ----------------------------------------------------------------------------
     def run(self, cands: list[Candidate], data: str | None) -> None:
+        """The plan (see the module's docstring): the baselines, each candidate's drift and memory, the race,
+        the combinations and the largest batch, compile, more rounds, then the distributed rows, data and deploy."""
+        if not self._baselines(cands):
+            return
+        compile_res, others = self._plan_compile(cands)
+        results = self._set_up_candidates(others)
+        if compile_res is not None:
+            results.append(compile_res)
+        self.report.results = results
+        self._race_singles(results)
+        self._combinations()
+        if compile_res is not None:
+            self._compile_phase(compile_res)
+        self._more_rounds_phase()
+        self._close_training(results)
+        self._other_phases(data)
+        self.report.phase_s = {k: round(v, 2) for k, v in self.phase_s.items()}
+
+    def _baselines(self, cands: list[Candidate]) -> bool:
+        """1. the plain step and its A/A twin, with the plain step's memory; False when the budget cannot
+        hold even one trick's measurement (the report then says so, see :meth:`_too_slow_for_the_budget`)."""
         report = self.report
         self.phase("baseline")
         t_base = time.perf_counter()
@@ -368,7 +409,7 @@ class _Tune:
         base_res = Result("plain", "baseline", {}, (), status="measured", verdict="baseline")
         base_res.first_call_s, base_res.losses = base.first_call_s, base.losses
         if self._too_slow_for_the_budget(base, time.perf_counter() - t_base, base_res, cands):
-            return
+            return False
         # what one candidate's drift + memory costs, roughly: timed after the first build, which
         # pays one-off costs (imports, kernel caches) that later builds do not
         t0 = time.perf_counter()
@@ -382,32 +423,39 @@ class _Tune:
         self.base, self.twin = base, twin
         self.step_s = max(_median(base.step_times) if base.step_times else 0.0, 1e-4)
         self.bar.update(1)
+        return True
 
+    def _plan_compile(self, cands: list[Candidate]) -> tuple[Result | None, list[Candidate]]:
+        """(compile's row or None, the other candidates, speed first): compile is planned, with the time it
+        needs kept back, only if the budget holds it after the others; else it is tried at the end if the
+        races settle early (:meth:`_compile_phase`)."""
         compile_cand = next((c for c in cands if c.changes.get("compile")), None)
         order = {"speed": 0, "memory": 1, "cost": 2}  # what a short budget leaves out last
         others = sorted((c for c in cands if c is not compile_cand), key=lambda c: order.get(c.goal, 3))
         self.compile_reserve = 0.0
         self.compile_planned = False
-        compile_res = None
-        if compile_cand is not None:
-            compile_res = Result(compile_cand.name, compile_cand.goal, compile_cand.changes, compile_cand.ids,
-                                 note=compile_cand.note)
-            est = self.compile_est = _compile_estimate(self.model, self.step_s)
-            self.compile_need = est + self._race_need(3, _MIN_ROUNDS + 3)  # its compilation, then a short race
-            # the others first: their set-up, the least race worth having, one combination
-            need_rest = (len(others) * self.setup_s * 1.3 + self._race_need(len(others) + 2, _MIN_ROUNDS)
-                         + self._race_need(4, _SETTLE_ROUNDS // 2) + self._combo_need())
-            if self.left() < self.compile_need + need_rest:
-                # not planned: tried at the end only if the races settle early and leave the time for it
-                self.compile_skip_reason = (
-                    f"compiling takes about {est:.0f} s here (a first estimate from the model's size), more than "
-                    f"--budget-seconds leaves after the other tricks: raise it to about "
-                    f"{math.ceil(report.budget_s + self.compile_need + need_rest - self.left()):.0f} to measure it")
-            else:
-                self.compile_planned = True
-                self.compile_reserve = self.compile_need
+        if compile_cand is None:
+            return None, others
+        compile_res = Result(compile_cand.name, compile_cand.goal, compile_cand.changes, compile_cand.ids,
+                             note=compile_cand.note)
+        est = self.compile_est = _compile_estimate(self.model, self.step_s)
+        self.compile_need = est + self._race_need(3, _MIN_ROUNDS + 3)  # its compilation, then a short race
+        # the others first: their set-up, the least race worth having, one combination
+        need_rest = (len(others) * self.setup_s * 1.3 + self._race_need(len(others) + 2, _MIN_ROUNDS)
+                     + self._race_need(4, _SETTLE_ROUNDS // 2) + self._combo_need())
+        if self.left() < self.compile_need + need_rest:
+            # not planned: tried at the end only if the races settle early and leave the time for it
+            self.compile_skip_reason = (
+                f"compiling takes about {est:.0f} s here (a first estimate from the model's size), more than "
+                f"--budget-seconds leaves after the other tricks: raise it to about "
+                f"{math.ceil(self.report.budget_s + self.compile_need + need_rest - self.left()):.0f} to measure it")
+        else:
+            self.compile_planned = True
+            self.compile_reserve = self.compile_need
+        return compile_res, others
 
-        # 2. each candidate alone: drift and memory now, time together below
+    def _set_up_candidates(self, others: list[Candidate]) -> list[Result]:
+        """2. each candidate alone: drift and memory now (time together, in the race), within half the time left."""
         results: list[Result] = []
         setup_end = time.perf_counter() + 0.5 * self.left(self.train_end - self.compile_reserve)
         built = 0
@@ -415,39 +463,42 @@ class _Tune:
             res = Result(c.name, c.goal, c.changes, c.ids, note=c.note)
             results.append(res)
             self.phase(c.name)
-            if c.probe_ratio is not None and c.probe_ratio >= SLOW_FACTOR:
-                res.probe_ratio = c.probe_ratio
-                res.status, res.verdict = "measured (probe)", "slower"
-                res.reason = f"{c.probe_what} took {c.probe_ratio:.0f}x fp32 here: not measured further"
-                self.bar.update(1)
-                continue
-            # room for its set-up and for the least timing of all built so far (5 rounds and a warm-up)
-            timing_need = (_MIN_ROUNDS + 1) * (built + 3) * self.step_s
-            # set-up gets half the time left, but the first trick (the most promising: speed first) may take
-            # more: a race of the two baselines alone answers nothing (a 0.76 s GPT-2 step: 35 s per set-up)
-            end = min(setup_end if built else math.inf, self.train_end - self.compile_reserve - timing_need)
-            if time.perf_counter() + self.setup_s > end:
-                res.status, res.verdict = "skipped", "skipped"
-                res.reason = "over --budget-seconds before it could be measured: raise it"
-                self.bar.update(1)
-                continue
-            try:
-                self._setup_candidate(res, c, end)
-            except Exception as exc:
-                res.status, res.verdict, res.reason = "failed", "failed", one_line(exc, with_type=True)
+            self._set_up_in_turn(res, c, setup_end, built)
             built += res.runner is not None
             self.bar.update(1)
-        if compile_res is not None:
-            results.append(compile_res)
-        report.results = results
+        return results
 
-        # 3. the race: all of them with the two baselines, round-robin; losers leave, contenders get the rounds
+    def _set_up_in_turn(self, res: Result, c: Candidate, setup_end: float, built: int) -> None:
+        """One candidate's set-up, after ``built`` others: not measured further when its probe was far slower,
+        skipped when the time left would not hold it, failed (with the reason) when it raises."""
+        if c.probe_ratio is not None and c.probe_ratio >= SLOW_FACTOR:
+            res.probe_ratio = c.probe_ratio
+            res.status, res.verdict = "measured (probe)", "slower"
+            res.reason = f"{c.probe_what} took {c.probe_ratio:.0f}x fp32 here: not measured further"
+            return
+        # room for its set-up and for the least timing of all built so far (5 rounds and a warm-up)
+        timing_need = (_MIN_ROUNDS + 1) * (built + 3) * self.step_s
+        # set-up gets half the time left, but the first trick (the most promising: speed first) may take
+        # more: a race of the two baselines alone answers nothing (a 0.76 s GPT-2 step: 35 s per set-up)
+        end = min(setup_end if built else math.inf, self.train_end - self.compile_reserve - timing_need)
+        if time.perf_counter() + self.setup_s > end:
+            res.status, res.verdict = "skipped", "skipped"
+            res.reason = "over --budget-seconds before it could be measured: raise it"
+            return
+        try:
+            self._setup_candidate(res, c, end)
+        except Exception as exc:
+            res.status, res.verdict, res.reason = "failed", "failed", one_line(exc, with_type=True)
+
+    def _race_singles(self, results: list[Result]) -> None:
+        """3. the race: all of them with the two baselines, round-robin; losers leave, contenders get the rounds."""
+        report = self.report
         t_race = time.perf_counter()
         self.phase_s["set-up"] = t_race - self.t0
         self.phase("race")
         self.singles_res = [r for r in results if r.runner is not None]
-        plain_fits = self._fits(base_res)
-        lanes = [Lane("plain", base, role="baseline"), Lane("plain (A/A)", twin, role="twin")]
+        plain_fits = self._fits(report.baseline)
+        lanes = [Lane("plain", self.base, role="baseline"), Lane("plain (A/A)", self.twin, role="twin")]
         for res in self.singles_res:
             why = self._not_a_contender(res, plain_fits)
             lanes.append(Lane(res.name, res.runner, contender=not why, why_not=why))
@@ -463,7 +514,8 @@ class _Tune:
         self.phase_s["race"] = time.perf_counter() - t_race
         self.bar.update(1)
 
-        # 4. combinations for throughput (under the memory limit); 5. the largest batch
+    def _combinations(self) -> None:
+        """4. combinations for throughput (under the memory limit); 5. the largest batch."""
         t_combo = time.perf_counter()
         self.phase("combinations")
         self._best_throughput()
@@ -473,38 +525,43 @@ class _Tune:
         self.phase_s["combinations"] = time.perf_counter() - t_combo
         self.bar.update(1)
 
-        # 6. compile, on top of the best configuration so far
-        if compile_res is not None:
-            t_compile = time.perf_counter()
-            budget_left = self.left()
-            if self.compile_planned:
-                room = budget_left >= self.compile_est + self._race_need(3, _MIN_ROUNDS)
-            else:  # not planned: it may fit now, with the time the races saved by settling early
-                room = budget_left >= self.compile_need
-            if room:
-                self.phase("compile")
-                self._try_compile(compile_res)
-            elif self.compile_planned:
-                compile_res.status, compile_res.verdict = "skipped", "skipped"
-                compile_res.reason = (f"over --budget-seconds: compiling takes about {self.compile_est:.0f} s here "
-                                      f"and only {max(budget_left, 0):.0f} s are left; raise it")
-            else:
-                compile_res.status, compile_res.verdict = "skipped", "skipped"
-                compile_res.reason = self.compile_skip_reason
-            self.phase_s["compile"] = time.perf_counter() - t_compile
-            self.compile_reserve = 0.0
-            self.bar.update(1)
+    def _compile_phase(self, compile_res: Result) -> None:
+        """6. compile, on top of the best configuration so far, if the time left holds it (else skipped, why)."""
+        t_compile = time.perf_counter()
+        budget_left = self.left()
+        if self.compile_planned:
+            room = budget_left >= self.compile_est + self._race_need(3, _MIN_ROUNDS)
+        else:  # not planned: it may fit now, with the time the races saved by settling early
+            room = budget_left >= self.compile_need
+        if room:
+            self.phase("compile")
+            self._try_compile(compile_res)
+        elif self.compile_planned:
+            compile_res.status, compile_res.verdict = "skipped", "skipped"
+            compile_res.reason = (f"over --budget-seconds: compiling takes about {self.compile_est:.0f} s here "
+                                  f"and only {max(budget_left, 0):.0f} s are left; raise it")
+        else:
+            compile_res.status, compile_res.verdict = "skipped", "skipped"
+            compile_res.reason = self.compile_skip_reason
+        self.phase_s["compile"] = time.perf_counter() - t_compile
+        self.compile_reserve = 0.0
+        self.bar.update(1)
 
-        # what is left of the budget goes to the races still open; then every decision is taken again
+    def _more_rounds_phase(self) -> None:
+        """What is left of the budget goes to the races still open; then every decision is taken again."""
         t_more = time.perf_counter()
         self.phase("more rounds")
         if self._more_rounds():
             self._read_singles()
-            for res in report.results + report.combos:
+            for res in self.report.results + self.report.combos:
                 if id(res) in self.side:
                     self._read_side(res)
             self._decide()
             self.phase_s["more rounds"] = time.perf_counter() - t_more
+
+    def _close_training(self, results: list[Result]) -> None:
+        """The notes and the stop reason of the training part; the model copies are freed."""
+        report = self.report
         report.notes += self.choice_notes
         report.stop_reason = self._stop_reason()
         for res in results + report.combos:
@@ -512,26 +569,25 @@ class _Tune:
         self.base = self.twin = None
         self.side.clear()
 
-        # 7. the distributed rows, data and deploy
+    def _other_phases(self, data: str | None) -> None:
+        """7. the distributed rows, data and deploy, each in its share of the budget."""
+        report = self.report
         if self.dist_world:
-            t = time.perf_counter()
-            self.phase(f"{self.dist_world} processes")
-            report.distributed = self._measure_distributed()
-            self.phase_s["distributed"] = time.perf_counter() - t
-            self.bar.update(1)
+            report.distributed = self._timed_phase(f"{self.dist_world} processes", "distributed",
+                                                   self._measure_distributed)
         if data:
-            t = time.perf_counter()
-            self.phase("data")
-            report.data = self._measure_data(data)
-            self.phase_s["data"] = time.perf_counter() - t
-            self.bar.update(1)
+            report.data = self._timed_phase("data", "data", lambda: self._measure_data(data))
         if self.deploy_start_share:
-            t = time.perf_counter()
-            self.phase("deploy")
-            report.deploy = self._measure_deploy()
-            self.phase_s["deploy"] = time.perf_counter() - t
-            self.bar.update(1)
-        report.phase_s = {k: round(v, 2) for k, v in self.phase_s.items()}
+            report.deploy = self._timed_phase("deploy", "deploy", self._measure_deploy)
+
+    def _timed_phase(self, label: str, key: str, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``measure()`` as the phase ``label``, its wall seconds under ``key`` of the report's phase_s."""
+        t = time.perf_counter()
+        self.phase(label)
+        out = measure()
+        self.phase_s[key] = time.perf_counter() - t
+        self.bar.update(1)
+        return out
 
     # -- combinations ------------------------------------------------------------------------
     def _fits(self, r: Result) -> bool:
@@ -547,11 +603,7 @@ class _Tune:
         base = report.baseline
         report.best_throughput = base
         plain_fits = self._fits(base)
-        # faster speed tricks; when plain does not fit, also those that do not fit alone (on top of a
-        # configuration that fits they may, and every combination's memory is measured)
-        good = [r for r in report.results if r.goal == "speed" and self._faster(r) and (self._fits(r) or not plain_fits)
-                and not r.changes.get("compile")]  # compile comes last, on top (and its memory is not measured)
-        good.sort(key=lambda r: r.ratio)
+        good = self._faster_speed_tricks(plain_fits)
         end = self.train_end - self.compile_reserve
         if not plain_fits:
             self.choice_notes.append(
@@ -565,42 +617,65 @@ class _Tune:
         else:
             current = good.pop(0) if good else base
         report.best_throughput = current
+        self._add_while_faster(current, good, end)
+        if report.best_throughput is not base:
+            report.best_throughput.chosen = True
+
+    def _faster_speed_tricks(self, plain_fits: bool) -> list[Result]:
+        """The speed tricks faster than plain, fastest first: those that fit; when plain does not fit, also
+        those that do not fit alone (on top of a configuration that fits they may, and every combination's
+        memory is measured). Not compile: it comes last, on top (and its memory is not measured)."""
+        good = [r for r in self.report.results if r.goal == "speed" and self._faster(r)
+                and (self._fits(r) or not plain_fits) and not r.changes.get("compile")]
+        good.sort(key=lambda r: r.ratio)
+        return good
+
+    def _add_while_faster(self, current: Result, good: list[Result], end: float) -> None:
+        """Each next trick on top of ``current``, kept (as the best) where the pair beats it beyond the noise."""
         for k, nxt in enumerate(good):
             if set(nxt.changes) & set(current.changes):
                 continue
-            key = (_key({**current.changes, **nxt.changes}), current.name)
-            combo = self._combos.get(key)
-            if combo is None:
-                if self.left(end) < self._combo_need():
-                    self.choice_notes.append(f"combination of {current.name} with {nxt.name} not tried: "
-                                             "over --budget-seconds")
-                    continue
-                rest = sum(1 for r in good[k:] if not set(r.changes) & set(current.changes))
-                combo = self._measure_combo(current, nxt, end, share=1.0 / max(rest, 1))
-                self._combos[key] = combo
-                report.combos.append(combo)
-            if (combo.status == "measured" and self._fits(combo) and combo.vs_current is not None
-                    and combo.vs_current < 1 - self._margin(combo.vs_current_half_ci) and _drift_ok(combo)):
+            combo = self._combination(current, nxt, good[k:], end)
+            if combo is not None and self._beats_what_it_extends(combo):
                 current = combo
-                report.best_throughput = current
-        if report.best_throughput is not base:
-            report.best_throughput.chosen = True
+                self.report.best_throughput = current
+
+    def _combination(self, current: Result, nxt: Result, rest: list[Result], end: float) -> Result | None:
+        """``current`` with ``nxt`` on top, measured once (reused when decided again); None when over budget.
+        It gets its share of the time left among ``rest``, the tricks still to try on top of ``current``."""
+        key = (_key({**current.changes, **nxt.changes}), current.name)
+        combo = self._combos.get(key)
+        if combo is not None:
+            return combo
+        if self.left(end) < self._combo_need():
+            self.choice_notes.append(f"combination of {current.name} with {nxt.name} not tried: over --budget-seconds")
+            return None
+        n = sum(1 for r in rest if not set(r.changes) & set(current.changes))
+        combo = self._measure_combo(current, nxt, end, share=1.0 / max(n, 1))
+        self._combos[key] = combo
+        self.report.combos.append(combo)
+        return combo
+
+    def _beats_what_it_extends(self, combo: Result) -> bool:
+        return (combo.status == "measured" and self._fits(combo) and combo.vs_current is not None
+                and combo.vs_current < 1 - self._margin(combo.vs_current_half_ci) and _drift_ok(combo))
 
     def _make_it_fit(self, end: float) -> Result | None:
         """The fastest measured way under the limit: a single trick; else the tricks that cut the peak,
         fastest first, added until it fits; else all of them with micro-batches (accumulation)."""
-        report = self.report
-        singles = [r for r in report.results if r.status == "measured" and r.peak_bytes is not None]
+        singles = [r for r in self.report.results if r.status == "measured" and r.peak_bytes is not None]
         fit = [r for r in singles if self._fits(r) and _drift_ok(r)] or [r for r in singles if self._fits(r)]
         if fit:
-            best = min(fit, key=lambda r: r.ratio if r.ratio is not None and not math.isnan(r.ratio) else math.inf)
+            best = min(fit, key=_ratio_or_inf)
             self.choice_notes.append(f"fits with {best.name}: peak {_gib(best.peak_bytes)} (limit {_gib(self.limit)})")
             return best
-        # every trick that cuts the peak (memory tricks, and speed tricks such as bf16 that also do),
-        # fastest first, added one by one until the measured peak fits; then micro-batches on top
-        ratio = lambda r: r.ratio if r.ratio is not None and not math.isnan(r.ratio) else math.inf  # noqa: E731
+        return self._first_that_fits(self._ways_to_fit(singles), end)
+
+    def _ways_to_fit(self, singles: list[Result]) -> list[tuple[list[str], dict[str, Any]]]:
+        """(names, changes) to try in turn: every trick that cuts the peak (memory tricks, and speed tricks
+        such as bf16 that also do), fastest first, added one by one; then micro-batches on top."""
         cutters = sorted((r for r in singles if not r.changes.get("accumulate") and _drift_ok(r)
-                          and r.peak_bytes < report.baseline.peak_bytes * 0.98), key=ratio)
+                          and r.peak_bytes < self.report.baseline.peak_bytes * 0.98), key=_ratio_or_inf)
         tries: list[tuple[list[str], dict[str, Any]]] = []
         changes: dict[str, Any] = {}
         names: list[str] = []
@@ -611,19 +686,19 @@ class _Tune:
                 if len(names) > 1:
                     tries.append((names, changes))
         k = 2
-        while k <= report.batch:
+        while k <= self.report.batch:
             tries.append((names + [f"accumulate={k}"], {**changes, "accumulate": k}))
             k *= 2
+        return tries
+
+    def _first_that_fits(self, tries: list[tuple[list[str], dict[str, Any]]], end: float) -> Result | None:
+        """The first of ``tries`` that fits under the limit and was timed; None (and the closest, in a note)."""
         closest: Result | None = None
         for tnames, tchanges in tries:
-            res = self._fit_tries.get(_key(tchanges))
+            res = self._fit_try(tnames, tchanges, end)
             if res is None:
-                if time.perf_counter() > end:
-                    self.choice_notes.append("stopped looking for a configuration that fits: over --budget-seconds")
-                    break
-                res = self._try_fit(tnames, tchanges, end)
-                self._fit_tries[_key(tchanges)] = res
-                report.combos.append(res)
+                self.choice_notes.append("stopped looking for a configuration that fits: over --budget-seconds")
+                break
             if res.status == "measured (memory)":
                 closest = res if closest is None or res.peak_bytes < closest.peak_bytes else closest
                 continue
@@ -635,6 +710,18 @@ class _Tune:
                                  "limit" + (f" (closest: {closest.name}, peak {_gib(closest.peak_bytes)})"
                                             if closest else ""))
         return None
+
+    def _fit_try(self, tnames: list[str], tchanges: dict[str, Any], end: float) -> Result | None:
+        """One configuration tried for fit, measured once (reused when decided again); None when over budget."""
+        res = self._fit_tries.get(_key(tchanges))
+        if res is not None:
+            return res
+        if time.perf_counter() > end:
+            return None
+        res = self._try_fit(tnames, tchanges, end)
+        self._fit_tries[_key(tchanges)] = res
+        self.report.combos.append(res)
+        return res
 
     def _try_fit(self, tnames: list[str], tchanges: dict[str, Any], end: float) -> Result:
         """Memory of one configuration; if it fits, its drift, and its time against the plain step."""
@@ -733,8 +820,7 @@ class _Tune:
         base = report.baseline
         if base.bytes_per_sample is None:
             return
-        mem = [r for r in report.results if r.status == "measured" and r.bytes_per_sample is not None
-               and r.max_batch is not None and r.bytes_per_sample < base.bytes_per_sample * 0.95 and _drift_ok(r)]
+        mem = [r for r in report.results if _cuts_bytes_per_sample(r, base)]
         best = max([base] + mem, key=lambda r: r.max_batch or 0)
         changes: dict[str, Any] = {}
         chosen: list[Result] = []
@@ -742,27 +828,33 @@ class _Tune:
             if not set(r.changes) & set(changes):
                 changes.update(r.changes)
                 chosen.append(r)
-        same = next((r for r in report.combos if r.changes == changes and r.max_batch is not None), None)
-        if len(chosen) >= 2 and same is not None:  # measured already (while looking for a fit)
-            if (same.max_batch or 0) > (best.max_batch or 0):
-                best = same
-        elif len(chosen) >= 2:
-            if time.perf_counter() + self.setup_s < self.train_end - self.compile_reserve:
-                combo = Result("+".join(sorted(r.name for r in chosen)), "memory", changes,
-                               tuple(sorted({i for r in chosen for i in r.ids})))
-                try:
-                    self._memory_into(combo, {**self.base_cfg, **changes})
-                    combo.status, combo.verdict = "measured (memory)", "memory only: not timed"
-                    report.combos.append(combo)
-                    if (combo.max_batch or 0) > (best.max_batch or 0):
-                        best = combo
-                except Exception as exc:
-                    combo.status, combo.verdict, combo.reason = "failed", "failed", one_line(exc, with_type=True)
-                    report.combos.append(combo)
-            else:
-                report.notes.append("memory tricks not combined for the largest batch: over --budget-seconds")
+        if len(chosen) >= 2:
+            together = self._memory_tricks_together(chosen, changes)
+            if together is not None and (together.max_batch or 0) > (best.max_batch or 0):
+                best = together
         report.best_batch = best
 
+    def _memory_tricks_together(self, chosen: list[Result], changes: dict[str, Any]) -> Result | None:
+        """The memory of ``chosen`` together (``changes``): measured already while looking for a fit, else
+        measured now (memory only) if the time left holds it; None when it failed or did not fit the budget."""
+        report = self.report
+        same = next((r for r in report.combos if r.changes == changes and r.max_batch is not None), None)
+        if same is not None:
+            return same
+        if time.perf_counter() + self.setup_s >= self.train_end - self.compile_reserve:
+            report.notes.append("memory tricks not combined for the largest batch: over --budget-seconds")
+            return None
+        combo = Result("+".join(sorted(r.name for r in chosen)), "memory", changes,
+                       tuple(sorted({i for r in chosen for i in r.ids})))
+        try:
+            self._memory_into(combo, {**self.base_cfg, **changes})
+        except Exception as exc:
+            combo.status, combo.verdict, combo.reason = "failed", "failed", one_line(exc, with_type=True)
+            report.combos.append(combo)
+            return None
+        combo.status, combo.verdict = "measured (memory)", "memory only: not timed"
+        report.combos.append(combo)
+        return combo
 
     def _try_compile(self, res: Result) -> None:
         """``compile`` on top of the best configuration so far (one compilation), raced against it and plain."""
@@ -930,23 +1022,32 @@ class _Tune:
         """Why the tune stopped: ``settled: ...`` (every race answered its question), ``budget: ...`` (the
         time ran out with questions open: which), or ``cap: ...`` (the most rounds a race gets)."""
         report = self.report
-        races = [("the single tricks", self.singles)] if self.singles is not None else []
-        races += [(res.name, self.side[id(res)][0]) for res in report.results + report.combos if id(res) in self.side]
-        open_ = [(name, r) for name, r in races if r.state == "budget" and not r.settled]
-        capped = [(name, r) for name, r in races if r.state == "cap" and not r.settled]
+        races = self._races()
+        open_ = [r for r in races if r.state == "budget" and not r.settled]
+        capped = [r for r in races if r.state == "cap" and not r.settled]
         noise = "n/a" if math.isnan(report.noise) else f"±{report.noise:.1%}"
         after = f"after {report.rounds} rounds (noise {noise})"
-        not_run = [r.name for r in report.results if r.status == "skipped" and "budget" in r.reason]
-        tail = f"; not measured for the budget: {', '.join(not_run)}" if not_run else ""
+        tail = self._not_run_text()
         if open_:
-            what = "; ".join(", ".join(r.open_lanes()) for _, r in open_)
+            what = "; ".join(", ".join(r.open_lanes()) for r in open_)
             return f"budget: the time ran out {after} with these still open: {what}{tail}"
         if capped:
-            what = "; ".join(f"{', '.join(r.open_lanes())} ({r.rounds} rounds)" for _, r in capped)
+            what = "; ".join(f"{', '.join(r.open_lanes())} ({r.rounds} rounds)" for r in capped)
             return f"cap: the most rounds a race gets, with these still open: {what}{tail}"
         best = report.best_throughput
         rec = "keep the plain step" if best is None or best is report.baseline else f"recommended: {best.name}"
         return f"settled: {after} every trick had left the race with its question answered, or won it; {rec}{tail}"
+
+    def _not_run_text(self) -> str:
+        """'; not measured for the budget: ...' naming the tricks the budget left out ('' when none)."""
+        not_run = [r.name for r in self.report.results if r.status == "skipped" and "budget" in r.reason]
+        return f"; not measured for the budget: {', '.join(not_run)}" if not_run else ""
+
+    def _races(self) -> list[Race]:
+        """The race of the single tricks, then each row's side-by-side race, in the rows' order."""
+        races = [self.singles] if self.singles is not None else []
+        return races + [self.side[id(res)][0] for res in self.report.results + self.report.combos
+                        if id(res) in self.side]
 
     # -- measurements ------------------------------------------------------------------------
     def _memory_into(self, res: Result, cfg: dict[str, Any]) -> None:
@@ -983,28 +1084,9 @@ class _Tune:
 
     def _measure_distributed(self) -> dict[str, Any]:
         """ddp, zero1 and fsdp on the ranks, with the recommended configuration, against one process."""
-        from torch_tricks import batches as B
-        from torch_tricks.tuning import distributed as D
-
-        report = self.report
-        best = report.best_throughput or report.baseline
-        changes = {k: v for k, v in (best.changes if best is not None else {}).items() if k != "compile"}
-        notes = []
-        if best is not None and best.changes.get("compile"):
-            notes.append("compile is left out of the distributed rows (a compilation per lane and rank would take "
-                         "the phase): they are measured eagerly")
-        budget = self.deadline - self.data_share - self.deploy_start_share - time.perf_counter()
         world = self.dist_world
-        on_cpu = torch.device(self.base_cfg.get("device", "cpu")).type == "cpu"
         launched = D.launched_world() > 1
-        job = D.DistJob(
-            model=copy.deepcopy(self.model).cpu(), batch=B.to_device(self.batches[0], torch.device("cpu")),
-            loss_fn=self.kw.get("loss_fn"), optimizer_fn=self.kw.get("optimizer_fn"),
-            config={**self.base_cfg, **changes}, changes=changes, limit=self.limit, budget_s=budget,
-            deadline=time.time() + budget,
-            seed=int(self.base_cfg.get("seed", 0)), notes=notes,
-            threads=(self.channel.threads if launched else max(1, D.usable_cores() // world)) if on_cpu else None,
-            one_process_threads=(D.usable_cores() if launched else torch.get_num_threads()) if on_cpu else None)
+        job = self._dist_job(launched)
         why = "" if launched else D.unsendable(job)
         if why:
             return {**D._failed(why), "processes": world}
@@ -1013,16 +1095,7 @@ class _Tune:
             return {"status": "skipped", "processes": world, "rows": [], "reason":
                     "over --budget-seconds before the distributed rows could be measured: raise it"}
         job.budget_s, job.deadline = budget, time.time() + budget
-        if launched:
-            self.channel.send(job)  # the other ranks wait for it
-            try:
-                result = D.measure_modes(job)
-            except Exception as exc:
-                result = D._failed(one_line(exc, with_type=True))
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        else:
-            result = D.launch(job, world)
-            local = world
+        result, local = self._run_on_ranks(job, launched)
         result.setdefault("processes", world)
         result["launched_by"] = "torchrun" if launched else f"tune --processes {world}"
         if result.get("status") == "measured":
@@ -1031,12 +1104,42 @@ class _Tune:
             result["recommended"], result["why"] = rec, why
         return result
 
+    def _dist_job(self, launched: bool) -> D.DistJob:
+        """The distributed rows' job: the recommended configuration (without compile) on CPU copies of the
+        model and batch, its share of the budget, and the threads of a rank and of one process."""
+        best = self.report.best_throughput or self.report.baseline
+        changes = {k: v for k, v in (best.changes if best is not None else {}).items() if k != "compile"}
+        notes = []
+        if best is not None and best.changes.get("compile"):
+            notes.append("compile is left out of the distributed rows (a compilation per lane and rank would take "
+                         "the phase): they are measured eagerly")
+        budget = self.deadline - self.data_share - self.deploy_start_share - time.perf_counter()
+        on_cpu = torch.device(self.base_cfg.get("device", "cpu")).type == "cpu"
+        return D.DistJob(
+            model=copy.deepcopy(self.model).cpu(), batch=B.to_device(self.batches[0], torch.device("cpu")),
+            loss_fn=self.kw.get("loss_fn"), optimizer_fn=self.kw.get("optimizer_fn"),
+            config={**self.base_cfg, **changes}, changes=changes, limit=self.limit, budget_s=budget,
+            deadline=time.time() + budget,
+            seed=int(self.base_cfg.get("seed", 0)), notes=notes,
+            threads=(self.channel.threads if launched else max(1, D.usable_cores() // self.dist_world))
+            if on_cpu else None,
+            one_process_threads=(D.usable_cores() if launched else torch.get_num_threads()) if on_cpu else None)
+
+    def _run_on_ranks(self, job: D.DistJob, launched: bool) -> tuple[dict[str, Any], int]:
+        """(the result, the ranks on this host): under torchrun, with the ranks waiting for the job; else on
+        ranks the tune spawns."""
+        world = self.dist_world
+        if not launched:
+            return D.launch(job, world), world
+        self.channel.send(job)  # the other ranks wait for it
+        try:
+            result = D.measure_modes(job)
+        except Exception as exc:
+            result = D._failed(one_line(exc, with_type=True))
+        return result, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
     def _measure_data(self, path: str) -> dict[str, Any]:
         """Loader throughput at the tuned batch vs the recommended step's samples/s: data-bound or not."""
-        try:
-            from torch_tricks.data.loader_tune import tune_loader_path
-        except ImportError as exc:
-            return {"path": path, "status": "failed", "reason": f"the data package cannot be imported: {exc}"}
         until = self.deadline - self.deploy_start_share
         left = until - time.perf_counter()
         if left < 3:
@@ -1063,12 +1166,10 @@ class _Tune:
 
     def _measure_deploy(self) -> dict[str, Any]:
         """The inference chains (fuse, int8 ...) on an eval copy, each against eager fp32."""
-        try:
+        try:  # here, not at the top: it loads the deploy package and the model zoo, for --deploy only
             from torch_tricks.deploy.pipeline import optimize
         except ImportError as exc:
             return {"status": "failed", "reason": f"the deploy package cannot be imported: {exc}", "steps": []}
-        from torch_tricks import batches as B
-
         parts = B.unpack(self.batches[0])
         if parts.kwargs:
             return {"status": "skipped", "steps": [], "reason": "the model takes keyword inputs; the deploy chain "
@@ -1109,8 +1210,6 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def parse_size(text: str) -> int:
     """``"8GiB"`` -> 8589934592; ``"512MB"`` (decimal), ``"1.5G"`` (binary), ``"1000000"`` (bytes); else a UserError."""
-    import re
-
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
@@ -1185,7 +1284,16 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
-def _gib(n: float | None) -> str:
-    from torch_tricks._format import human_bytes
+def _cuts_bytes_per_sample(r: Result, base: Result) -> bool:
+    """``r`` was measured, cuts the plain step's bytes per sample by 5% or more, and does not drift."""
+    return (r.status == "measured" and r.bytes_per_sample is not None and r.max_batch is not None
+            and r.bytes_per_sample < base.bytes_per_sample * 0.95 and _drift_ok(r))
 
+
+def _ratio_or_inf(r: Result) -> float:
+    """Its time ratio against plain, for sorting fastest first; inf where it was not timed."""
+    return r.ratio if r.ratio is not None and not math.isnan(r.ratio) else math.inf
+
+
+def _gib(n: float | None) -> str:
     return human_bytes(n) if n is not None else "n/a"
