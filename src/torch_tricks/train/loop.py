@@ -147,6 +147,20 @@ class TrainStep:
         return self._trainer.device
 
     @property
+    def scaler(self) -> torch.amp.GradScaler:
+        """The fp16 grad scaler ``fit`` steps with (disabled unless precision is fp16)."""
+        return self._trainer.scaler
+
+    def forward_loss(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        """``(output, loss)`` of the first micro-batch of ``batch``, as ``fit``'s step computes them
+        (moved to the device, channels_last, under the config's autocast; no backward): what the
+        tuner measures the activation memory of."""
+        t = self._trainer
+        mb = t.tricks.to_device(micro_batches(batch, self.config.accumulate)[0])
+        with t.tricks.autocast():
+            return B.forward(t.model, mb, t.loss_fn)
+
+    @property
     def applied(self) -> list[str]:
         """The switches that took effect (as in ``History.applied``)."""
         return list(self._trainer.history.applied)

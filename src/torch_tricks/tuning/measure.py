@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from torch_tricks.batches import batch_size, forward, map_tensors
+from torch_tricks.batches import batch_size, map_tensors
 from torch_tricks.data.prefetch import batch_nbytes
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.device import synchronize
@@ -194,7 +194,7 @@ def calibrate_grad_scaler(step: TrainStep, batch: Any, tries: int = 24) -> int:
     with one that did not. Buffers and the random state are put back, as for a probe.
     A no-op without an enabled scaler.
     """
-    scaler = step._trainer.scaler
+    scaler = step.scaler
     if not scaler.is_enabled():
         return 0
     buffers = [(b, b.detach().clone()) for b in step.model.buffers()]
@@ -312,14 +312,10 @@ def _activation_bytes(step: TrainStep, batch: Any) -> int | None:
     """Live tensor bytes one forward + loss leaves for backward (the first micro-batch of ``batch``)."""
     if step.config.compile:
         return None  # a compiled graph plans its own buffers; measured eagerly elsewhere
-    t = step._trainer  # the very forward fit runs (autocast, channels_last input, checkpointed blocks)
-    mb = micro_batches(batch, step.config.accumulate)[0]
-    with _Peak(step.device) as p:
-        mb = t.tricks.to_device(mb)
-        with t.tricks.autocast():
-            out, loss = forward(t.model, mb, t.loss_fn)
+    with _Peak(step.device) as p:  # the very forward fit runs (autocast, channels_last input, checkpointed blocks)
+        out, loss = step.forward_loss(batch)
         live = p.live()
-        del out, loss, mb
+        del out, loss
     return max(live, 0)
 
 

@@ -26,6 +26,10 @@ from torch_tricks.tuning.race import margin
 __all__ = ["Result", "TuneReport"]
 
 # The two ways to use a tune's result, shown in tricks.toml's header and report.md.
+# The config keys the tuner decides; tricks.toml states every one of them.
+TUNED_KEYS = ("precision", "channels_last", "checkpointing", "compile", "fused_optimizer", "inplace",
+              "memory_efficient_bn", "accumulate", "cudnn_benchmark", "ema", "deterministic")
+
 HOW_TO_APPLY = """\
 use it: torch-tricks train --config tricks.toml     or     fit(model, data, config="tricks.toml")
 or keep your own loop:
@@ -146,8 +150,6 @@ class TuneReport:
         ``accumulate``, so the effective batch is the one measured (for ``which="batch"``,
         the estimated largest batch).
         """
-        from torch_tricks.tuning.tuner import TUNED_KEYS  # here: tuner imports this module (a circle)
-
         best = self.best_throughput if which == "throughput" else self.best_batch
         changes = dict(best.changes) if best else {}
         defaults = TrainConfig()
@@ -175,8 +177,6 @@ class TuneReport:
 
     def recommended_tricks(self, which: str = "throughput") -> list[str]:
         """The switches the recommendation turns on (``key=value`` for non-boolean ones)."""
-        from torch_tricks.tuning.tuner import TUNED_KEYS  # here: tuner imports this module (a circle)
-
         cfg = self.recommended_config(which)
 
         plain = {**{k: getattr(TrainConfig(), k) for k in TUNED_KEYS}, "fused_optimizer": False}

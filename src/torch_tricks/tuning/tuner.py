@@ -70,13 +70,9 @@ from torch_tricks.tuning.measure import (
     relative_diff,
 )
 from torch_tricks.tuning.race import Lane, Race, margin
-from torch_tricks.tuning.report import Result, TuneReport
+from torch_tricks.tuning.report import TUNED_KEYS, Result, TuneReport
 
 __all__ = ["tune", "example_batch", "parse_size", "TUNED_KEYS", "DRIFT_TOLERANCE", "MIN_EFFECT", "ASSUMED_RUN_STEPS"]
-
-# The config keys the tuner decides; tricks.toml states every one of them.
-TUNED_KEYS = ("precision", "channels_last", "checkpointing", "compile", "fused_optimizer", "inplace",
-              "memory_efficient_bn", "accumulate", "cudnn_benchmark", "ema", "deterministic")
 
 # Drift decides on the losses only: after the drift steps, the largest difference from the fp32
 # losses of the same seed, relative to the first fp32 loss. Past this a trick changes the
