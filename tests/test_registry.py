@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torch_tricks.errors import UserError
-from torch_tricks.registry import get_trick, list_tricks, register_trick, unregister_trick
+from torch_tricks.registry import get_trick, list_tricks, register_trick, trick_name, unregister_trick
 
 
 def _example(model):
@@ -18,6 +18,7 @@ def test_an_alias_finds_the_trick_and_is_not_listed_twice():
     try:
         assert get_trick("old_example_name") is get_trick("example_trick")
         assert get_trick("example_trick").aliases == ("old_example_name",)
+        assert trick_name("old_example_name") == "example_trick" == trick_name("example_trick")  # what --skip reads
         names = [t.name for t in list_tricks()]
         assert names.count("example_trick") == 1 and "old_example_name" not in names
         with pytest.raises(ValueError, match="registered twice"):

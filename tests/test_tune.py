@@ -177,7 +177,7 @@ def test_skipped_tricks_carry_reasons_and_every_trick_is_accounted_for(tuned):
         assert s.reason.strip(), s
     why = {s.name: s.reason for s in report.skipped}
     assert "CUDA" in why["cudnn_benchmark"]  # does not apply on a CPU, and says why
-    assert "--deploy" in why["fuse_conv_bn"] and "--data" in why["loader_defaults"]
+    assert "--deploy" in why["fuse"] and "--data" in why["loader_defaults"]
     assert why["compile"] == "left out by the caller (skip)"
     text = report.to_text()
     assert "skipped: cudnn.benchmark only affects CUDA convolutions" in text

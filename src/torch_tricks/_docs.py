@@ -82,6 +82,14 @@ def _measured(trick) -> str:
     return f"[{trick.measured_in}](../{trick.measured_in})" if trick.measured_in else _DASH
 
 
+def _name_cell(trick) -> str:
+    """The trick's name with its anchor, and its other names (anchored too: links to an earlier name land here)."""
+    cell = f'<a id="{trick.name}"></a>`{trick.name}`'
+    if trick.aliases:
+        cell += " (also: " + ", ".join(f'<a id="{a}"></a>`{a}`' for a in trick.aliases) + ")"
+    return cell
+
+
 def tricks_markdown() -> str:
     """The text of ``docs/tricks.md``: every registered trick, by kind, and what each catalogue id names."""
     from torch_tricks.registry import list_tricks
@@ -117,7 +125,7 @@ def tricks_markdown() -> str:
                 "| --- | --- | --- | --- | --- | --- |"]
         for t in rows:
             ids = ", ".join(f"[{cid}](#{_anchor(cid)})" for cid in t.ids) or _DASH
-            out.append(f'| {ids} | <a id="{t.name}"></a>`{t.name}` | {_cell(t.trades)} | {_cell(t.needs)} '
+            out.append(f"| {ids} | {_name_cell(t)} | {_cell(t.trades)} | {_cell(t.needs)} "
                        f"| {_cell(_switch_on(t))} | {_measured(t)} |")
     return "\n".join(out) + "\n"
 

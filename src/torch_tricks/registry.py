@@ -16,7 +16,7 @@ import torch
 
 from torch_tricks.errors import UserError
 
-__all__ = ["Trick", "register_trick", "unregister_trick", "list_tricks", "get_trick", "always"]
+__all__ = ["Trick", "register_trick", "unregister_trick", "list_tricks", "get_trick", "trick_name", "always"]
 
 
 def always(device: torch.device) -> tuple[bool, str]:
@@ -101,6 +101,12 @@ def get_trick(name: str) -> Trick:
         return _TRICKS[_ALIASES.get(name, name)]
     except KeyError:
         raise UserError(f"unknown trick {name!r}: choose one of {', '.join(sorted(_TRICKS))}") from None
+
+
+def trick_name(name: str) -> str:
+    """The registered name for ``name``: itself, or the trick it is an earlier name of."""
+    _load_all()
+    return _ALIASES.get(name, name)
 
 
 def _load_all() -> None:

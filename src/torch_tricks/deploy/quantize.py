@@ -914,7 +914,11 @@ def int8_dynamic_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, St
     tolerance=Tolerance(max_rel_diff=1e-2),
     check_device=lambda dev: _check_fp16_device(dev),
     order=60,
-    trick=None,  # the half_precision_inference trick (bf16's) covers it
+    ids=("I3",),
+    fn=cast_half,
+    trades="half the weight memory and faster matmuls on a GPU for about 3 significant digits of output "
+           "(fp16's range: large activations can overflow where bf16's do not)",
+    needs="a GPU; fp16 on a CPU without AMX-FP16 is refused (slower than fp32 there)",
 )
 def fp16_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResult]:
     """The ``fp16`` step of :func:`~torch_tricks.deploy.pipeline.optimize`: :func:`cast_half` to float16."""
@@ -931,9 +935,9 @@ def fp16_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResult
     ids=("I3",),
     trick="half_precision_inference",
     fn=cast_half,
-    trades="half the weight memory and faster matmuls where the hardware has native bf16/fp16 for about 3 significant digits of output",
-    needs="a GPU (fp16 or bf16), or a CPU with AVX512-BF16/AMX for bf16; fp16 on CPU is refused",
-    switch_on="torch-tricks optimize --steps fp16 (or bf16)",
+    trades="half the weight memory and faster matmuls where the hardware has native bf16 for about 3 significant "
+           "digits of output",
+    needs="a GPU with bf16 (compute capability 8.0+), or a CPU with AVX512-BF16/AMX",
 )
 def bf16_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResult]:
     """The ``bf16`` step of :func:`~torch_tricks.deploy.pipeline.optimize`: :func:`cast_half` to bfloat16."""

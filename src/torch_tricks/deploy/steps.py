@@ -7,10 +7,9 @@ both the step (for the planner) and its trick (:func:`torch_tricks.registry.regi
 so the tuner, ``list_tricks()`` and ``docs/tricks.md`` list it). Adding a step therefore
 touches one module: the planner, the CLI's ``--steps`` and ``list_steps()`` find it here.
 
-Each step has one name, the one ``optimize`` and ``--steps`` take (``fuse``, ``int8`` ...);
-its trick entry has the same name, except for the steps whose trick names came first
-(``fuse_conv_bn``, ``int8_static`` ...: tune reports, the docs' anchors and user code
-use them), which keep that name for the trick and accept it as an alias of the step.
+Each step has one name, the one ``optimize`` and ``--steps`` take (``fuse``, ``int8`` ...),
+and its trick entry has the same name. The trick names that came first (``fuse_conv_bn``,
+``int8_static`` ...) stay aliases of both, so user code and ``--skip`` that name them work.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import torch
 
 from torch_tricks.deploy.step_report import Agreement
 from torch_tricks.errors import UserError, one_line
-from torch_tricks.registry import always, register_trick
+from torch_tricks.registry import always, register_trick, unregister_trick
 
 __all__ = [
     "DeployStep",
@@ -248,26 +247,27 @@ def deploy_step(
 ) -> Callable[[Apply], Apply]:
     """Decorator: register ``apply`` as the deploy step ``name`` and its trick; ``apply`` is returned unchanged.
 
-    The trick (kind ``deploy``) is registered under ``trick`` (default: ``name``; an older
-    trick name is also an alias of the step; None: the step is covered by another step's
-    entry) with ``fn`` (default: ``apply``), the function a user calls alone.
+    The trick (kind ``deploy``) is registered under the same name, with ``fn`` (default:
+    ``apply``), the function a user calls alone; ``trick`` is the trick's earlier name if it
+    had one (an alias of the step and of the trick), or None for a step with no trick entry.
     ``options`` are the other :class:`DeployStep` fields (``final``, ``tolerance`` ...).
     """
 
     def deco(apply: Apply) -> Apply:
         key = name.strip().lower()
-        trick_name = key if trick == "" else trick
         names = [key, *(a.strip().lower() for a in aliases)]
-        if trick_name and trick_name != key:
-            names.append(trick_name)
+        if trick and trick != key:
+            names.append(trick)
         taken = [n for n in names if n in _STEPS or n in _ALIASES]
         if taken:
             raise ValueError(f"deploy step name {taken[0]!r} is registered twice")
-        step = DeployStep(key, summary, apply, ids=tuple(ids), aliases=tuple(names[1:]), trick=trick_name, **options)
-        if trick_name:
-            register_trick(trick_name, ids=tuple(ids), kind="deploy", trades=trades or summary, needs=needs,
+        has_trick = trick is not None
+        step = DeployStep(key, summary, apply, ids=tuple(ids), aliases=tuple(names[1:]),
+                          trick=key if has_trick else None, **options)
+        if has_trick:
+            register_trick(key, ids=tuple(ids), kind="deploy", trades=trades or summary, needs=needs,
                            measured_in=measured_in, switch_on=switch_on or f"torch-tricks optimize --steps {key}",
-                           available=available)(fn or apply)
+                           available=available, aliases=step.aliases)(fn or apply)
         _STEPS[key] = step
         _ALIASES.update({a: key for a in step.aliases})
         return apply
@@ -295,10 +295,12 @@ def list_steps() -> dict[str, str]:
 
 
 def unregister_step(name: str) -> None:
-    """Remove the step ``name`` and its aliases from the step table (for tests; the trick stays registered)."""
+    """Remove the step ``name``, its aliases and its trick (a step registered for a test, say)."""
     step = _STEPS.pop(name)
     for a in step.aliases:
         _ALIASES.pop(a, None)
+    if step.trick:
+        unregister_trick(step.trick)
 
 
 # -- helpers the steps share ------------------------------------------------------------------

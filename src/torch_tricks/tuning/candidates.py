@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from torch_tricks.errors import one_line
-from torch_tricks.registry import Trick, list_tricks
+from torch_tricks.registry import Trick, list_tricks, trick_name
 from torch_tricks.seed import CUBLAS_DETERMINISTIC_CONFIGS
 from torch_tricks.train.memory import default_blocks, inplace_activations, memory_efficient_bn_act
 from torch_tricks.train.precision import DTYPES, precision_support
@@ -89,7 +89,7 @@ def training_candidates(
     """
     cands: list[Candidate] = []
     skipped: list[Skipped] = []
-    skip = set(skip)
+    skip = set(skip) | {trick_name(n) for n in skip}  # an earlier name (int8_static) skips the trick (int8)
     for trick in list_tricks():
         reason = _left_out(trick, skip)
         if reason:
@@ -98,7 +98,8 @@ def training_candidates(
         try:
             ok, why = trick.check(device)
         except Exception as exc:
-            skipped.append(Skipped(trick.name, trick.ids, trick.kind, f"its availability check raised {_line(exc)}",
+            skipped.append(Skipped(trick.name, trick.ids, trick.kind, "its availability check raised "
+                                    + one_line(exc, 10_000, with_type=True),
                                    status="failed"))
             continue
         if not ok:
@@ -111,7 +112,8 @@ def training_candidates(
         try:
             made = make(trick, model, inputs, device, batch, own_optimizer)
         except Exception as exc:
-            skipped.append(Skipped(trick.name, trick.ids, trick.kind, f"checking whether it applies raised {_line(exc)}",
+            skipped.append(Skipped(trick.name, trick.ids, trick.kind, "checking whether it applies raised "
+                                    + one_line(exc, 10_000, with_type=True),
                                    status="failed"))
             continue
         _file_made(made, trick, why, skip, cands, skipped)
@@ -152,15 +154,10 @@ def _file_made(made: Any, trick: Trick, why: str, skip: set[str], cands: list[Ca
             cands.append(item)
 
 
-def _line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 # What ``tune(data=...)`` (the loader-tune: workers, pinning, a pack's batched reads, the
 # decoder's rate) and ``tune(deploy=True)`` (the deploy chains) measure.
-_MEASURED_ELSEWHERE = {"packed_dataset", "loader_defaults", "fast_decode", "onnx_export",
-                       "fuse_conv_bn", "int8_static", "int8_dynamic", "reparameterize", "half_precision_inference"}
+_MEASURED_ELSEWHERE = {"packed_dataset", "loader_defaults", "fast_decode",
+                       "fuse", "reparam", "int8", "int8-dynamic", "bf16", "fp16", "onnx", "onnx-int8"}
 
 
 # -- one maker per trick: a Candidate, or the reason it does not apply --------------------------
