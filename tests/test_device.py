@@ -128,3 +128,23 @@ def test_determinism_on_the_cpu_does_not_care_that_cuda_started(monkeypatch):
         assert done["deterministic"] and not done["problems"] and torch.are_deterministic_algorithms_enabled()
     finally:
         S.restore_determinism(done)
+
+
+def test_fsdp_on_the_cpu_of_a_gpu_machine_shards_on_a_cpu_mesh(monkeypatch):
+    """FSDP2's default mesh is on the machine's accelerator: on a GPU machine a CPU (gloo) run's second
+    rank asked for cuda:1 ("invalid device ordinal" on the H200). shard_fsdp builds the mesh on the
+    model's device. Played here by making torch report a CUDA accelerator."""
+    import torch.distributed as dist
+
+    from torch_tricks.train.sharding import shard_fsdp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this build")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cuda"))
+        model = shard_fsdp(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+        model(torch.randn(3, 4)).sum().backward()
+        assert all(p.device.type == "cpu" for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

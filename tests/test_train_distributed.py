@@ -264,7 +264,8 @@ def test_kill_9_of_one_rank_mid_epoch_stops_the_other_with_one_line_naming_it(tm
     env.update(OMP_NUM_THREADS="1", TT_TEST_TOKEN=token)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "torch_tricks.cli", "train", "--model", "small_cnn", "--data", "digits", "--epochs", "10000",
-           "--no-progress", "--log-every", "1000", "--checkpoint-dir", "ckpt", "--checkpoint-every", "5"]
+           "--no-progress", "--log-every", "1000", "--checkpoint-dir", "ckpt", "--checkpoint-every", "5",
+           "--device", "cpu"]  # gloo ranks on a GPU machine too (auto would put both on its one GPU)
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

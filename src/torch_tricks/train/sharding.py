@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from torch_tricks.device import module_device
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 
@@ -68,12 +69,15 @@ def shard_fsdp(model: nn.Module, *, mesh: Any = None, precision: str = "fp32", r
     BatchNorm layers are sharded on their own in fp32 (their running statistics are fp32).
     """
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from torch_tricks.train.memory import repeated_blocks
 
     if not dist.is_initialized():
         raise UserError("distributed = fsdp needs torchrun: launch with `torchrun --nproc_per_node N ...`")
+    if mesh is None:  # FSDP's own default mesh is on CUDA wherever CUDA exists: a CPU (gloo) run on a GPU machine
+        mesh = init_device_mesh(module_device(model).type, (dist.get_world_size(),))  # failed with cuda:1 missing
     mp = MixedPrecisionPolicy()
     if precision in ("bf16", "fp16"):
         low = torch.bfloat16 if precision == "bf16" else torch.float16
