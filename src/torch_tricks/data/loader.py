@@ -48,7 +48,7 @@ from torch.utils.data import (
 
 from torch_tricks.device import parse as parse_device
 from torch_tricks.device import resolve as resolve_device
-from torch_tricks.errors import UserError
+from torch_tricks.errors import UserError, one_line
 from torch_tricks.registry import register_trick
 from torch_tricks.seed import seeded_generator, worker_init_fn
 
@@ -528,5 +528,4 @@ def _cpu_count() -> int:
 
 
 def _describe(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) <= 200 else text[:197] + "..."
+    return one_line(exc, 200, with_type=True)

@@ -75,6 +75,7 @@ import torch
 import torch.nn as nn
 
 from torch_tricks._format import human_bytes, si, table
+from torch_tricks.batches import map_tensors
 from torch_tricks.deploy import export, fuse, prune, quantize, reparam  # noqa: F401  (they register the steps)
 from torch_tricks.deploy.artifact import SaveInfo, load_optimized, save_artifact, save_format
 from torch_tricks.deploy.export import OrtModule
@@ -388,8 +389,8 @@ def optimize(
     _check_plan_can_run(plan, dev)
     report = progress or (lambda _msg: None)
     reference = _reference_copy(model, dev)
-    example = _to_device(as_input_tuple(example_inputs), dev)
-    check = _to_device(as_input_tuple(check_inputs), dev) if check_inputs is not None else example
+    example = map_tensors(as_input_tuple(example_inputs), lambda t: t.to(dev))
+    check = map_tensors(as_input_tuple(check_inputs), lambda t: t.to(dev)) if check_inputs is not None else example
     _check_inputs_match(example, check)
     _check_runs(reference, example)
 
@@ -547,7 +548,7 @@ def _calibration(calib: Iterable[Any] | None, example: tuple[Any, ...],
             if len(args) != len(example):
                 raise UserError(f"a calib batch has {len(args)} inputs, the example inputs {len(example)}: "
                                 "give batches shaped like example_inputs")
-            batches.append(_to_device(args, dev))
+            batches.append(map_tensors(args, lambda t: t.to(dev)))
         if not batches:
             raise UserError("calib is empty: give a few batches of real inputs")
         rows = sum(batch_rows(b) or 1 for b in batches)
@@ -620,10 +621,6 @@ def _check_inputs_match(example: tuple[Any, ...], check: tuple[Any, ...]) -> Non
     if spec(example) != spec(check):
         raise UserError(f"check_inputs ({describe_inputs(check)}) must match example_inputs "
                         f"({describe_inputs(example)}) except for the batch size")
-
-
-def _to_device(args: tuple[Any, ...], dev: torch.device) -> tuple[Any, ...]:
-    return tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _onnx_params(path: os.PathLike[str]) -> int:

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from torch_tricks.batches import map_tensors
 from torch_tricks.device import module_device
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.doctor.registry import Finding, Rule, severity_rank
@@ -188,7 +189,7 @@ class _Checker:
         self.steps = steps
         self.device = _resolve_device(device, model)
         self.inputs = _prepare_inputs(batch, self.device)
-        self.target = _to_device(target, self.device)
+        self.target = map_tensors(target, lambda t: t.detach().to(self.device))
         self.target_note = "given " + describe_inputs(tree_flatten(target)[0]) if target is not None else ""
         self.findings: list[Finding] = []
         self.report = RuntimeReport(device=str(self.device), inputs=describe_inputs(self.inputs),
@@ -1228,14 +1229,6 @@ def _prepare_inputs(batch: Any, device: torch.device) -> tuple[Any, ...] | dict[
         if t.dim() == 0 or t.shape[0] == 0:
             raise UserError(f"the batch has shape {tuple(t.shape)}: give at least one sample, batch dimension first")
     return tree_map(lambda t: t.detach().to(device) if isinstance(t, torch.Tensor) else t, inputs)
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
 
 
 class _parked_grads:
