@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -226,3 +227,42 @@ def test_a_loss_that_is_not_a_scalar_is_a_user_error():
 
     with pytest.raises(UserError, match=r"the loss has shape \(4, 10\), not a scalar"):
         memory_report(mlp(), torch.randn(4, 256), loss_fn=lambda out: out * 2)
+
+
+def _report(**over):
+    from torch_tricks.inspect.memory import MemoryReport
+
+    fields = dict(device="cpu", optimizer="adamw", param_bytes=4096, buffer_bytes=0, grad_bytes=4096,
+                  optimizer_state_bytes=8192, activation_bytes=2048, saved_tensors=3, input_bytes=512,
+                  step_tensor_peak_bytes=10_000, device_peak_bytes=None, process_peak_bytes=3 << 20,
+                  process_peak_method="VmHWM", activation_by_module={"0": 1024, "": 512})
+    return MemoryReport(**{**fields, **over})
+
+
+def test_memory_to_text_is_what_the_cli_prints(capsys, monkeypatch):
+    import torch_tricks.inspect.memory as memory
+    from torch_tricks.cli import main
+
+    rep = _report()
+    monkeypatch.setattr(memory, "memory_report", lambda *a, **k: rep)
+    assert main(["memory", "--model", "mlp", "--batch", "2"]) == 0
+    assert capsys.readouterr().out == rep.to_text("mlp", 2) + "\n"
+    text = rep.to_text("mlp", 2)
+    assert text.startswith("mlp, batch 2, cpu:\n")
+    state = next(line for line in text.splitlines() if line.startswith("= model state between steps"))
+    assert state.endswith(" 16.0 KiB") and "(VmHWM)" in text
+    assert text.endswith("largest saved activations by module:\n  0: 1.0 KiB\n  (model): 512 B")
+    cuda = _report(device="cuda:0", device_peak_bytes=1 << 20, process_peak_bytes=None, activation_by_module={})
+    assert "max_memory_allocated" in cuda.to_text() and "largest" not in cuda.to_text()
+    assert cuda.to_text().startswith("model, cuda:0:\n")
+
+
+def test_leak_report_to_text_is_the_cli_line(capsys):
+    from torch_tricks.cli import main
+
+    rep = leak_check(lambda: None, steps=2, warmup=0)
+    assert rep.to_text() == f"leak check: {rep.message}"
+    leaking = dataclasses.replace(rep, leaking=True, reasons=["live tensors grow"])
+    assert leaking.to_text().startswith("leak check: LEAK: live tensors grow")
+    assert main(["memory", "--model", "mlp", "--leak-steps", "2"]) == 0
+    assert capsys.readouterr().out.rstrip("\n").splitlines()[-1].startswith("leak check: ")

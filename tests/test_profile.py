@@ -131,3 +131,28 @@ def test_profile_of_a_step_on_keyword_inputs_sees_the_model_ops():
     rep = profile_step(wl.step, warmup=0, steps=1, top_k=200, use_cprofile=False)
     names = {o.name for o in rep.ops}
     assert "aten::embedding" in names and "aten::linear" in names
+
+
+def test_profile_to_text_is_what_the_cli_prints(capsys, monkeypatch, tmp_path):
+    import torch_tricks.inspect.profile as profile
+    from torch_tricks.cli import main
+    from torch_tricks.inspect.profile import OpHotSpot, PythonHotSpot
+
+    rep = ProfileReport(steps=3, warmup=1, python=[PythonHotSpot("x" * 80 + ":1(step)", 3, 1.5, 20.25)],
+                        ops=[OpHotSpot("aten::addmm", 6, 4.125, 5.0)])
+    monkeypatch.setattr(profile, "profile_step", lambda *a, **k: rep)
+    assert main(["profile", "--model", "mlp", "--batch", "2"]) == 0
+    assert capsys.readouterr().out == rep.to_text("mlp", 2) + "\n"
+    text = rep.to_text("mlp", 2)
+    assert text.startswith("mlp, batch 2: hot spots of one training step\n\n"
+                           "torch.profiler operators (by self CPU time, 3 steps):")
+    assert "\naten::addmm      6     4.12      5.00\n" in text
+    assert ("x" * 62 + ":1(step)") in text and "x" * 71 not in text  # the function's last 70 characters
+    assert "Chrome trace" not in text
+
+    trace = str(tmp_path / "t.json")
+    traced = ProfileReport(steps=3, warmup=1, trace_path=trace)
+    monkeypatch.setattr(profile, "profile_step", lambda *a, **k: traced)
+    assert main(["profile", "--model", "mlp", "--trace", trace]) == 0
+    assert capsys.readouterr().out == traced.to_text("mlp", 8) + "\n"
+    assert traced.to_text() == f"model: hot spots of one training step\n\nChrome trace written to {trace}"

@@ -237,3 +237,24 @@ def test_a_transformers_model_with_named_inputs_has_the_macs_and_params_of_the_p
     assert named.totals["macs"] == positional.totals["macs"] > 0
     assert named.totals["params"] == positional.totals["params"] == sum(p.numel() for p in model.parameters())
     assert named.inputs.startswith("input_ids=(2, 32) int64")
+
+
+def test_negative_depth_is_a_user_error():
+    with pytest.raises(UserError, match="depth must be >= 0"):
+        summary(nn.Linear(2, 2), torch.randn(1, 2), depth=-1)
+
+
+@pytest.mark.parametrize("argv,advice", [([], True), (["--depth", "1", "--no-advice"], False)])
+def test_to_text_is_what_the_cli_prints(capsys, argv, advice):
+    from torch_tricks.cli import main
+    from torch_tricks.inspect.advisor import advise
+    from torch_tricks.inspect.inputs import make_inputs, parse_input_specs
+    from torch_tricks.models import model_spec
+
+    assert main(["summary", "--model", "small_cnn", *argv]) == 0
+    printed = capsys.readouterr().out
+    spec = model_spec("small_cnn").default_input
+    s = summary(get_model("small_cnn"), make_inputs(parse_input_specs(spec), 1), depth=1 if argv else 3)
+    assert printed == s.to_text("small_cnn", advise(s) if advice else []) + "\n"
+    assert ("advice (" in printed) == advice
+    assert s.to_text().startswith(f"{s.model}: input {s.inputs}\n")  # the model's class by default

@@ -140,3 +140,24 @@ def test_workloads_run_a_transformers_model_on_named_and_positional_inputs():
     assert torch.equal(named.forward().logits, positional.forward().logits)  # an all-ones mask changes nothing
     with_labels = Workloads(model, {"input_ids": ids, "labels": ids}, loss_fn=get_loss("auto"), target=ids)
     assert with_labels.loss().dim() == 0  # the model's own loss, from its labels
+
+
+def test_timings_table_is_what_the_cli_time_prints(capsys, monkeypatch):
+    import torch_tricks.inspect.timing as timing
+    from torch_tricks.cli import main
+    from torch_tricks.inspect.timing import timings_table
+
+    made = []
+
+    def fake_benchmark(fn, *, warmup, repeats, device):
+        made.append(Timing.from_times([0.001 * (len(made) + 1)] * repeats, warmup))
+        return made[-1]
+
+    monkeypatch.setattr(timing, "benchmark", fake_benchmark)
+    assert main(["time", "--model", "mlp", "--batch", "4", "--warmup", "1", "--repeats", "3"]) == 0
+    results = dict(zip(["forward (eval, no_grad)", "forward+backward", "training step (sgd)"], made))
+    text = timings_table(results, 4, title="mlp, batch 4, cpu")
+    assert capsys.readouterr().out == text + "\n"
+    assert text.splitlines()[0] == "mlp, batch 4, cpu (median of 3 after 1 warm-up):"
+    assert text.splitlines()[3].split() == ["forward", "(eval,", "no_grad)", "1.00", "0.00", "4000.0"]
+    assert "samples/s" not in timings_table(results) and "median of" not in timings_table(results)

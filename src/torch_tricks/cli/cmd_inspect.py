@@ -89,16 +89,15 @@ def cmd_summary(args: argparse.Namespace) -> int:
     from torch_tricks.inspect.advisor import advise, group_advice
     from torch_tricks.inspect.summarize import summary
 
-    if args.depth < 0:
+    if args.depth < 0:  # before loading the model, in the flag's name (summary() checks it too)
         raise UserError("--depth must be >= 0")
     model, inputs = load(args)
     s = summary(model, inputs, depth=args.depth)
     advice = advise(s) if args.advice else []
-    grouped = group_advice(advice) if advice else []
     data = {**s.to_dict(), "model": args.model, "advice": [a.to_dict() for a in advice]}
-    if grouped:
-        data["advice_groups"] = [a.to_dict() for a in grouped]
-    emit(args, data, "\n".join(_summary_lines(args.model, s) + _advice_lines(advice, grouped)))
+    if advice:
+        data["advice_groups"] = [a.to_dict() for a in group_advice(advice)]
+    emit(args, data, s.to_text(args.model, advice))
     return 0
 
 
@@ -110,22 +109,21 @@ def cmd_memory(args: argparse.Namespace) -> int:
     inputs, target, loss_fn = measured_step(args, model, inputs)
     rep = memory_report(model, inputs, optimizer=args.optimizer, loss_fn=loss_fn, target=target)
     data = {"model": args.model, "batch": args.batch, "loss": args.loss or "sum of output means", **rep.to_dict()}
-    text = _memory_lines(args, rep)
+    text = rep.to_text(args.model, args.batch)
     if args.leak_steps:
         wl = Workloads(model, inputs, loss_fn=loss_fn, optimizer=args.optimizer, target=target)
         leak = leak_check(wl.step, steps=args.leak_steps, device=args.device)
         data["leak_check"] = leak.to_dict()
-        text += ["", f"leak check: {'LEAK: ' if leak.leaking else ''}{leak.message}"]
-    emit(args, data, "\n".join(text))
+        text += "\n\n" + leak.to_text()
+    emit(args, data, text)
     return 0
 
 
 def cmd_time(args: argparse.Namespace) -> int:
-    from torch_tricks._format import table
     from torch_tricks.inspect.step import Workloads
-    from torch_tricks.inspect.timing import benchmark
+    from torch_tricks.inspect.timing import benchmark, timings_table
 
-    if args.repeats < 1 or args.warmup < 0:
+    if args.repeats < 1 or args.warmup < 0:  # before loading the model, in the flags' names (benchmark checks too)
         raise UserError("--repeats must be >= 1 and --warmup >= 0")
     model, inputs = load(args)
     inputs, target, loss_fn = measured_step(args, model, inputs)
@@ -138,15 +136,11 @@ def cmd_time(args: argparse.Namespace) -> int:
     results[f"training step ({args.optimizer})"] = benchmark(wl.step, **times)
     data = {"model": args.model, "batch": args.batch, "loss": args.loss or "sum of output means",
             "timings": {k: v.to_dict() for k, v in results.items()}}
-    rows = [[k, f"{v.median_s * 1e3:.2f}", f"{v.iqr_s * 1e3:.2f}", f"{args.batch / v.median_s:.1f}"]
-            for k, v in results.items()]
-    text = f"{args.model}, batch {args.batch}, {args.device} (median of {args.repeats} after {args.warmup} warm-up):\n"
-    emit(args, data, text + table(["workload", "median ms", "IQR ms", "samples/s"], rows))
+    emit(args, data, timings_table(results, args.batch, title=f"{args.model}, batch {args.batch}, {args.device}"))
     return 0
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from torch_tricks._format import table
     from torch_tricks.inspect.profile import profile_step
     from torch_tricks.inspect.step import Workloads
 
@@ -156,19 +150,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     wl = Workloads(model, inputs, loss_fn=loss_fn, optimizer=args.optimizer, target=target)
     rep = profile_step(wl.step, top_k=args.top_k, trace_path=args.trace)
     data = {"model": args.model, "batch": args.batch, "loss": args.loss or "sum of output means", **rep.to_dict()}
-    text = [f"{args.model}, batch {args.batch}: hot spots of one training step"]
-    if rep.ops:
-        text += ["", f"torch.profiler operators (by self CPU time, {rep.steps} steps):",
-                 table(["operator", "calls", "self ms", "total ms"],
-                       [[o.name, o.count, f"{o.self_cpu_ms:.2f}", f"{o.cpu_total_ms:.2f}"] for o in rep.ops])]
-    if rep.python:
-        text += ["", "cProfile functions (by cumulative time):",
-                 table(["function", "calls", "cumulative ms", "own ms"],
-                       [[f.function[-70:], f.ncalls, f"{f.cumtime_ms:.2f}", f"{f.tottime_ms:.2f}"]
-                        for f in rep.python], "lrrr")]
-    if args.trace:
-        text += ["", f"Chrome trace written to {args.trace}"]
-    emit(args, data, "\n".join(text))
+    emit(args, data, rep.to_text(args.model, args.batch))
     return 0
 
 
@@ -179,69 +161,3 @@ def cmd_graph(args: argparse.Namespace) -> int:
     path = save_graph(model, inputs, args.out)
     emit(args, {"model": args.model, "written": str(path)}, f"graph written to {path}")
     return 0
-
-
-# -- text ------------------------------------------------------------------------------------------
-
-def _summary_lines(model_name: str, s: Any) -> list[str]:
-    """The per-layer table and the totals of a summary."""
-    from torch_tricks._format import human_bytes, shape_str, si, table
-
-    rows = [
-        ["  " * (r.depth - 1) + r.name + (f" x{r.calls}" if r.calls > 1 else ""), r.type, shape_str(r.output_shapes),
-         f"{r.params:,}", si(r.macs), human_bytes(r.mac_bytes), human_bytes(r.activation_bytes)]
-        for r in s.rows
-    ]
-    t = s.totals
-    return [
-        f"{model_name}: input {s.inputs}",
-        table(["layer", "type", "output", "params", "MACs", "mem access", "activations"], rows, "lllrrrr"),
-        "",
-        f"params: {t['params']:,} ({t['trainable_params']:,} trainable, {t['frozen_params']:,} frozen), "
-        f"{human_bytes(t['param_bytes'])} with buffers",
-        f"MACs: {si(t['macs'])}   FLOPs: {si(t['flops'])} (= 2 x MACs; conv, linear, matmul, attention, RNN)",
-        f"memory access cost: {human_bytes(t['mac_bytes'])} "
-        f"({t['pointwise_bytes'] / max(t['mac_bytes'], 1):.0%} in element-wise ops)   "
-        f"activations (leaf outputs): {human_bytes(t['activation_bytes'])}",
-        "by operator: " + ", ".join(f"{k} {si(v)}" for k, v in s.by_operator.items()),
-    ]
-
-
-def _advice_lines(advice: list[Any], grouped: list[Any], shown_at_most: int = 12) -> list[str]:
-    """One line per advice pattern (its modules counted), the first ``shown_at_most`` of them."""
-    if not advice:
-        return []
-    shown = grouped[:shown_at_most]
-    lines = ["", f"advice ({len(advice)} in {len(grouped)} pattern(s); ShuffleNetV2 G1-G4, tensor-core dims T23):"]
-    for a in shown:
-        where = (f" (x{a.count}: {', '.join(a.modules)}{', ...' if a.count > len(a.modules) else ''})"
-                 if a.count > 1 else "")
-        lines.append(f"  [{a.rule} {a.severity}] {a.module}{where}: {a.message}")
-    if len(grouped) > len(shown):
-        lines.append(f"  ... {len(grouped) - len(shown)} more (use --json for all)")
-    return lines
-
-
-def _memory_lines(args: argparse.Namespace, rep: Any) -> list[str]:
-    from torch_tricks._format import human_bytes, table
-
-    rows = [
-        ["parameters", human_bytes(rep.param_bytes)],
-        ["buffers", human_bytes(rep.buffer_bytes)],
-        ["gradients", human_bytes(rep.grad_bytes)],
-        [f"optimizer state ({rep.optimizer})", human_bytes(rep.optimizer_state_bytes)],
-        ["= model state between steps", human_bytes(rep.model_state_bytes)],
-        [f"activations saved for backward ({rep.saved_tensors} tensors)", human_bytes(rep.activation_bytes)],
-        ["input batch", human_bytes(rep.input_bytes)],
-        ["peak of tensors allocated in a step", human_bytes(rep.step_tensor_peak_bytes)],
-    ]
-    if rep.device_peak_bytes is not None:
-        rows.append(["device peak during a step (max_memory_allocated)", human_bytes(rep.device_peak_bytes)])
-    if rep.process_peak_bytes is not None:
-        rows.append([f"process peak RSS during a step ({rep.process_peak_method})", human_bytes(rep.process_peak_bytes)])
-    text = [f"{args.model}, batch {args.batch}, {rep.device}:", table(["memory", "bytes"], rows)]
-    top = list(rep.activation_by_module.items())[:8]
-    if top:
-        text += ["", "largest saved activations by module:"]
-        text += [f"  {name or '(model)'}: {human_bytes(b)}" for name, b in top]
-    return text

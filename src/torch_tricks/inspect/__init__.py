@@ -16,10 +16,11 @@ _EXPORTS = {
     "memory_report": "memory", "MemoryReport": "memory", "leak_check": "memory", "LeakReport": "memory",
     "saved_activation_bytes": "memory", "LiveTensors": "memory",
     "benchmark": "timing", "compare": "timing", "Timing": "timing", "synchronize": "timing",
+    "timings_table": "timing",
     "profile_step": "profile", "ProfileReport": "profile",
     "autograd_dot": "graph", "model_graph": "graph", "export_onnx": "graph", "save_graph": "graph",
     "tensorboard_graph": "graph", "render_dot": "graph",
-    "advise": "advisor", "Advice": "advisor",
+    "advise": "advisor", "Advice": "advisor", "advice_text": "advisor",
     "make_inputs": "inputs", "parse_input_specs": "inputs", "call_model": "inputs", "check_input_names": "inputs",
     "Workloads": "step",
 }

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch_tricks.inspect.summarize import Summary
 
-__all__ = ["Advice", "advise", "group_advice"]
+__all__ = ["Advice", "advise", "group_advice", "advice_text"]
 
 
 @dataclass
@@ -101,6 +101,25 @@ def group_advice(advice: list[Advice], keep: int = 3) -> list[Advice]:
             if len(g.modules) < keep:
                 g.modules.append(a.module)
     return list(groups.values())
+
+
+def advice_text(advice: list[Advice], grouped: list[Advice] | None = None, shown_at_most: int = 12) -> str:
+    """The advice lines ``torch-tricks summary`` prints: a heading, then one line per pattern of
+    ``grouped`` (default: :func:`group_advice` of ``advice``) with its modules counted, the first
+    ``shown_at_most`` of them, so a 12-layer model does not print 12 copies. Empty for no advice."""
+    if not advice:
+        return ""
+    if grouped is None:
+        grouped = group_advice(advice)
+    shown = grouped[:shown_at_most]
+    lines = [f"advice ({len(advice)} in {len(grouped)} pattern(s); ShuffleNetV2 G1-G4, tensor-core dims T23):"]
+    for a in shown:
+        where = (f" (x{a.count}: {', '.join(a.modules)}{', ...' if a.count > len(a.modules) else ''})"
+                 if a.count > 1 else "")
+        lines.append(f"  [{a.rule} {a.severity}] {a.module}{where}: {a.message}")
+    if len(grouped) > len(shown):
+        lines.append(f"  ... {len(grouped) - len(shown)} more (use --json for all)")
+    return "\n".join(lines)
 
 
 _INDEX = re.compile(r"(?:(?<=^)|(?<=\.))\d+(?=\.|$)")

@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from torch_tricks._format import human_bytes, table
 from torch_tricks.device import module_device
 from torch_tricks.inspect.inputs import input_tensors
 from torch_tricks.inspect.step import Workloads
@@ -75,6 +76,32 @@ class MemoryReport:
         d = asdict(self)
         d["model_state_bytes"] = self.model_state_bytes
         return d
+
+    def to_text(self, model_name: str = "model", batch: int | None = None, top: int = 8) -> str:
+        """What ``torch-tricks memory`` prints: the breakdown, then the ``top`` modules by saved
+        activations. ``model_name`` and ``batch`` head it, as the report does not know them."""
+        rows = [
+            ["parameters", human_bytes(self.param_bytes)],
+            ["buffers", human_bytes(self.buffer_bytes)],
+            ["gradients", human_bytes(self.grad_bytes)],
+            [f"optimizer state ({self.optimizer})", human_bytes(self.optimizer_state_bytes)],
+            ["= model state between steps", human_bytes(self.model_state_bytes)],
+            [f"activations saved for backward ({self.saved_tensors} tensors)", human_bytes(self.activation_bytes)],
+            ["input batch", human_bytes(self.input_bytes)],
+            ["peak of tensors allocated in a step", human_bytes(self.step_tensor_peak_bytes)],
+        ]
+        if self.device_peak_bytes is not None:
+            rows.append(["device peak during a step (max_memory_allocated)", human_bytes(self.device_peak_bytes)])
+        if self.process_peak_bytes is not None:
+            rows.append([f"process peak RSS during a step ({self.process_peak_method})",
+                         human_bytes(self.process_peak_bytes)])
+        head = f"{model_name}, batch {batch}" if batch is not None else model_name
+        text = [f"{head}, {self.device}:", table(["memory", "bytes"], rows)]
+        largest = list(self.activation_by_module.items())[:top]
+        if largest:
+            text += ["", "largest saved activations by module:"]
+            text += [f"  {name or '(model)'}: {human_bytes(b)}" for name, b in largest]
+        return "\n".join(text)
 
 
 def memory_report(
@@ -190,6 +217,10 @@ class LeakReport:
             f"no growth over {self.measured_steps} steps after {self.warmup} warm-up steps "
             f"(threshold {self.threshold_bytes} B/step for tensors, 1 node/step for graphs)"
         )
+
+    def to_text(self) -> str:
+        """The line ``torch-tricks memory --leak-steps`` prints."""
+        return f"leak check: {'LEAK: ' if self.leaking else ''}{self.message}"
 
 
 def leak_check(

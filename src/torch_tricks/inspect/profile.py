@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from torch_tricks._format import table
 from torch_tricks._io import atomic_path
 from torch_tricks.errors import UserError
 from torch_tricks.inspect.timing import synchronize
@@ -63,6 +64,25 @@ class ProfileReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def to_text(self, model_name: str = "model", batch: int | None = None) -> str:
+        """What ``torch-tricks profile`` prints: both top-k tables, compact (the profilers' own
+        tables, ``torch_table`` and ``cprofile_table``, are wider). ``model_name`` and ``batch``
+        name the step in the first line, as the report does not know them."""
+        head = f"{model_name}, batch {batch}" if batch is not None else model_name
+        text = [f"{head}: hot spots of one training step"]
+        if self.ops:
+            text += ["", f"torch.profiler operators (by self CPU time, {self.steps} steps):",
+                     table(["operator", "calls", "self ms", "total ms"],
+                           [[o.name, o.count, f"{o.self_cpu_ms:.2f}", f"{o.cpu_total_ms:.2f}"] for o in self.ops])]
+        if self.python:
+            text += ["", "cProfile functions (by cumulative time):",
+                     table(["function", "calls", "cumulative ms", "own ms"],
+                           [[f.function[-70:], f.ncalls, f"{f.cumtime_ms:.2f}", f"{f.tottime_ms:.2f}"]
+                            for f in self.python], "lrrr")]
+        if self.trace_path:
+            text += ["", f"Chrome trace written to {self.trace_path}"]
+        return "\n".join(text)
 
 
 def profile_step(

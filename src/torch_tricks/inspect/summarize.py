@@ -9,11 +9,12 @@ module (``matmul``, attention, ``einsum``) is counted and attributed to the modu
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
 
+from torch_tricks._format import human_bytes, shape_str, si, table
 from torch_tricks.errors import UserError
 from torch_tricks.inspect.flops import ModuleRecord, OpCounter, _unfused_attention
 from torch_tricks.inspect.inputs import describe_inputs, input_tensors, split_inputs
@@ -71,6 +72,35 @@ class Summary:
             "rows": [_jsonable(asdict(r)) for r in self.rows],
         }
 
+    def to_text(self, model_name: str | None = None, advice: Sequence[Any] = ()) -> str:
+        """What ``torch-tricks summary`` prints: the per-layer table, the totals and, given the
+        :func:`~torch_tricks.inspect.advisor.advise` list of this summary, one line per advice
+        pattern. ``model_name`` (default: the model's class) heads the table."""
+        rows = [
+            ["  " * (r.depth - 1) + r.name + (f" x{r.calls}" if r.calls > 1 else ""), r.type,
+             shape_str(r.output_shapes), f"{r.params:,}", si(r.macs), human_bytes(r.mac_bytes),
+             human_bytes(r.activation_bytes)]
+            for r in self.rows
+        ]
+        t = self.totals
+        lines = [
+            f"{model_name or self.model}: input {self.inputs}",
+            table(["layer", "type", "output", "params", "MACs", "mem access", "activations"], rows, "lllrrrr"),
+            "",
+            f"params: {t['params']:,} ({t['trainable_params']:,} trainable, {t['frozen_params']:,} frozen), "
+            f"{human_bytes(t['param_bytes'])} with buffers",
+            f"MACs: {si(t['macs'])}   FLOPs: {si(t['flops'])} (= 2 x MACs; conv, linear, matmul, attention, RNN)",
+            f"memory access cost: {human_bytes(t['mac_bytes'])} "
+            f"({t['pointwise_bytes'] / max(t['mac_bytes'], 1):.0%} in element-wise ops)   "
+            f"activations (leaf outputs): {human_bytes(t['activation_bytes'])}",
+            "by operator: " + ", ".join(f"{k} {si(v)}" for k, v in self.by_operator.items()),
+        ]
+        if advice:
+            from torch_tricks.inspect.advisor import advice_text  # advisor imports this module
+
+            lines += ["", advice_text(list(advice))]
+        return "\n".join(lines)
+
 
 class ForwardError(UserError):
     """The model's forward raised: names the innermost module and its input shapes."""
@@ -87,10 +117,12 @@ def summary(
     """Table of what ``model`` costs on ``inputs``: a tensor, a tuple of positional inputs or a
     dict of keyword inputs (``kwargs`` adds keyword inputs to positional ones).
 
-    ``depth`` limits the rows shown (``0`` = totals only); deeper modules are folded into
-    their ancestors, whose columns already include them. The model's train/eval mode
-    is restored afterwards.
+    ``depth`` limits the rows shown (``0`` = totals only; negative is a :class:`UserError`);
+    deeper modules are folded into their ancestors, whose columns already include them. The
+    model's train/eval mode is restored afterwards.
     """
+    if depth < 0:
+        raise UserError(f"depth must be >= 0, got {depth!r}")
     args, named = split_inputs(inputs)
     named = {**named, **(kwargs or {})}
     was_training = model.training

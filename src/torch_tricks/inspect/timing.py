@@ -21,11 +21,12 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from torch_tricks._format import table
 from torch_tricks.device import parse as parse_device
 from torch_tricks.device import synchronize
 from torch_tricks.errors import UserError
 
-__all__ = ["Timing", "benchmark", "compare", "synchronize", "format_seconds"]
+__all__ = ["Timing", "benchmark", "compare", "synchronize", "format_seconds", "timings_table"]
 
 
 @dataclass
@@ -166,6 +167,22 @@ def compare(
             total += t
         rounds += 1
     return {name: Timing.from_times(times[name], warmup) for name in names}
+
+
+def timings_table(results: Mapping[str, Timing], batch: int | None = None, *, title: str | None = None) -> str:
+    """The table ``torch-tricks time`` prints: one row per named :class:`Timing` (median and IQR in
+    ms; with ``batch``, samples/s). ``title`` heads it, followed by how the median was taken (the
+    first timing's repeats and warm-up), so a reader knows what the numbers are."""
+    headers = ["workload", "median ms", "IQR ms"] + (["samples/s"] if batch is not None else [])
+    rows = [[name, f"{t.median_s * 1e3:.2f}", f"{t.iqr_s * 1e3:.2f}"]
+            + ([f"{batch / t.median_s:.1f}"] if batch is not None else [])
+            for name, t in results.items()]
+    text = table(headers, rows)
+    if title is None:
+        return text
+    first = next(iter(results.values()), None)
+    how = f" (median of {first.repeats} after {first.warmup} warm-up)" if first is not None else ""
+    return f"{title}{how}:\n{text}"
 
 
 def format_seconds(seconds: float) -> str:
