@@ -339,3 +339,31 @@ def test_weights_that_do_not_fit_the_model_are_refused(capsys, tmp_path):
     weights, _ = _weights(tmp_path, "w", get_model("resnet9"))
     code, out, err = run(capsys, "optimize", "--model", "small_cnn", "--weights", weights, "--steps", "fuse")
     assert code == 2 and out == "" and err.count("\n") == 1
+
+
+def _made_results(monkeypatch) -> list:
+    """The OptimizeResult objects the command makes, kept for the test to render."""
+    from torch_tricks.deploy import pipeline
+
+    made, real = [], pipeline.optimize
+    monkeypatch.setattr(pipeline, "optimize", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    return made
+
+
+def test_the_printed_report_is_the_results_to_text(capsys, tmp_path, monkeypatch):
+    """A Python user gets the very text the CLI prints: OptimizeResult.to_text, timings included."""
+    made = _made_results(monkeypatch)
+    out_path = tmp_path / "m.pt2"
+    code, out, _ = run(capsys, "optimize", "--model", "small_cnn", "--steps", "fuse", "--latency-batch", 2,
+                       "--warmup", 1, "--repeats", 2, "--out", out_path)
+    assert code == 0 and f"wrote {out_path}" in out
+    assert out == made[-1].to_text(model_name="small_cnn", steps=["fuse"], save_asked=True) + "\n"
+    code, out, _ = run(capsys, "optimize", "--model", "test_deploy_cli:make_cancelling", "--input", "4",
+                       "--steps", "bf16", "--no-latency", "--out", tmp_path / "bf16.pt2")
+    assert code == 1 and "nothing written" in out
+    assert out == made[-1].to_text(model_name="test_deploy_cli:make_cancelling", steps=["bf16"],
+                                   save_asked=True) + "\n"
+    code, out, _ = run(capsys, "optimize", "--model", "small_cnn", "--steps", "fuse", "--no-latency", "--no-save",
+                       "--data", "digits")
+    assert code == 0 and " from digits (validation)" in out
+    assert out == made[-1].to_text(model_name="small_cnn", steps=["fuse"], data_name="digits") + "\n"

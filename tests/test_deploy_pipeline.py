@@ -299,3 +299,36 @@ def test_agreement_is_taken_on_the_logits_of_any_output_dataclass_and_model_outp
     ids = torch.randint(0, 100, (16, 12))
     step = optimize(bert, "int8-dynamic", ids, measure=False).steps[0]
     assert step.agreement.top1_agreement is not None and step.agreement.max_abs_diff < 0.5, step.agreement
+
+
+def test_latency_counts_are_refused_before_any_work():
+    """The CLI's --repeats / --warmup check lives in the library: a Python caller gets it before any step
+    runs (the model below does not even run on these inputs), also with measure=False."""
+    model = get_model("small_cnn")
+    wrong = torch.randn(2, 3, 8, 8)
+    for kw, needle in [(dict(repeats=0), "repeats must be an integer >= 1"),
+                       (dict(warmup=-1), "warmup must be an integer >= 0"),
+                       (dict(repeats=0, measure=False), "repeats must be an integer >= 1"),
+                       (dict(repeats=True), "repeats must be an integer >= 1")]:
+        with pytest.raises(UserError, match=needle):
+            optimize(model, "fuse", wrong, **kw)
+
+
+def test_to_text_holds_what_ran_the_table_the_notes_the_verdict_and_what_was_written(tmp_path):
+    """to_text is the report `torch-tricks optimize` prints (tests/test_deploy_cli.py checks that it is the
+    very text): here its parts, from the result alone and from what the caller adds."""
+    res = optimize(randomize_bn(get_model("small_cnn")), "fuse", torch.randn(12, 1, 8, 8),
+                   check_inputs=torch.randn(20, 1, 8, 8), batches=(2,), warmup=1, repeats=2)
+    text = res.to_text(model_name="net")
+    lines = text.splitlines()
+    assert lines[0] == "net: fuse on cpu, 1 thread(s); outputs compared on (20, 1, 8, 8) float32 (random)"
+    assert lines[1] == "latency: median ms of 2 calls after 1 warm-up, bsN x = speed-up over the original"
+    assert res.format_table() in text and all(f"  {n}" in lines for n in res.notes())
+    assert lines[-1] == "verified: every step within its tolerance against the model before it"
+    head = res.to_text(model_name="net", steps=["fuse:asked"], data_name="digits").splitlines()[0]
+    assert head.startswith("net: fuse:asked on cpu") and head.endswith(" from digits (validation)")
+    assert res.to_text(save_asked=True) == res.to_text()  # nothing exceeded: no save was held back
+    info = res.save(tmp_path / "m.pt2")
+    assert info.to_text().startswith(f"wrote {tmp_path / 'm.pt2'}: torch.export, ")
+    assert f"  load: {info.load}" in info.to_text().splitlines()
+    assert res.to_text(model_name="net") == text + "\n" + info.to_text()

@@ -431,3 +431,28 @@ def test_pre_commit_hooks_run_the_doctor_as_pre_commit_would(tmp_path):
         run_ = lambda *files: subprocess.run([exe, *argv[1:], *map(str, files)], capture_output=True, text=True)
         assert run_(bad, fine).returncode == 1  # TT113 is an error: both hooks fail
         assert run_(fine).returncode == 0
+
+
+def test_the_printed_runtime_report_is_the_reports_to_text(capsys, buggy, monkeypatch):
+    """A Python user gets the very text the CLI prints: RuntimeReport.to_text with the findings the CLI
+    kept (after --ignore and the config) and the optimizer it named."""
+    from torch_tricks.doctor import runtime
+    from torch_tricks.doctor.static import filter_findings
+
+    made, real = [], runtime.check_model
+    monkeypatch.setattr(runtime, "check_model", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    code, out, _ = run(capsys, "doctor", "--model", buggy, "--input", "16", "--steps", "1", "--ignore", "TT201")
+    assert code == 1 and "2 findings (1 error, 1 warning)" in out
+    assert out == made[-1].to_text(buggy, None, filter_findings(made[-1].findings, ignore=["TT201"])) + "\n"
+    code, out, _ = run(capsys, "doctor", "--model", buggy, "--input", "16", "--steps", "1", "--optimizer", "adamw")
+    assert code == 1 and "optimizer adamw" in out and out == made[-1].to_text(buggy, "adamw") + "\n"
+
+
+def test_lint_summary_counts_findings_as_the_runtime_report_does(capsys, tmp_path):
+    from torch_tricks.doctor.registry import findings_count
+    from torch_tricks.doctor.static import lint_paths
+
+    path = write(tmp_path, "mixed.py", ERROR + "state = torch.load('f.pt', map_location='cpu')\n")
+    code, _, err = run(capsys, "doctor", path)
+    assert code == 1
+    assert err.startswith(findings_count(lint_paths([path]).findings) + " in 1 file(s), ")

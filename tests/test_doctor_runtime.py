@@ -728,3 +728,29 @@ def test_target_broadcast_seen_through_a_loss_function_and_other_warnings_pass_t
     messages = [str(w.message) for w in caught]
     assert "a warning of the caller's own" in messages
     assert not any("target size" in m for m in messages)  # reported as a finding instead
+
+
+def test_findings_count_is_the_line_the_report_and_the_lint_share():
+    from torch_tricks.doctor.registry import Finding, findings_count
+
+    found = [Finding("TT201", "m", severity=s) for s in ("info", "warning", "error", "warning", "info")]
+    assert findings_count([]) == "no findings"
+    assert findings_count(found) == "5 findings (1 error, 2 warnings, 2 info)"
+    assert findings_count(found[2:3]) == "1 finding (1 error)"
+
+
+def test_to_text_says_what_ran_each_finding_and_what_was_not_checked():
+    """to_text is what `torch-tricks doctor --model` prints (tests/test_doctor_cli.py checks the very text)."""
+    from torch_tricks.doctor.registry import findings_count
+
+    report = check_model(Buggy(), X16(), nn.CrossEntropyLoss(), steps=1)
+    lines = report.to_text("buggy").splitlines()
+    assert lines[0] == f"buggy: inputs {report.inputs}, outputs {report.outputs}, target {report.target}"
+    assert lines[1] == f"loss (CrossEntropyLoss) {report.loss:.4g}, {report.steps_run} training step(s) on cpu, " \
+                       "plain SGD steps"
+    assert lines[2] == "" and [line.split()[0] for line in lines[3:6]] == [f.rule for f in report.findings]
+    assert lines[6] == findings_count(report.findings) == "3 findings (1 error, 2 warnings)"
+    assert "not checked: memory-growth: steps=1: at least 2 steps are needed to see a trend" in lines
+    kept = [f for f in report.findings if f.rule != "TT201"]
+    text = report.to_text("buggy", "adamw", kept)
+    assert "optimizer adamw" in text and "TT201" not in text and findings_count(kept) in text.splitlines()

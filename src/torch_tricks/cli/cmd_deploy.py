@@ -74,7 +74,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         saved = res.saved
         data = {"model": args.model, "steps_asked": steps, "data": args.data, "written": saved.path if saved else None,
                 **res.to_dict()}
-        emit(args, data, "\n".join(_result_lines(args, steps, res, check, exceeded)))
+        emit(args, data, res.to_text(model_name=args.model, steps=steps, data_name=args.data, save_asked=args.save))
     finally:
         res.close()
     return 1 if exceeded else 0
@@ -123,41 +123,6 @@ def _set_threads(threads: int | None) -> None:
 def _progress(msg: str) -> None:
     """On a terminal only: stderr stays one line for errors."""
     print(f"optimize: {msg}", file=sys.stderr, flush=True)
-
-
-def _result_lines(args: argparse.Namespace, steps: Sequence[str], res: Any, check: Any, exceeded: list[Any]
-                  ) -> list[str]:
-    """The chain's table and notes, whether every step held its tolerance, and what was written."""
-    from torch_tricks.inspect.inputs import describe_inputs
-
-    compared = describe_inputs(check if check is not None else res.example_inputs)
-    lines = [f"{args.model}: {','.join(steps)} on {res.device}, {res.threads} thread(s); outputs compared on "
-             f"{compared}" + (f" from {args.data} (validation)" if args.data else " (random)")]
-    if res.measured:
-        lines.append(f"latency: median ms of {args.repeats} calls after {args.warmup} warm-up, "
-                     "bsN x = speed-up over the original")
-    lines += [res.format_table(), ""]
-    lines += [f"  {n}" for n in res.notes()]
-    if exceeded:
-        lines.append("NOT verified: " + "; ".join(f"{s.step} exceeds {s.tolerance}" for s in exceeded))
-    else:
-        lines.append("verified: every step within its tolerance against the model before it")
-    unchecked = [s.step for s in res.steps if s.within_tolerance is None]
-    if unchecked:
-        lines.append(f"  not held to a tolerance: {', '.join(unchecked)} (changes the outputs by design, "
-                     "or they could not be compared: see the notes)")
-    return lines + _saved_lines(args, res.saved)
-
-
-def _saved_lines(args: argparse.Namespace, saved: Any) -> list[str]:
-    from torch_tricks._format import human_bytes
-
-    if saved is None:
-        return ["nothing written: a step exceeded its tolerance (--force writes it anyway)"] if args.save else []
-    check_text = (f"; loaded back, max abs diff {saved.verify_max_abs_diff:.2e}"
-                  if saved.verify_max_abs_diff is not None else "")
-    return [f"wrote {saved.path}: {saved.format}, {human_bytes(saved.size_bytes)}{check_text}",
-            f"  {saved.why}", f"  load: {saved.load}", *(f"  {n}" for n in saved.notes)]
 
 
 def _data_batches(args: argparse.Namespace, device: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], list[Any]]:

@@ -242,6 +242,7 @@ def _lint(args: argparse.Namespace, groups: dict[Any, Any], select: Any, ignore:
 
 
 def _print_lint(lint: dict[str, Any], groups: dict[Any, Any], fmt: str) -> None:
+    from torch_tricks.doctor.registry import findings_count
     from torch_tricks.doctor.static import format_text, static_rules, to_sarif
 
     findings, unreadable = lint["findings"], lint["unreadable"]
@@ -259,7 +260,7 @@ def _print_lint(lint: dict[str, Any], groups: dict[Any, Any], fmt: str) -> None:
             print(line)
         for path, reason in unreadable:
             print(f"{path}: not linted: {reason}", file=sys.stderr)
-        print(f"{_findings_count(findings) or 'no findings'} in {lint['files']} file(s), {lint['seconds']:.2f} s"
+        print(f"{findings_count(findings)} in {lint['files']} file(s), {lint['seconds']:.2f} s"
               + (f"; {len(unreadable)} file(s) could not be read or parsed" if unreadable else ""), file=sys.stderr)
 
 
@@ -316,28 +317,6 @@ def _doctor_model(args: argparse.Namespace, fmt: str, select: Any, ignore: Any) 
     data["counts"] = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
     data["ok"] = not (data["counts"]["error"] or data["counts"]["warning"])
     data["exit_code"] = code
-    emit(argparse.Namespace(json=fmt == "json"), data, "\n".join(_model_lines(args, report, findings)))
+    emit(argparse.Namespace(json=fmt == "json"), data, report.to_text(args.model, args.optimizer, findings))
     return code
 
-
-def _model_lines(args: argparse.Namespace, report: Any, findings: list[Any]) -> list[str]:
-    loss = f"{report.loss:.4g}" if report.loss is not None else "-"
-    lines = [f"{args.model}: inputs {report.inputs}, outputs {report.outputs or '-'}, target {report.target or '-'}",
-             f"loss ({report.loss_fn}) {loss}, {report.steps_run} training step(s) on {report.device}, "
-             + (f"optimizer {args.optimizer}" if args.optimizer else "plain SGD steps")]
-    if not report.completed:
-        lines.append(f"the training step did not complete: {report.error}")
-    lines.append("")
-    lines += [f"{f.rule} {f.severity:<7} {f.path or '-'}: {f.message}" for f in findings]
-    lines.append(_findings_count(findings) or "no findings")
-    lines += [f"not checked: {check}: {why}" for check, why in report.skipped.items()]
-    lines += [f"note: {n}" for n in report.notes]
-    return lines
-
-
-def _findings_count(findings: list[Any]) -> str:
-    from collections import Counter
-
-    by = Counter(f.severity for f in findings)
-    parts = [f"{by[s]} {s}{'s' if by[s] != 1 and s != 'info' else ''}" for s in ("error", "warning", "info") if by[s]]
-    return f"{len(findings)} finding{'s' if len(findings) != 1 else ''} ({', '.join(parts)})" if findings else ""

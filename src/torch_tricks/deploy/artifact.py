@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+from torch_tricks._format import human_bytes
 from torch_tricks._io import atomic_path
 from torch_tricks.deploy.export import OrtModule, onnx_size_bytes
 from torch_tricks.deploy.quantize import PT2EInt8Model
@@ -54,6 +55,13 @@ class SaveInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return json_safe(asdict(self))
+
+    def to_text(self) -> str:
+        """What was written, in what format and why, and how to load it (the lines ``optimize`` prints)."""
+        check = (f"; loaded back, max abs diff {self.verify_max_abs_diff:.2e}"
+                 if self.verify_max_abs_diff is not None else "")
+        return "\n".join([f"wrote {self.path}: {self.format}, {human_bytes(self.size_bytes)}{check}",
+                          f"  {self.why}", f"  load: {self.load}", *(f"  {n}" for n in self.notes)])
 
 
 def save_format(model: Any) -> tuple[str, str]:

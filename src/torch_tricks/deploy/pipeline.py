@@ -204,7 +204,8 @@ class OptimizeResult:
     a temporary folder until the result is garbage-collected or :meth:`close` d; use
     :meth:`save` to keep it). ``calibration`` says what the int8 ranges were calibrated on
     (None without a calibrated step); ``threads`` the ``torch.get_num_threads()`` the chain
-    ran (and the int8 PT2E model was compiled) with.
+    ran (and the int8 PT2E model was compiled) with. :meth:`to_text` is the report
+    ``torch-tricks optimize`` prints.
     """
 
     model: Any = field(repr=False)
@@ -217,6 +218,9 @@ class OptimizeResult:
     example_inputs: tuple[Any, ...] = field(repr=False, default=())
     calibration: str | None = None
     saved: SaveInfo | None = None
+    warmup: int = 3  # the latency's warm-up calls and timed calls (optimize's arguments)
+    repeats: int = 10
+    compared_on: str = ""  # the inputs the outputs were compared on, described (check_inputs or example_inputs)
     _workdir: Any = field(default=None, repr=False)
 
     # -- what the CLI prints --------------------------------------------------------------
@@ -290,6 +294,41 @@ class OptimizeResult:
                 out.append(f"{r.step}: outputs moved more than its tolerance ({r.tolerance})")
             out.extend(f"{r.step}: {n}" for n in r.notes)
         return out
+
+    def to_text(self, *, model_name: str = "model", steps: Sequence[str] | None = None,
+                data_name: str | None = None, save_asked: bool = False) -> str:
+        """The report ``torch-tricks optimize`` prints: what ran where, :meth:`format_table`,
+        :meth:`notes`, whether every step held its tolerance, and what :meth:`save` wrote.
+
+        The result does not know what the command line adds: ``model_name`` and ``steps``
+        (as asked; default the steps' names) head the report; ``data_name`` is the data set
+        the compared inputs came from (None: random inputs, as the CLI makes without
+        ``--data``); ``save_asked`` says a save was asked for, so that a save held back by a
+        step outside its tolerance is reported as such.
+        """
+        steps = [s.step for s in self.steps] if steps is None else steps
+        compared = self.compared_on or describe_inputs(self.example_inputs)
+        lines = [f"{model_name}: {','.join(steps)} on {self.device}, {self.threads} thread(s); outputs compared on "
+                 f"{compared}" + (f" from {data_name} (validation)" if data_name else " (random)")]
+        if self.measured:
+            lines.append(f"latency: median ms of {self.repeats} calls after {self.warmup} warm-up, "
+                         "bsN x = speed-up over the original")
+        lines += [self.format_table(), ""]
+        lines += [f"  {n}" for n in self.notes()]
+        exceeded = [s for s in self.steps if s.within_tolerance is False]
+        if exceeded:
+            lines.append("NOT verified: " + "; ".join(f"{s.step} exceeds {s.tolerance}" for s in exceeded))
+        else:
+            lines.append("verified: every step within its tolerance against the model before it")
+        unchecked = [s.step for s in self.steps if s.within_tolerance is None]
+        if unchecked:
+            lines.append(f"  not held to a tolerance: {', '.join(unchecked)} (changes the outputs by design, "
+                         "or they could not be compared: see the notes)")
+        if self.saved is not None:
+            lines.append(self.saved.to_text())
+        elif save_asked and exceeded:
+            lines.append("nothing written: a step exceeded its tolerance (--force writes it anyway)")
+        return "\n".join(lines)
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -382,6 +421,7 @@ def optimize(
     buffers and train/eval mode), also when a step raises.
     """
     plan = _with_int8_for(_plan(steps), int8_for)
+    _check_counts(warmup, repeats)
     dev = _device(device)
     batches = _batches(batches, measure)
     if not isinstance(model, nn.Module):
@@ -420,7 +460,8 @@ def optimize(
     return OptimizeResult(
         model=current, original=original, steps=results, device=str(dev), batches=tuple(batches),
         threads=torch.get_num_threads(), measured=measure, example_inputs=example,
-        calibration=calib_text, _workdir=workdir,
+        calibration=calib_text, warmup=warmup, repeats=repeats, compared_on=describe_inputs(check),
+        _workdir=workdir,
     )
 
 
@@ -599,6 +640,14 @@ def _batches(batches: Sequence[int], measure: bool) -> tuple[int, ...]:
     if any(b < 1 for b in out) or (measure and not out):
         raise UserError(f"batches must be positive batch sizes such as (1, 16), got {batches!r}")
     return tuple(dict.fromkeys(out))
+
+
+def _check_counts(warmup: Any, repeats: Any) -> None:
+    """The latency's counts, checked before any work (also with ``measure=False``: a bad count is a mistake)."""
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise UserError(f"warmup must be an integer >= 0, got {warmup!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise UserError(f"repeats must be an integer >= 1, got {repeats!r}")
 
 
 def _check_plan_can_run(plan: list[_Planned], dev: torch.device) -> None:

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Iterable, Iterator
 from torch_tricks.errors import UserError
 
 __all__ = ["Rule", "Finding", "SEVERITIES", "StaticRule", "static_rule", "static_checks", "register_rule", "get_rule",
-           "list_rules", "check_rule_codes", "severity_rank"]
+           "list_rules", "check_rule_codes", "severity_rank", "findings_count"]
 
 SEVERITIES = ("info", "warning", "error")  # ascending
 
@@ -66,6 +66,19 @@ class Finding:
                 "col": self.col, "severity": self.severity, **({"extra": self.extra} if self.extra else {})}
 
     as_dict = to_dict  # the earlier name; every result type of the package says to_dict
+
+
+def findings_count(findings: Iterable[Finding]) -> str:
+    """``"3 findings (1 error, 2 warnings)"``, or ``"no findings"``: the count line that the
+    runtime report and the lint summary share."""
+    from collections import Counter
+
+    findings = list(findings)
+    if not findings:
+        return "no findings"
+    by = Counter(f.severity for f in findings)
+    parts = [f"{by[s]} {s}{'s' if by[s] != 1 and s != 'info' else ''}" for s in ("error", "warning", "info") if by[s]]
+    return f"{len(findings)} finding{'s' if len(findings) != 1 else ''} ({', '.join(parts)})"
 
 
 _RULES: dict[str, Rule] = {}

@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch_tricks.batches import map_tensors
 from torch_tricks.device import module_device
 from torch_tricks.device import resolve as resolve_device
-from torch_tricks.doctor.registry import Finding, Rule, severity_rank
+from torch_tricks.doctor.registry import Finding, Rule, findings_count, severity_rank
 from torch_tricks.doctor.rules.runtime import (  # noqa: F401  (declared apart: no torch needed to list them)
     MIN_BN_BATCH, UNUSED_PARAMS, DECAY_ON_NO_DECAY, UNREGISTERED, BN_SMALL_BATCH, INPLACE, DIMS, LOSS_PAIRING,
     MODE_MISMATCH, RANDOM_IN_EVAL, NON_FINITE, MEMORY_GROWTH, COUPLED_L2, NOT_OPTIMIZED, TARGET_BROADCAST, RULES,
@@ -116,6 +116,30 @@ class RuntimeReport:
         return d
 
     as_dict = to_dict  # the earlier name; every result type of the package says to_dict
+
+    def to_text(self, model_name: str = "model", optimizer: str | None = None,
+                findings: Iterable[Finding] | None = None) -> str:
+        """The report ``torch-tricks doctor --model`` prints: what ran, one line per finding, the
+        count, and the checks that did not run.
+
+        The report does not know what the command line adds: ``model_name`` heads it,
+        ``optimizer`` names the optimizer the steps used (None: plain SGD steps), and
+        ``findings`` replaces :attr:`findings` (e.g. after ``--select`` / ``--ignore`` and
+        the config, :func:`torch_tricks.doctor.static.filter_findings`).
+        """
+        findings = self.findings if findings is None else list(findings)
+        loss = f"{self.loss:.4g}" if self.loss is not None else "-"
+        lines = [f"{model_name}: inputs {self.inputs}, outputs {self.outputs or '-'}, target {self.target or '-'}",
+                 f"loss ({self.loss_fn}) {loss}, {self.steps_run} training step(s) on {self.device}, "
+                 + (f"optimizer {optimizer}" if optimizer else "plain SGD steps")]
+        if not self.completed:
+            lines.append(f"the training step did not complete: {self.error}")
+        lines.append("")
+        lines += [f"{f.rule} {f.severity:<7} {f.path or '-'}: {f.message}" for f in findings]
+        lines.append(findings_count(findings))
+        lines += [f"not checked: {check}: {why}" for check, why in self.skipped.items()]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
 
 
 def check_model(
