@@ -155,3 +155,46 @@ def test_every_trial_failing_is_a_user_error(tmp_path):
 
     with pytest.raises(UserError, match="disk gone"):
         tune_loader(Broken(), workers=(0,), seconds_per_trial=0.1, progress=False)
+
+
+def test_the_cli_prints_the_reports_own_text(tmp_path, monkeypatch, capsys):
+    """``torch-tricks loader-tune`` prints LoaderTuneReport.to_text() (and --json its to_dict())."""
+    from PIL import Image
+
+    import torch_tricks.data.loader_tune as LT
+    from torch_tricks.cli import main
+
+    rng = np.random.default_rng(0)
+    for c in ("cat", "dog"):
+        (tmp_path / "imgs" / c).mkdir(parents=True)
+        for k in range(3):
+            Image.fromarray(rng.integers(0, 256, (12, 10, 3), dtype=np.uint8)).save(tmp_path / "imgs" / c / f"{k}.png")
+    real, reports = LT.tune_loader_path, []
+    monkeypatch.setattr(LT, "tune_loader_path", lambda *a, **k: reports.append(real(*a, **k)) or reports[-1])
+    args = ["loader-tune", str(tmp_path / "imgs"), "--batch", "2", "--workers", "0", "--seconds", "0.1",
+            "--no-progress"]
+    assert main(args) == 0
+    text = reports[-1].to_text()
+    assert capsys.readouterr().out == text + "\n"
+    lines = text.splitlines()
+    assert lines[0] == "ImageFolderDataset: 6 samples, " + lines[0].split(", ", 1)[1]
+    assert lines[1].split() == ["batch", "workers", "pinned", "samples/s", "first", "batch", "s", "best", "error"]
+    assert f"verdict: {reports[-1].verdict}" in lines
+    assert lines[-1] == "use: make_loader(dataset, batch_size=2, num_workers=0, pin_memory=False)"
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["best"]["batch_size"] == 2
+
+
+def test_report_text_without_rates_or_a_best_setting():
+    from torch_tricks.data.loader_tune import LoaderTuneReport
+
+    report = LoaderTuneReport(trials=[LoaderTrial(8, 2, True, error="OSError: gone")], best=None, verdict="unknown",
+                              reasons=["no trial ran"], dataset="D", num_samples=1500, cpu_count=4, device="cuda:0")
+    assert report.to_text() == "\n".join([
+        "D: 1,500 samples, 4 CPUs, device cuda:0",
+        "batch  workers  pinned  samples/s  first batch s  best  error",
+        "-----  -------  ------  ---------  -------------  ----  -------------",
+        "    8        2  yes             0           0.00        OSError: gone",
+        "verdict: unknown",
+        "  no trial ran",
+    ])

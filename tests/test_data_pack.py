@@ -620,3 +620,33 @@ def test_lmdb_view_gives_each_samples_bytes_from_any_thread(packs):
     with ThreadPoolExecutor(2) as pool:
         got = list(pool.map(lambda i: bytes(reader.view(i)), range(n)))
     assert got == want
+
+
+# ---------------------------------------------------------------------------- the report's text
+
+
+def test_the_cli_prints_the_reports_own_text(tree, tmp_path, monkeypatch, capsys):
+    """``torch-tricks pack`` prints PackReport.to_text() (and --json its to_dict()): Python users get the same text."""
+    import torch_tricks.data.pack as P
+    from torch_tricks.cli import main
+
+    real, reports = P.pack, []
+    monkeypatch.setattr(P, "pack", lambda *a, **k: reports.append(real(*a, **k)) or reports[-1])
+    args = ["pack", str(tree), str(tmp_path / "p"), "--resize", "24", "--workers", "0", "--no-progress"]
+    assert main(args) == 0
+    report = reports[-1]
+    text = report.to_text()
+    assert capsys.readouterr().out == text + "\n"
+    assert text.startswith(f"packed {report.count} samples (3 classes) into {tmp_path / 'p'}: native, jpeg, ")
+    assert f"\nskipped 2 unreadable source(s):\n  {report.skipped[0][0]}: " in text
+    assert main([*args, "--overwrite", "--json"]) == 0
+    assert capsys.readouterr().out == json.dumps(reports[-1].to_dict(), indent=2, default=str) + "\n"
+
+
+def test_pack_report_text_says_a_resume_and_nothing_skipped():
+    from torch_tricks.data.pack import PackReport
+
+    report = PackReport(path="/d", fmt="lmdb", storage="raw", count=1234567, skipped=[], bytes=3 << 30, seconds=61.25,
+                        classes=["a", "b", "c"], resumed_from=1000)
+    assert report.to_text() == ("packed 1,234,567 samples (3 classes) into /d: lmdb, raw, 3.0 GiB on disk, 61.2 s, "
+                                "resumed after 1,000")

@@ -321,3 +321,41 @@ def test_history_final_has_the_train_loss_with_and_without_validation_data(tmp_p
     fit(_mlp(), batches, val, config=cfg.replace(max_steps=6))
     h2 = fit(_mlp(), batches, val, config=cfg.replace(resume=True))
     assert h2.resumed_from_step == 6 and h2.final["train_loss"] == pytest.approx(h.final["train_loss"], rel=1e-5)
+
+
+def test_the_cli_prints_the_historys_own_text(tmp_path, monkeypatch, capsys):
+    """``torch-tricks train`` prints History.to_text(--model, --data) (and --json its to_dict())."""
+    import json
+
+    import torch_tricks.train as T
+    from torch_tricks.cli import main
+
+    real, histories = T.fit, []
+    monkeypatch.setattr(T, "fit", lambda *a, **k: histories.append(real(*a, **k)) or histories[-1])
+    assert main(["train", "--model", "small_cnn", "--data", "digits", "--max-steps", "2", "--no-progress",
+                 "--checkpoint-dir", str(tmp_path)]) == 0
+    h = histories[-1]
+    text = h.to_text("small_cnn", "digits")
+    assert capsys.readouterr().out == text + "\n"
+    assert text.startswith("small_cnn on digits: 2 steps, 1 epochs in ")
+    assert "\nfinal validation: loss " in text and text.endswith(f"\ncheckpoint: {h.checkpoint}")
+    assert main(["train", "--model", "small_cnn", "--data", "digits", "--max-steps", "1", "--no-progress",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == histories[-1].to_dict()["steps"] == 1
+
+
+def test_history_text_lists_skipped_steps_compile_time_and_checkpoint():
+    from torch_tricks.train import History
+
+    h = History(steps=300, epochs=3, wall_s=42.25, applied=["ema", "precision=fp16"], skipped_steps=2,
+                compile_s=9.96, step_s=0.0123, checkpoint="ck/last.pt",
+                final={"train_loss": 0.5, "loss": 0.25, "acc": 0.9})
+    assert h.to_text("net", "cifar") == "\n".join([
+        "net on cifar: 300 steps, 3 epochs in 42.2 s (switches: ema, precision=fp16)",
+        "final training loss: 0.5000 (mean of the last logged steps)",
+        "final validation: loss 0.2500, acc 0.9000",
+        "fp16 steps skipped by the grad scaler: 2",
+        "compile: 10.0 s (apart from the 12.3 ms steps)",
+        "checkpoint: ck/last.pt",
+    ])
+    assert History().to_text() == "model on data: 0 steps, 0 epochs in 0.0 s"

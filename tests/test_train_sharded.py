@@ -267,3 +267,28 @@ def test_ckpt_export_turns_a_dcp_checkpoint_into_one_state_dict(tmp_path, capsys
     assert main(["ckpt", "export", str(tmp_path / "nothing"), str(tmp_path / "x.pt")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no checkpoint at" in err and not (tmp_path / "x.pt").exists()
+
+
+def test_ckpt_export_prints_the_results_own_text(tmp_path, capsys):
+    """``torch-tricks ckpt export`` prints export_checkpoint(...).to_text(); the result is still the plain
+    dict it was, and --json prints it unchanged."""
+    import json
+
+    from torch_tricks._format import human_bytes
+    from torch_tricks.cli import main
+    from torch_tricks.train.sharded_checkpoint import export_checkpoint, save_sharded
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters())
+    save_sharded(tmp_path / "ck", model=model, optimizer=opt, step=3)
+    info = export_checkpoint(tmp_path / "ck", tmp_path / "a.pt")
+    assert isinstance(info, dict) and set(info) == {"source", "out", "tensors", "numel", "bytes"}
+    assert info.to_dict() == dict(info) and type(info.to_dict()) is dict
+    assert main(["ckpt", "export", str(tmp_path / "ck"), str(tmp_path / "a.pt")]) == 0
+    assert capsys.readouterr().out == info.to_text() + "\n"
+    n = sum(p.numel() for p in model.state_dict().values())
+    assert info.to_text() == (f"wrote {tmp_path / 'a.pt'}: {len(model.state_dict())} tensors, {n:,} values, "
+                              f"{human_bytes(info['bytes'])}, from {info['source']}; load it with "
+                              f"model.load_state_dict(torch.load({str(tmp_path / 'a.pt')!r}, weights_only=True))")
+    assert main(["ckpt", "export", str(tmp_path / "ck"), str(tmp_path / "a.pt"), "--json"]) == 0
+    assert capsys.readouterr().out == json.dumps(dict(info), indent=2) + "\n"

@@ -44,20 +44,13 @@ def add_commands(sub: Any) -> None:
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
-    from torch_tricks._format import human_bytes
     from torch_tricks.data.pack import pack
 
     storage = args.storage or ("jpeg" if args.resize else "encoded")
     report = pack(args.src, args.dst, fmt=args.fmt, storage=storage, resize=args.resize, raw_size=args.raw_size,
                   quality=args.quality, crop_ready=args.crop_ready, workers=args.workers, progress=args.progress,
                   resume=args.resume, overwrite=args.overwrite)
-    lines = [f"packed {report.count:,} samples ({len(report.classes)} classes) into {report.path}: "
-             f"{report.fmt}, {report.storage}, {human_bytes(report.bytes)} on disk, {report.seconds:.1f} s"
-             + (f", resumed after {report.resumed_from:,}" if report.resumed_from else "")]
-    if report.skipped:
-        lines.append(f"skipped {len(report.skipped)} unreadable source(s):")
-        lines += [f"  {name}: {why}" for name, why in report.skipped]
-    emit(args, report.to_dict(), "\n".join(lines))
+    emit(args, report.to_dict(), report.to_text())
     return 0
 
 
@@ -67,28 +60,5 @@ def cmd_loader_tune(args: argparse.Namespace) -> int:
     r = tune_loader_path(args.path, batch_sizes=args.batch or (64,), workers=args.workers,
                          seconds_per_trial=args.seconds, device=args.device, progress=args.progress,
                          cold_read=not args.warm)
-    emit(args, r.to_dict(), "\n".join(_loader_tune_lines(r)))
+    emit(args, r.to_dict(), r.to_text())
     return 0
-
-
-def _loader_tune_lines(r: Any) -> list[str]:
-    """The trials' table, the read and decode rates, the verdict with its reasons, and the loader to use."""
-    from torch_tricks._format import human_bytes, table
-
-    rows = [[t["batch_size"], t["workers"], "yes" if t["pin_memory"] else "no", f"{t['samples/s']:,.0f}",
-             f"{t['first batch s']:.2f}", "*" if t["best"] else "", t["error"]] for t in r.rows()]
-    lines = [f"{r.dataset}: {r.num_samples:,} samples, {r.cpu_count} CPUs, device {r.device}",
-             table(["batch", "workers", "pinned", "samples/s", "first batch s", "best", "error"], rows, "rrlrrll")]
-    if r.read_rate_bytes_per_s:
-        lines.append(f"storage read rate: {human_bytes(r.read_rate_bytes_per_s)}/s "
-                     f"({'cold' if r.read_cold else 'page cache'}, {human_bytes(r.read_bytes)} read)")
-    if r.decode_rate_samples_per_s:
-        lines.append(f"decode rate, one process: {r.decode_rate_samples_per_s:,.0f} samples/s")
-    lines.append(f"verdict: {r.verdict}")
-    lines += [f"  {why}" for why in r.reasons]
-    if r.advice:
-        lines.append("advice:")
-        lines += [f"  {a}" for a in r.advice]
-    if r.best is not None:
-        lines.append("use: make_loader(dataset, " + ", ".join(f"{k}={v}" for k, v in r.loader_kwargs().items()) + ")")
-    return lines

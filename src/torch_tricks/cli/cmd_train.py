@@ -87,7 +87,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.out:
         with atomic_path(args.out) as tmp:
             tmp.write_text(json.dumps(data, indent=2, default=str))
-    emit(args, data, "\n".join(_history_lines(args, history)))
+    emit(args, data, history.to_text(args.model, args.data))
     return 0
 
 
@@ -115,13 +115,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt_export(args: argparse.Namespace) -> int:
-    from torch_tricks._format import human_bytes
     from torch_tricks.train.sharded_checkpoint import export_checkpoint
 
     info = export_checkpoint(args.src, args.out)
-    emit(args, info, f"wrote {info['out']}: {info['tensors']} tensors, {info['numel']:,} values, "
-                     f"{human_bytes(info['bytes'])}, from {info['source']}; load it with "
-                     f"model.load_state_dict(torch.load({info['out']!r}, weights_only=True))")
+    emit(args, info.to_dict(), info.to_text())
     return 0
 
 
@@ -148,21 +145,3 @@ def _add_config_flags(sp: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(flag, dest=f.name, type=typ, default=None, help=f"(default {f.default!r})")
 
-
-def _history_lines(args: argparse.Namespace, history: Any) -> list[str]:
-    """What a finished training run reports: its length, switches, final losses, skipped steps, checkpoint."""
-    final = history.final
-    text = [f"{args.model} on {args.data}: {history.steps} steps, {history.epochs} epochs in {history.wall_s:.1f} s"
-            + (f" (switches: {', '.join(history.applied)})" if history.applied else "")]
-    if "train_loss" in final:
-        text.append(f"final training loss: {final['train_loss']:.4f} (mean of the last logged steps)")
-    valid = {k: v for k, v in final.items() if k != "train_loss"}
-    if valid:
-        text.append("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in valid.items()))
-    if history.skipped_steps:
-        text.append(f"fp16 steps skipped by the grad scaler: {history.skipped_steps}")
-    if history.compile_s:
-        text.append(f"compile: {history.compile_s:.1f} s (apart from the {history.step_s * 1e3:.1f} ms steps)")
-    if history.checkpoint:
-        text.append(f"checkpoint: {history.checkpoint}")
-    return text

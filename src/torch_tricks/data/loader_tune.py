@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils.data import Dataset, IterableDataset, RandomSampler, default_collate
 
+from torch_tricks._format import human_bytes, table
 from torch_tricks._optional import require
 from torch_tricks.data.loader import _cpu_count, _dataset_collate, _describe, make_loader
 from torch_tricks.data.prefetch import batch_nbytes, to_device
@@ -120,6 +121,28 @@ class LoaderTuneReport:
         d = asdict(self)
         d["best"] = asdict(self.best) if self.best is not None else None
         return d
+
+    def to_text(self) -> str:
+        """What ``torch-tricks loader-tune`` prints: the trials' table, the read and decode rates, the
+        verdict with its reasons, the advice, and the ``make_loader`` call to use."""
+        rows = [[t["batch_size"], t["workers"], "yes" if t["pin_memory"] else "no", f"{t['samples/s']:,.0f}",
+                 f"{t['first batch s']:.2f}", "*" if t["best"] else "", t["error"]] for t in self.rows()]
+        lines = [f"{self.dataset}: {self.num_samples:,} samples, {self.cpu_count} CPUs, device {self.device}",
+                 table(["batch", "workers", "pinned", "samples/s", "first batch s", "best", "error"], rows, "rrlrrll")]
+        if self.read_rate_bytes_per_s:
+            lines.append(f"storage read rate: {human_bytes(self.read_rate_bytes_per_s)}/s "
+                         f"({'cold' if self.read_cold else 'page cache'}, {human_bytes(self.read_bytes)} read)")
+        if self.decode_rate_samples_per_s:
+            lines.append(f"decode rate, one process: {self.decode_rate_samples_per_s:,.0f} samples/s")
+        lines.append(f"verdict: {self.verdict}")
+        lines += [f"  {why}" for why in self.reasons]
+        if self.advice:
+            lines.append("advice:")
+            lines += [f"  {a}" for a in self.advice]
+        if self.best is not None:
+            kwargs = ", ".join(f"{k}={v}" for k, v in self.loader_kwargs().items())
+            lines.append(f"use: make_loader(dataset, {kwargs})")
+        return "\n".join(lines)
 
 
 def tune_loader(

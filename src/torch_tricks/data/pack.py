@@ -41,6 +41,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from torch_tricks._format import human_bytes
 from torch_tricks._optional import install_hint
 from torch_tricks.data import decode as _dec
 from torch_tricks.data.formats import STORAGES, LMDBWriter, NativeWriter
@@ -72,6 +73,16 @@ class PackReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def to_text(self) -> str:
+        """What ``torch-tricks pack`` prints: one summary line, then every skipped source with its reason."""
+        lines = [f"packed {self.count:,} samples ({len(self.classes)} classes) into {self.path}: "
+                 f"{self.fmt}, {self.storage}, {human_bytes(self.bytes)} on disk, {self.seconds:.1f} s"
+                 + (f", resumed after {self.resumed_from:,}" if self.resumed_from else "")]
+        if self.skipped:
+            lines.append(f"skipped {len(self.skipped)} unreadable source(s):")
+            lines += [f"  {name}: {why}" for name, why in self.skipped]
+        return "\n".join(lines)
 
 
 @register_trick(

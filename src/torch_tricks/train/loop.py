@@ -85,6 +85,26 @@ class History:
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
 
+    def to_text(self, model: str = "model", data: str = "data") -> str:
+        """What ``torch-tricks train`` prints: the run's length and switches, the final losses, skipped
+        steps, compile time and checkpoint. ``model`` and ``data`` name the run in its first line (the
+        history does not know them; the CLI passes ``--model`` and ``--data``)."""
+        final = self.final
+        lines = [f"{model} on {data}: {self.steps} steps, {self.epochs} epochs in {self.wall_s:.1f} s"
+                 + (f" (switches: {', '.join(self.applied)})" if self.applied else "")]
+        if "train_loss" in final:
+            lines.append(f"final training loss: {final['train_loss']:.4f} (mean of the last logged steps)")
+        valid = {k: v for k, v in final.items() if k != "train_loss"}
+        if valid:
+            lines.append("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in valid.items()))
+        if self.skipped_steps:
+            lines.append(f"fp16 steps skipped by the grad scaler: {self.skipped_steps}")
+        if self.compile_s:
+            lines.append(f"compile: {self.compile_s:.1f} s (apart from the {self.step_s * 1e3:.1f} ms steps)")
+        if self.checkpoint:
+            lines.append(f"checkpoint: {self.checkpoint}")
+        return "\n".join(lines)
+
 
 def fit(
     model: nn.Module,

@@ -37,12 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_tricks._format import human_bytes
 from torch_tricks.errors import UserError
 from torch_tricks.train.checkpoint import _atomic_torch_save, _gather_rng_states, restore_rng_state
 from torch_tricks.train.distributed import barrier, get_rank, is_main_process
 
 __all__ = ["POINTER", "last_sharded", "complete_sharded", "sharded_to_resume", "save_sharded", "load_sharded",
-           "export_checkpoint"]
+           "export_checkpoint", "CheckpointExport"]
 
 POINTER = "last.dcp.json"
 META = "meta.pt"  # step, data position, scheduler, scaler, RNG: rank 0 writes it beside the shards
@@ -234,14 +235,14 @@ def _one_process_is_meant() -> Iterator[None]:
         yield
 
 
-def export_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, Any]:
+def export_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> CheckpointExport:
     """The model's weights of a training checkpoint as one plain ``state_dict`` file, for inference.
 
     ``src``: a ``checkpoint_dir`` (its ``last.dcp.json``, else its ``last.pt``), a ``step-N.dcp``
     folder, or a ``last.pt`` file. DCP shards are joined by
     :func:`torch.distributed.checkpoint.format_utils.dcp_to_torch_save` in this one process.
     ``out`` is written atomically; ``torch.load(out, weights_only=True)`` gives the state_dict
-    that ``model.load_state_dict`` takes. Returns what was written.
+    that ``model.load_state_dict`` takes. Returns what was written (a :class:`CheckpointExport`).
     """
     p = Path(src)
     if not p.exists():
@@ -274,5 +275,22 @@ def export_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]) 
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     _atomic_torch_save(state, target)
-    return {"source": source, "out": str(target), "tensors": len(state),
-            "numel": sum(t.numel() for t in state.values()), "bytes": target.stat().st_size}
+    return CheckpointExport(source=source, out=str(target), tensors=len(state),
+                            numel=sum(t.numel() for t in state.values()), bytes=target.stat().st_size)
+
+
+class CheckpointExport(dict):
+    """What :func:`export_checkpoint` wrote: ``source``, ``out``, ``tensors``, ``numel``, ``bytes``.
+
+    A dict (as it always was, so ``info["out"]`` and JSON keep working) that renders itself
+    like the other results: ``to_text()`` is what ``torch-tricks ckpt export`` prints.
+    """
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self)
+
+    def to_text(self) -> str:
+        """One line: what was written from where, and how to load it."""
+        return (f"wrote {self['out']}: {self['tensors']} tensors, {self['numel']:,} values, "
+                f"{human_bytes(self['bytes'])}, from {self['source']}; load it with "
+                f"model.load_state_dict(torch.load({self['out']!r}, weights_only=True))")
