@@ -37,6 +37,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from torch_tricks._malloc import raise_malloc_thresholds
 from torch_tricks.data.dataset import PackedDataset, copy_row
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
@@ -260,8 +261,6 @@ def keep_freed_heap(nbytes: int = _TRIM_THRESHOLD) -> bool:
     glibc took it (False off glibc). Setting it also fixes the mmap threshold where it is
     instead of letting glibc raise it.
     """
-    from torch_tricks._malloc import raise_malloc_thresholds
-
     return raise_malloc_thresholds(trim=nbytes)
 
 

@@ -7,6 +7,7 @@ from pathlib import PurePath, PurePosixPath, PureWindowsPath
 from typing import Iterable
 from urllib.parse import quote
 
+from torch_tricks import __version__
 from torch_tricks.doctor.registry import Finding, Rule, get_rule
 
 __all__ = ["to_sarif", "SARIF_SCHEMA_URI"]
@@ -27,8 +28,6 @@ def to_sarif(findings: Iterable[Finding], rules: Iterable[Rule],
     not be read or parsed: they become error notifications of the run's invocation (the
     run itself still succeeded).
     """
-    from torch_tricks import __version__
-
     rules = list(rules)
     findings = list(findings)
     index = {r.id: i for i, r in enumerate(rules)}

@@ -35,6 +35,7 @@ from torch import nn
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.registry import register_trick
+from torch_tricks.train.syncbn import convert_sync_batchnorm
 
 __all__ = [
     "DistInfo",
@@ -281,8 +282,6 @@ def wrap_ddp(model: nn.Module, info: DistInfo, *, sync_bn: bool = False, **kw: A
     if isinstance(model, nn.DataParallel):
         raise UserError("the model is wrapped in DataParallel: pass model.module (DDP replaces DataParallel)")
     if sync_bn:
-        from torch_tricks.train.syncbn import convert_sync_batchnorm
-
         model = convert_sync_batchnorm(model)
     model = model.to(info.device)
     if not info.initialized:

@@ -37,6 +37,7 @@ import torch.nn as nn
 from torch_tricks.device import module_device
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
+from torch_tricks.train.memory import repeated_blocks
 
 __all__ = ["shard_fsdp", "zero1_optimizer", "sharding_available"]
 
@@ -71,8 +72,6 @@ def shard_fsdp(model: nn.Module, *, mesh: Any = None, precision: str = "fp32", r
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from torch_tricks.train.memory import repeated_blocks
 
     if not dist.is_initialized():
         raise UserError("distributed = fsdp needs torchrun: launch with `torchrun --nproc_per_node N ...`")

@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from torch_tricks._malloc import raise_malloc_thresholds
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 
@@ -281,8 +282,6 @@ def keep_heap() -> bool:
     and the device is a CPU, so the tune and your own loop run with the same allocator.
     Process-wide, and only ever raised; returns whether glibc took it (False off glibc).
     """
-    from torch_tricks._malloc import raise_malloc_thresholds
-
     return raise_malloc_thresholds(trim=KEEP_HEAP_TRIM, mmap=KEEP_HEAP_MMAP)
 
 
