@@ -185,7 +185,7 @@ class SkipFailedDataset(Dataset):
         try:
             sample = self.dataset[index]
         except self.catch as exc:
-            return FailedSample(index, _describe(exc))
+            return FailedSample(index, one_line(exc, 200, with_type=True))
         if sample is None:
             return FailedSample(index, "__getitem__ returned None")
         return sample
@@ -526,6 +526,3 @@ def _cpu_count() -> int:
     except (AttributeError, OSError):
         return os.cpu_count() or 1
 
-
-def _describe(exc: BaseException) -> str:
-    return one_line(exc, 200, with_type=True)

@@ -48,10 +48,10 @@ from torch.utils.data import Dataset, IterableDataset, RandomSampler, default_co
 
 from torch_tricks._format import human_bytes, table
 from torch_tricks._optional import require
-from torch_tricks.data.loader import _cpu_count, _dataset_collate, _describe, make_loader
+from torch_tricks.data.loader import _cpu_count, _dataset_collate, make_loader
 from torch_tricks.data.prefetch import batch_nbytes, to_device
 from torch_tricks.device import resolve as resolve_device
-from torch_tricks.errors import UserError
+from torch_tricks.errors import UserError, one_line
 from torch_tricks.seed import seeded_generator
 
 __all__ = ["tune_loader", "tune_loader_path", "open_dataset", "LoaderTrial", "LoaderTuneReport", "ImageFolderDataset"]
@@ -336,7 +336,7 @@ def _trial(
         trial.samples = count
         trial.samples_per_s = count / trial.seconds if trial.seconds > 0 else 0.0
     except Exception as exc:  # a failing setting is a result, not a crash of the whole tuning
-        trial.error = _describe(exc)
+        trial.error = one_line(exc, 200, with_type=True)
     finally:
         del it  # shuts the workers down now, not at the next garbage collection
     return trial

@@ -315,7 +315,7 @@ def ort_quantize_static(
     writes_onnx=True,
     order=80,
     ids=("I7",),
-    trick="onnx_export",
+    earlier_name="onnx_export",
     fn=export_onnx_checked,
     trades="a file other engines run (ONNX Runtime, TensorRT, Netron) for an export step and a fixed graph",
     needs="the onnx, onnxscript and onnxruntime packages; a model torch.export can capture",

@@ -174,7 +174,7 @@ def count_batchnorm(model: nn.Module) -> int:
     tolerance=EXACT,
     order=10,
     ids=("I1",),
-    trick="fuse_conv_bn",
+    earlier_name="fuse_conv_bn",
     fn=fuse,
     trades="one operator and one pass over the activations less per Conv/Linear+BN pair, for losing train-mode BN",
     needs="eval mode; a BN right after a conv/linear; a torch.fx-traceable model (else nn.Sequential pairs only)",

@@ -328,7 +328,7 @@ def _prune_notes(rep: ChannelPruneReport, work: nn.Module) -> list[str]:
     check_arg=lambda arg: _check_step_arg(arg),
     order=30,
     ids=("I5",),
-    trick="prune_channels",
+    earlier_name="prune_channels",
     fn=prune_channels,
     trades="a physically smaller, faster model for accuracy (fine-tune afterwards to recover it)",
     needs="a torch.fx-traceable conv model and example inputs",

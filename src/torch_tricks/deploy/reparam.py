@@ -184,7 +184,7 @@ def reparameterize_with_report(model: nn.Module, *, inplace: bool = False) -> tu
     before={"fuse": "fusing removes the BatchNorms that re-parameterization folds",
             "prune": "pruning changes the channel counts the multi-branch blocks fold with"},
     ids=("I2",),
-    trick="reparameterize",
+    earlier_name="reparameterize",
     fn=reparameterize_model,
     trades="one conv per block at inference (faster, no branch outputs kept) for a multi-branch training-time block",
     needs="blocks with a reparameterize() method (RepVGGBlock, ACBlock); eval-mode BN statistics",

@@ -181,7 +181,7 @@ class DeployStep:
     tolerance: Tolerance | None = None
     ids: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
-    trick: str | None = None
+    trick: str = ""  # its entry in the trick registry: the same name
     order: int = 100
     targets: bool = False
     one_int8_setting: str = ""
@@ -238,7 +238,7 @@ def deploy_step(
     trades: str = "",
     needs: str = "",
     fn: Callable[..., Any] | None = None,
-    trick: str | None = "",
+    earlier_name: str = "",
     aliases: tuple[str, ...] = (),
     measured_in: str = "",
     switch_on: str = "",
@@ -248,26 +248,23 @@ def deploy_step(
     """Decorator: register ``apply`` as the deploy step ``name`` and its trick; ``apply`` is returned unchanged.
 
     The trick (kind ``deploy``) is registered under the same name, with ``fn`` (default:
-    ``apply``), the function a user calls alone; ``trick`` is the trick's earlier name if it
-    had one (an alias of the step and of the trick), or None for a step with no trick entry.
+    ``apply``), the function a user calls alone; ``earlier_name`` is the name the trick had
+    before it took the step's (an alias of both, like ``aliases``).
     ``options`` are the other :class:`DeployStep` fields (``final``, ``tolerance`` ...).
     """
 
     def deco(apply: Apply) -> Apply:
         key = name.strip().lower()
         names = [key, *(a.strip().lower() for a in aliases)]
-        if trick and trick != key:
-            names.append(trick)
+        if earlier_name and earlier_name != key:
+            names.append(earlier_name)
         taken = [n for n in names if n in _STEPS or n in _ALIASES]
         if taken:
             raise ValueError(f"deploy step name {taken[0]!r} is registered twice")
-        has_trick = trick is not None
-        step = DeployStep(key, summary, apply, ids=tuple(ids), aliases=tuple(names[1:]),
-                          trick=key if has_trick else None, **options)
-        if has_trick:
-            register_trick(key, ids=tuple(ids), kind="deploy", trades=trades or summary, needs=needs,
-                           measured_in=measured_in, switch_on=switch_on or f"torch-tricks optimize --steps {key}",
-                           available=available, aliases=step.aliases)(fn or apply)
+        step = DeployStep(key, summary, apply, ids=tuple(ids), aliases=tuple(names[1:]), trick=key, **options)
+        register_trick(key, ids=tuple(ids), kind="deploy", trades=trades or summary, needs=needs,
+                       measured_in=measured_in, switch_on=switch_on or f"torch-tricks optimize --steps {key}",
+                       available=available, aliases=step.aliases)(fn or apply)
         _STEPS[key] = step
         _ALIASES.update({a: key for a in step.aliases})
         return apply
@@ -299,8 +296,7 @@ def unregister_step(name: str) -> None:
     step = _STEPS.pop(name)
     for a in step.aliases:
         _ALIASES.pop(a, None)
-    if step.trick:
-        unregister_trick(step.trick)
+    unregister_trick(step.trick)
 
 
 # -- helpers the steps share ------------------------------------------------------------------
