@@ -192,6 +192,36 @@ def test_leak_check_flags_outputs_kept_in_a_list():
     assert rep.leaking
 
 
+def test_leak_check_sees_a_tensor_made_before_it_that_starts_keeping_graphs():
+    """The tensors that existed before the check are frozen out of gc's scans: one of them that
+    starts to carry a graph (an accumulator made before the loop) is still seen."""
+    total = torch.zeros(())
+
+    def leak(state, loss, out):
+        total.add_(loss)  # a tensor made before the check now chains every step's graph
+
+    rep = leak_check(_loop(leak), steps=6)
+    assert rep.leaking and rep.graph_growth_per_step >= 1, rep.message
+
+
+def test_leak_check_leaves_a_callers_gc_freeze_alone():
+    import gc
+
+    def leak(state, loss, out):
+        state["total_loss"] += loss
+
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        rep = leak_check(_loop(leak), steps=4)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    assert rep.leaking
+    assert leak_check(_loop(lambda *a: None), steps=4).leaking is False
+    assert gc.get_freeze_count() == 0
+
+
 def test_leak_check_needs_two_steps():
     with pytest.raises(ValueError):
         leak_check(lambda: None, steps=1)

@@ -23,6 +23,7 @@ import gc
 
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -250,16 +251,16 @@ def leak_check(
     live_series: list[int] = []
     nodes: list[int] = []
     rss: list[int | None] = []
-    with LiveTensors() as live:
+    with _GraphCensus() as census, LiveTensors() as live:
         for _ in range(warmup + steps):
             step_fn()
-            gc.collect()
+            gc.collect()  # only what the steps made, once the census has frozen the rest
             if cuda:
                 torch.cuda.synchronize(device)
                 live_series.append(torch.cuda.memory_allocated(device))
             else:
                 live_series.append(live.live_bytes)
-            nodes.append(_live_graph_nodes())
+            nodes.append(census.graph_nodes())
             rss.append(process_memory().get("rss"))
     growth, grew_b = _trend(live_series[warmup:])
     node_growth, grew_n = _trend(nodes[warmup:])
@@ -289,24 +290,52 @@ def _trend(series: list[int]) -> tuple[float, int]:
     return (series[-1] - series[0]) / max(len(deltas), 1), sum(d > 0 for d in deltas)
 
 
-def _live_graph_nodes() -> int:
-    """Autograd nodes reachable from every live tensor that has a ``grad_fn``."""
-    import warnings
+class _GraphCensus:
+    """Autograd nodes reachable from every live tensor, counted cheaply in a large process.
 
+    A full ``gc.collect()`` and ``gc.get_objects()`` per step cost about half a second
+    each in a process holding millions of objects (transformers imported, a test
+    session), which is most of a leak check. So the objects that existed before the
+    check are moved to gc's permanent generation (``gc.freeze``): each step's collection
+    and scan then see only what the steps made. The tensors among the frozen objects are
+    kept by weak reference and looked at too, since one of them can start to carry a
+    graph (``total += loss`` on a tensor made before the check). A caller that froze
+    objects itself keeps its freeze, and the census falls back to full scans.
+    """
+
+    def __enter__(self) -> "_GraphCensus":
+        gc.collect()
+        self._froze = gc.get_freeze_count() == 0
+        self._old: list[weakref.ref] = []
+        if self._froze:
+            self._old = [weakref.ref(t) for t in _tensors(gc.get_objects())]
+            gc.freeze()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._froze:
+            gc.unfreeze()
+
+    def graph_nodes(self) -> int:
+        old = (ref() for ref in self._old)
+        roots = [t.grad_fn for t in (*_tensors(gc.get_objects()), *old) if t is not None and t.grad_fn is not None]
+        seen: set[int] = set()
+        keep: list[Any] = []  # holds the nodes while counting, so that no id is reused
+        todo = roots
+        while todo:
+            node = todo.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            keep.append(node)
+            todo.extend(fn for fn, _ in getattr(node, "next_functions", ()))
+        return len(seen)
+
+
+def _tensors(objects: list[Any]) -> list[torch.Tensor]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # isinstance() on some module proxies warns
-        roots = [o.grad_fn for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None]
-    seen: set[int] = set()
-    keep: list[Any] = []
-    todo = roots
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        keep.append(node)
-        todo.extend(fn for fn, _ in getattr(node, "next_functions", ()))
-    return len(seen)
+        return [o for o in objects if isinstance(o, torch.Tensor)]
 
 
 class LiveTensors(TorchDispatchMode):
