@@ -95,10 +95,6 @@ def tricks_markdown() -> str:
     from torch_tricks.registry import list_tricks
 
     tricks = list_tricks()
-    by_id: dict[str, list[str]] = {}
-    for t in tricks:
-        for cid in t.ids:
-            by_id.setdefault(cid, []).append(t.name)
     out = [
         "# Tricks",
         "",
@@ -112,10 +108,8 @@ def tricks_markdown() -> str:
         "",
         "| id | tricks |",
         "| --- | --- |",
+        *_id_rows(tricks),
     ]
-    for cid in sorted(by_id, key=_id_key):
-        names = ", ".join(f"[`{n}`](#{n})" for n in by_id[cid])
-        out.append(f'| <a id="{_anchor(cid)}"></a>{cid} | {names} |')
     for kind, title in _KINDS:
         rows = [t for t in tricks if t.kind == kind]
         if not rows:
@@ -123,11 +117,27 @@ def tricks_markdown() -> str:
         out += ["", f"## {title}", "",
                 "| id | name | trades | needs | switch it on | measured in |",
                 "| --- | --- | --- | --- | --- | --- |"]
-        for t in rows:
-            ids = ", ".join(f"[{cid}](#{_anchor(cid)})" for cid in t.ids) or _DASH
-            out.append(f"| {ids} | {_name_cell(t)} | {_cell(t.trades)} | {_cell(t.needs)} "
-                       f"| {_cell(_switch_on(t))} | {_measured(t)} |")
+        out += [_trick_row(t) for t in rows]
     return "\n".join(out) + "\n"
+
+
+def _id_rows(tricks: list) -> list[str]:
+    """One row per catalogue id, in catalogue order, linking to the tricks it names."""
+    by_id: dict[str, list[str]] = {}
+    for t in tricks:
+        for cid in t.ids:
+            by_id.setdefault(cid, []).append(t.name)
+    rows = []
+    for cid in sorted(by_id, key=_id_key):
+        names = ", ".join(f"[`{n}`](#{n})" for n in by_id[cid])
+        rows.append(f'| <a id="{_anchor(cid)}"></a>{cid} | {names} |')
+    return rows
+
+
+def _trick_row(t) -> str:
+    ids = ", ".join(f"[{cid}](#{_anchor(cid)})" for cid in t.ids) or _DASH
+    return (f"| {ids} | {_name_cell(t)} | {_cell(t.trades)} | {_cell(t.needs)} "
+            f"| {_cell(_switch_on(t))} | {_measured(t)} |")
 
 
 def write(path: str | Path = DOCS_PATH) -> Path:
@@ -145,13 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     paths = [a for a in args if a != "--check"]
     path = Path(paths[0] if paths else DOCS_PATH)
     if check:
-        current = path.read_text(encoding="utf-8") if path.exists() else ""
-        if current != tricks_markdown():
-            print(f"{path} is not current: run `python -m torch_tricks._docs`", file=sys.stderr)
-            return 1
-        print(f"{path} is current")
-        return 0
+        return _check(path)
     print(f"wrote {write(path)}")
+    return 0
+
+
+def _check(path: Path) -> int:
+    current = path.read_text(encoding="utf-8") if path.exists() else ""
+    if current != tricks_markdown():
+        print(f"{path} is not current: run `python -m torch_tricks._docs`", file=sys.stderr)
+        return 1
+    print(f"{path} is current")
     return 0
 
 

@@ -35,20 +35,17 @@ def shape_str(shapes: Any) -> str:
         return "-"
     if isinstance(shapes, dict):
         return "{" + ", ".join(f"{k}: {shape_str(v)}" for k, v in shapes.items()) + "}"
-    if isinstance(shapes, (tuple, list)) and all(isinstance(d, int) for d in shapes):
+    if not isinstance(shapes, (tuple, list)):
+        return str(shapes)
+    if all(isinstance(d, int) for d in shapes):
         return "[" + ", ".join(map(str, shapes)) + "]"
-    if isinstance(shapes, (tuple, list)):
-        return "(" + ", ".join(shape_str(s) for s in shapes) + ")"
-    return str(shapes)
+    return "(" + ", ".join(shape_str(s) for s in shapes) + ")"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
     """A fixed-width table; ``align`` has one ``l``/``r`` per column (default: first left)."""
     cells = [[str(c) for c in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in cells:
-        for i, c in enumerate(row):
-            widths[i] = max(widths[i], len(c))
+    widths = _widths(headers, cells)
     align = align or "l" + "r" * (len(headers) - 1)
 
     def fmt(row: Sequence[str]) -> str:
@@ -56,3 +53,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | No
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([fmt(list(headers)), rule, *(fmt(r) for r in cells)])
+
+
+def _widths(headers: Sequence[str], cells: list[list[str]]) -> list[int]:
+    """Each column's width: its widest cell, header included."""
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for i, c in enumerate(row):
+            widths[i] = max(widths[i], len(c))
+    return widths

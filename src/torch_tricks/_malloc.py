@@ -10,6 +10,8 @@ raised here, so whichever asks for less after the other does not undo it.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["raise_malloc_thresholds", "malloc_thresholds"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
@@ -26,15 +28,8 @@ def raise_malloc_thresholds(*, trim: int | None = None, mmap: int | None = None)
     by itself as mapped blocks are freed. Returns whether glibc accepted every value asked
     for (False off glibc, or when it refused).
     """
-    import ctypes
-    import ctypes.util
-    import platform
-
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
+    libc = _glibc()
+    if libc is None:
         return False
     ok = True
     for key, param, value in (("trim", _M_TRIM_THRESHOLD, trim), ("mmap", _M_MMAP_THRESHOLD, mmap)):
@@ -50,3 +45,17 @@ def raise_malloc_thresholds(*, trim: int | None = None, mmap: int | None = None)
 def malloc_thresholds() -> dict[str, int]:
     """What :func:`raise_malloc_thresholds` set in this process so far (bytes by ``trim``/``mmap``)."""
     return dict(_set)
+
+
+def _glibc() -> Any:
+    """The C library, where it is glibc (Linux); else None."""
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None

@@ -61,10 +61,7 @@ def install() -> Iterator[Quiet]:
             if not _is_own(name):
                 self.addFilter(noise)
 
-    made = [logging.getLogger()] + [lg for name, lg in logging.Logger.manager.loggerDict.items()
-                                    if isinstance(lg, logging.Logger) and not _is_own(name)]
-    for existing in made:  # the root logger, and loggers made before us
-        existing.addFilter(noise)
+    _filter_existing(noise)
     roots = _library_roots()
     show = warnings.showwarning
 
@@ -83,9 +80,22 @@ def install() -> Iterator[Quiet]:
             warnings.showwarning = show
         if logging.getLoggerClass() is _QuietLogger:
             logging.setLoggerClass(base)
-        for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
-            if isinstance(lg, logging.Logger) and noise in lg.filters:
-                lg.removeFilter(noise)
+        _unfilter_all(noise)
+
+
+def _filter_existing(noise: logging.Filter) -> None:
+    """Filter the root logger, and the third-party loggers made before us."""
+    made = [logging.getLogger()] + [lg for name, lg in logging.Logger.manager.loggerDict.items()
+                                    if isinstance(lg, logging.Logger) and not _is_own(name)]
+    for existing in made:
+        existing.addFilter(noise)
+
+
+def _unfilter_all(noise: logging.Filter) -> None:
+    """Take the filter off every logger that has it, made before or while the block ran."""
+    for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        if isinstance(lg, logging.Logger) and noise in lg.filters:
+            lg.removeFilter(noise)
 
 
 class _ImportNoise(logging.Filter):

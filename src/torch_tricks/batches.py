@@ -73,7 +73,7 @@ def call(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = None
     """``model``'s output on ``batch``'s inputs; ``labels`` passed in only for the model's own loss (module doc)."""
     b = unpack(batch)
     kwargs = b.kwargs
-    if "labels" in kwargs and not (loss_fn is not None and _model_loss(loss_fn) and takes_labels(model)):
+    if "labels" in kwargs and not _labels_go_in(model, loss_fn):
         kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
     return model(*b.args, **kwargs)
 
@@ -89,10 +89,8 @@ def count(batch: Any) -> int:
 def batch_size(batch: Any) -> int:
     """The size of dim 0: the target's, else the first input tensor's."""
     b = unpack(batch)
-    if isinstance(b.target, torch.Tensor) and b.target.dim() > 0:
-        return int(b.target.shape[0])
-    for t in b.inputs:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
+    for t in (b.target, *b.inputs):
+        if _is_batched(t):
             return int(t.shape[0])
     if b.target is not None and not isinstance(b.target, torch.Tensor):
         return len(b.target)
@@ -147,23 +145,19 @@ def example_batch(model: nn.Module, inputs: Any, *, seed: int = 0, loss: str | N
     xs = _input_tensors(inputs)
     out = _probe_forward(model, inputs, named, xs)
     if kind == "none":
-        return ((dict(inputs) if named else inputs), None), loss_fn
-    pred = primary_output(out)
-    if pred.dim() < 1:
-        raise UserError("the forward's output is a scalar: a training step needs one prediction per sample, "
-                        "or pass your own loss_fn from Python")
+        return (_as_given(inputs, named), None), loss_fn
+    pred = _prediction(out)
     ids = xs[0]
-    token = pred.dim() == 3 and not ids.is_floating_point() and ids.dim() == 2 and ids.shape[1] == pred.shape[1]
-    if token and kind in ("auto", "ce", "nll"):
-        if named and kind == "auto" and takes_labels(model):
+    labels_in_forward = named and kind == "auto" and takes_labels(model)
+    if _is_token_logits(pred, ids) and kind in ("auto", "ce", "nll"):
+        if labels_in_forward:
             return {**inputs, "labels": ids.clone()}, loss_fn  # the model shifts them itself
-        target = torch.full_like(ids, -100)
-        target[:, :-1] = ids[:, 1:]  # next-token targets from the ids
+        target = _next_token_targets(ids)
     else:
         target = _random_target(kind, pred, int(ids.shape[0]), seed)
-    if named and takes_labels(model) and kind == "auto":
+    if labels_in_forward:
         return {**inputs, "labels": target}, loss_fn
-    return ((dict(inputs) if named else inputs), target), loss_fn
+    return (_as_given(inputs, named), target), loss_fn
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -177,13 +171,22 @@ def _model_loss(loss_fn: Callable[..., Any]) -> bool:
     return loss_fn is get_loss("auto") or loss_fn is get_loss("none")
 
 
+def _labels_go_in(model: nn.Module, loss_fn: Callable[..., Any] | None) -> bool:
+    """The forward gets ``labels``: the loss is the model's own and the forward takes them (module doc)."""
+    return loss_fn is not None and _model_loss(loss_fn) and takes_labels(model)
+
+
+def _is_batched(x: Any) -> bool:
+    """A tensor with a batch dimension."""
+    return isinstance(x, torch.Tensor) and x.dim() > 0
+
+
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with ``fn`` applied to every tensor in it (tuples, lists and dicts keep their form)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, Mapping):
-        return type(value)((k, map_tensors(v, fn)) for k, v in value.items()) if type(value) is not dict \
-            else {k: map_tensors(v, fn) for k, v in value.items()}
+        return _map_mapping(value, fn)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*(map_tensors(v, fn) for v in value))
     if isinstance(value, (tuple, list)):
@@ -191,11 +194,43 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
+def _as_given(inputs: Any, named: bool) -> Any:
+    """The inputs for a batch: keyword inputs as a plain dict, positional ones as they are."""
+    return dict(inputs) if named else inputs
+
+
+def _prediction(out: Any) -> torch.Tensor:
+    pred = primary_output(out)
+    if pred.dim() < 1:
+        raise UserError("the forward's output is a scalar: a training step needs one prediction per sample, "
+                        "or pass your own loss_fn from Python")
+    return pred
+
+
+def _is_token_logits(pred: torch.Tensor, ids: Any) -> bool:
+    """``pred`` is ``(B, T, V)`` logits over the integer ids ``(B, T)``."""
+    return pred.dim() == 3 and not ids.is_floating_point() and ids.dim() == 2 and ids.shape[1] == pred.shape[1]
+
+
+def _next_token_targets(ids: torch.Tensor) -> torch.Tensor:
+    """Each position's target is the next id; the last position's is ignored (-100)."""
+    target = torch.full_like(ids, -100)
+    target[:, :-1] = ids[:, 1:]
+    return target
+
+
+def _map_mapping(value: Mapping[Any, Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A dict stays a dict; another mapping type is rebuilt from its (key, value) pairs."""
+    if type(value) is dict:
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    return type(value)((k, map_tensors(v, fn)) for k, v in value.items())
+
+
 def _input_tensors(inputs: Any) -> tuple[Any, ...]:
     """The inputs as a tuple (a dict's values in order); refused unless the first is a batched tensor."""
     named = isinstance(inputs, Mapping)
     xs = tuple(inputs.values()) if named else tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    if not xs or not isinstance(xs[0], torch.Tensor) or xs[0].dim() == 0:
+    if not xs or not _is_batched(xs[0]):
         raise UserError("a training batch needs batched tensor inputs (batch dimension first)")
     return xs
 

@@ -79,12 +79,7 @@ def synchronize(device: torch.device | str | int | None = None) -> None:
     without this measures only the kernel launches.
     """
     if device is None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-            return
-        acc = _current_accelerator()
-        if acc is not None and acc.type != "cuda":
-            torch.accelerator.synchronize()
+        _synchronize_in_use()
         return
     dev = device if isinstance(device, torch.device) else parse(device)
     if dev.type in ("cpu", "meta"):
@@ -93,10 +88,25 @@ def synchronize(device: torch.device | str | int | None = None) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize(dev)
         return
+    _synchronize_accelerator(dev)
+
+
+def _synchronize_in_use() -> None:
+    """:func:`synchronize` of no device: initialised CUDA, else the current non-CUDA accelerator."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        return
+    acc = _current_accelerator()
+    if acc is not None and acc.type != "cuda":
+        torch.accelerator.synchronize()
+
+
+def _synchronize_accelerator(dev: torch.device) -> None:
+    """A non-CUDA accelerator (MPS, XPU...): through ``torch.accelerator``, or its own module on torch < 2.6."""
     if hasattr(torch, "accelerator"):
         torch.accelerator.synchronize(dev)
         return
-    backend = getattr(torch, dev.type, None)  # torch < 2.6: torch.mps / torch.xpu
+    backend = getattr(torch, dev.type, None)  # torch.mps / torch.xpu
     if backend is not None and hasattr(backend, "synchronize"):
         backend.synchronize()
 

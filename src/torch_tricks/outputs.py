@@ -49,7 +49,7 @@ def primary_output(out: Any) -> torch.Tensor:
 def output_loss(out: Any) -> torch.Tensor | None:
     """The output's own loss (``out.loss`` / ``out["loss"]``) if it carries a scalar one, else None."""
     loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.is_floating_point():
+    if _is_float_tensor(loss):
         return _scalar(loss, "the model's own loss")
     return None
 
@@ -123,19 +123,18 @@ _LOSS_FNS: dict[str, Callable[..., torch.Tensor]] = {
 
 # -- helpers ---------------------------------------------------------------------------------------
 
+def _is_float_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
 def _find(out: Any) -> torch.Tensor | None:
     if isinstance(out, torch.Tensor):
         return out if out.is_floating_point() else None
-    if isinstance(out, Mapping):
-        items = list(out.items())
-    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
-        items = [(f.name, getattr(out, f.name)) for f in dataclasses.fields(out)]
-    elif isinstance(out, (tuple, list)):
-        items = [(None, v) for v in out]
-    else:
+    items = _fields_of(out)
+    if items is None:
         return None
-    logits = next((v for k, v in items if k == "logits"), None)
-    if isinstance(logits, torch.Tensor) and logits.is_floating_point():
+    logits = _logits(items)
+    if logits is not None:
         return logits
     for k, v in items:
         if k == "loss":
@@ -143,6 +142,23 @@ def _find(out: Any) -> torch.Tensor | None:
         t = _find(v)
         if t is not None:
             return t
+    return None
+
+
+def _logits(items: list[tuple[str | None, Any]]) -> torch.Tensor | None:
+    """The ``logits`` field, where it is a floating-point tensor."""
+    logits = next((v for k, v in items if k == "logits"), None)
+    return logits if _is_float_tensor(logits) else None
+
+
+def _fields_of(out: Any) -> list[tuple[str | None, Any]] | None:
+    """(name, value) pairs of a mapping or dataclass, (None, value) of a sequence; None for anything else."""
+    if isinstance(out, Mapping):
+        return list(out.items())
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [(f.name, getattr(out, f.name)) for f in dataclasses.fields(out)]
+    if isinstance(out, (tuple, list)):
+        return [(None, v) for v in out]
     return None
 
 

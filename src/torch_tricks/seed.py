@@ -72,36 +72,13 @@ def seed_everything(seed: int, *, deterministic: bool = False, warn_only: bool =
     problems: list[str] = []
     env: dict[str, str] = {"PYTHONHASHSEED": str(seed)}
     if deterministic:
-        current = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-        if current not in CUBLAS_DETERMINISTIC_CONFIGS:
-            on_cpu = device is not None and torch.device(device).type == "cpu"
-            if _cuda_initialized() and not on_cpu:
-                problem = (
-                    "deterministic mode: CUDA was initialised before CUBLAS_WORKSPACE_CONFIG was set, so cuBLAS may stay "
-                    "nondeterministic; call seed_everything(deterministic=True) before any CUDA work, or export "
-                    "CUBLAS_WORKSPACE_CONFIG=:4096:8 before starting Python"
-                )
-                if not warn_only:
-                    raise UserError(problem)
-                problems.append(problem)
-            else:
-                env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        cublas_env, problems = _cublas_env(device, warn_only)
+        env.update(cublas_env)
 
     previous = _determinism_state()
     previous["env"] = {k: os.environ.get(k) for k in env}
 
-    seeded = ["random"]
-    random.seed(seed)
-    if available("numpy"):  # numpy is optional for seeding
-        import numpy as np
-
-        np.random.seed(seed)
-        seeded.append("numpy")
-    torch.manual_seed(seed)  # seeds the CPU generator and, lazily, every CUDA device's
-    seeded.append("torch")
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)  # explicit for readers; torch.manual_seed already queued it
-        seeded.append(f"cuda x{torch.cuda.device_count()}")
+    seeded = _seed_generators(seed)
     os.environ.update(env)
 
     if deterministic:
@@ -139,11 +116,7 @@ def restore_determinism(previous: dict[str, Any]) -> None:
         env = dict(previous.get("env", {}))
     except (KeyError, TypeError):
         raise UserError("restore_determinism needs the dict seed_everything returned (or its 'previous' entry)") from None
-    for key, value in env.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    _restore_env(env)
 
 
 def worker_init_fn(worker_id: int) -> None:
@@ -180,6 +153,50 @@ def seeded_generator(seed: int) -> torch.Generator:
 
 
 # --- helpers ---------------------------------------------------------------------------
+
+
+def _cublas_env(device: str | torch.device | None, warn_only: bool) -> tuple[dict[str, str], list[str]]:
+    """The cuBLAS variable deterministic mode needs, unless already set, and the problems found: CUDA
+    started without it is a UserError, or with ``warn_only`` a problem (and no variable)."""
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") in CUBLAS_DETERMINISTIC_CONFIGS:
+        return {}, []
+    on_cpu = device is not None and torch.device(device).type == "cpu"
+    if not _cuda_initialized() or on_cpu:
+        return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, []
+    problem = (
+        "deterministic mode: CUDA was initialised before CUBLAS_WORKSPACE_CONFIG was set, so cuBLAS may stay "
+        "nondeterministic; call seed_everything(deterministic=True) before any CUDA work, or export "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8 before starting Python"
+    )
+    if not warn_only:
+        raise UserError(problem)
+    return {}, [problem]
+
+
+def _seed_generators(seed: int) -> list[str]:
+    """Seed every generator there is; returns their names."""
+    seeded = ["random"]
+    random.seed(seed)
+    if available("numpy"):  # numpy is optional for seeding
+        import numpy as np
+
+        np.random.seed(seed)
+        seeded.append("numpy")
+    torch.manual_seed(seed)  # seeds the CPU generator and, lazily, every CUDA device's
+    seeded.append("torch")
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)  # explicit for readers; torch.manual_seed already queued it
+        seeded.append(f"cuda x{torch.cuda.device_count()}")
+    return seeded
+
+
+def _restore_env(env: dict[str, str | None]) -> None:
+    """Set each variable back; None: it was unset."""
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _cuda_initialized() -> bool:

@@ -33,10 +33,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     verbose = any(a in ("-v", "--verbose") for a in argv)  # accepted before or after the command
     args = parser.parse_args([a for a in argv if a not in ("-v", "--verbose")])
     args.debug = "--debug" in argv  # accepted before or after the command
-    verbose = verbose or args.debug
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    return _run(args, verbose or args.debug)
+
+
+def _run(args: argparse.Namespace, verbose: bool) -> int:
+    """The command's exit status; bad input and an interrupt become one line on stderr."""
     try:
         from torch_tricks._quiet import install
 

@@ -62,22 +62,20 @@ def advise(
     """
     out: list[Advice] = []
     g4_flagged: list[str] = []
-    model_share = s.totals["pointwise_bytes"] / s.totals["mac_bytes"] if s.totals.get("mac_bytes") else 0.0
-    compute = [r.name for r in s.all_rows if r.is_leaf and _matmul_dims(r)]
-    first_compute, last_compute = (compute[0], compute[-1]) if compute else (None, None)
+    model_share = _pointwise_share(s.totals)
+    first_compute, last_compute = _compute_ends(s)
     for r in s.all_rows:
         out.extend(_channel_advice(r, channel_ratio, first_compute))
-        if not r.is_leaf and r.branches >= branches and not _branching_inside(s, r):
+        if _is_fragmented(s, r, branches):
             out.append(_fragmentation(s, r))
         g4 = _pointwise_block_advice(r, g4_flagged, max(pointwise_share, model_share + 0.1))
         if g4 is not None:
             g4_flagged.append(r.name)
             out.append(g4)
         out.extend(_dims_advice(s, r, multiple, first_compute, last_compute))
-    total = s.totals
-    if total.get("mac_bytes") and total["pointwise_bytes"] / total["mac_bytes"] >= pointwise_share:
+    if s.totals.get("mac_bytes") and model_share >= pointwise_share:
         out.insert(0, Advice("G4", "warn", "(model)",
-            f"element-wise ops move {total['pointwise_bytes'] / total['mac_bytes']:.0%} of all bytes: "
+            f"element-wise ops move {model_share:.0%} of all bytes: "
             "fusion (deploy fuse, torch.compile) will pay off"))
     order = {"warn": 0, "info": 1}
     return sorted(out, key=lambda a: order[a.severity])
@@ -90,7 +88,7 @@ def group_advice(advice: list[Advice], keep: int = 3) -> list[Advice]:
     ``keep`` module names; the first one's message stands for all. Order is kept."""
     groups: dict[tuple, Advice] = {}
     for a in advice:
-        pattern = _INDEX.sub("*", a.module) if a.module != "(model)" else a.module
+        pattern = _module_pattern(a.module)
         key = (a.rule, a.severity, pattern, _NUMBER.sub("#", a.message))
         g = groups.get(key)
         if g is None:
@@ -113,17 +111,45 @@ def advice_text(advice: list[Advice], grouped: list[Advice] | None = None, shown
         grouped = group_advice(advice)
     shown = grouped[:shown_at_most]
     lines = [f"advice ({len(advice)} in {len(grouped)} pattern(s); ShuffleNetV2 G1-G4, tensor-core dims T23):"]
-    for a in shown:
-        where = (f" (x{a.count}: {', '.join(a.modules)}{', ...' if a.count > len(a.modules) else ''})"
-                 if a.count > 1 else "")
-        lines.append(f"  [{a.rule} {a.severity}] {a.module}{where}: {a.message}")
+    lines += [_advice_line(a) for a in shown]
     if len(grouped) > len(shown):
         lines.append(f"  ... {len(grouped) - len(shown)} more (use --json for all)")
     return "\n".join(lines)
 
 
+def _advice_line(a: Advice) -> str:
+    where = ""
+    if a.count > 1:
+        where = f" (x{a.count}: {', '.join(a.modules)}{', ...' if a.count > len(a.modules) else ''})"
+    return f"  [{a.rule} {a.severity}] {a.module}{where}: {a.message}"
+
+
 _INDEX = re.compile(r"(?:(?<=^)|(?<=\.))\d+(?=\.|$)")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _module_pattern(module: str) -> str:
+    """``encoder.layer.3.attention`` -> ``encoder.layer.*.attention``; the model line stays as is."""
+    return _INDEX.sub("*", module) if module != "(model)" else module
+
+
+def _pointwise_share(totals: dict[str, int]) -> float:
+    return totals["pointwise_bytes"] / totals["mac_bytes"] if totals.get("mac_bytes") else 0.0
+
+
+def _compute_ends(s: Summary) -> tuple[str | None, str | None]:
+    """The first and last leaf compute layers (their dims are set by the data and the classes)."""
+    compute = [r.name for r in s.all_rows if r.is_leaf and _matmul_dims(r)]
+    return (compute[0], compute[-1]) if compute else (None, None)
+
+
+def _is_inside(name: str, block: str) -> bool:
+    """Module ``name`` lies strictly inside ``block`` (every named module lies inside the root "")."""
+    return name.startswith(block + ".") if block else bool(name)
+
+
+def _is_fragmented(s: Summary, r, branches: int) -> bool:
+    return not r.is_leaf and r.branches >= branches and not _branching_inside(s, r)
 
 
 def _channel_advice(r, channel_ratio: float, first_compute: str | None) -> list[Advice]:
@@ -140,17 +166,23 @@ def _channel_advice(r, channel_ratio: float, first_compute: str | None) -> list[
             f"{c1}->{c2} channels (ratio {ratio:.0f}): a 1x1 conv at this ratio moves "
             f"{(excess - 1) * 100:.0f}% more activation bytes than equal widths at the same FLOPs"))
     if g > 1:
-        kind = "depthwise" if g == c1 == c2 or (g == c1 and c2 % c1 == 0) else f"{g}-group"
         out.append(Advice("G2", "info", r.name,
-            f"{kind} conv: few FLOPs per byte moved, so it runs far below peak; "
+            f"{_group_kind(g, c1, c2)} conv: few FLOPs per byte moved, so it runs far below peak; "
             "fewer groups or fused kernels help"))
     return out
+
+
+def _group_kind(groups: int, c1: int, c2: int) -> str:
+    """``depthwise`` for one group per input channel, else ``N-group``."""
+    if groups == c1 == c2 or (groups == c1 and c2 % c1 == 0):
+        return "depthwise"
+    return f"{groups}-group"
 
 
 def _pointwise_block_advice(r, flagged: list[str], threshold: float) -> Advice | None:
     """G4 for a block whose element-wise share reaches ``threshold``, once per subtree (not inside ``flagged``)."""
     share = r.pointwise_bytes / r.mac_bytes if r.mac_bytes else 0.0
-    nested = any(r.name.startswith(f + ".") for f in flagged)  # say it once per subtree
+    nested = any(_is_inside(r.name, f) for f in flagged)  # say it once per subtree
     if r.is_leaf or not r.name or nested or share < threshold:
         return None
     return Advice("G4", "info", r.name,
@@ -164,9 +196,7 @@ def _dims_advice(s: Summary, r, multiple: int, first_compute: str | None, last_c
     out: list[Advice] = []
     for dim_name, value in _matmul_dims(r).items():
         if value % multiple:
-            reads_input = r.name == first_compute or (r.input_shapes or None) == s.input_shapes
-            edge = (reads_input and dim_name in ("in_channels", "in_features")) or (
-                r.name == last_compute and dim_name in ("out_channels", "out_features"))
+            edge = _is_edge_dim(s, r, dim_name, first_compute, last_compute)
             out.append(Advice("T23", "info" if edge else "warn", r.name,
                 f"{dim_name}={value} is not a multiple of {multiple}: tensor cores and blocked "
                 f"CPU kernels pad it; use {math.ceil(value / multiple) * multiple}"
@@ -174,26 +204,25 @@ def _dims_advice(s: Summary, r, multiple: int, first_compute: str | None, last_c
     return out
 
 
+def _is_edge_dim(s: Summary, r, dim_name: str, first_compute: str | None, last_compute: str | None) -> bool:
+    """The dim is the data's (the first layer's input) or the classes' (the last layer's output)."""
+    reads_input = r.name == first_compute or (r.input_shapes or None) == s.input_shapes
+    return (reads_input and dim_name in ("in_channels", "in_features")) or (
+        r.name == last_compute and dim_name in ("out_channels", "out_features"))
+
+
 def _branching_inside(s: Summary, r) -> bool:
     """A block inside ``r`` has as many branches: the branching is its (the encoder, the layer and
     the attention all "see" the Q/K/V projections of the attention's input)."""
-    return any(o.name.startswith(r.name + ".") and not o.is_leaf and o.branches >= r.branches
-               for o in s.all_rows) if r.name else any(not o.is_leaf and o.name and o.branches >= r.branches
-                                                        for o in s.all_rows)
+    return any(_is_inside(o.name, r.name) and not o.is_leaf and o.branches >= r.branches for o in s.all_rows)
 
 
 def _fragmentation(s: Summary, r) -> Advice:
     """G3 for block ``r``, with the remedy that applies to its kind of branches."""
-    inside = [o for o in s.all_rows if o.is_leaf and (o.name.startswith(r.name + ".") if r.name else o.name)]
-    same_input = [o for o in inside if "in_features" in o.extra and o.input_shapes and r.input_shapes
-                  and o.input_shapes[0] == r.input_shapes[0]]
+    inside = _leaves_inside(s, r)
+    same_input = [o for o in inside if "in_features" in o.extra and _same_first_input(o, r)]
     if len(same_input) >= 2:
-        widths = "+".join(str(o.extra["out_features"]) for o in same_input)
-        names = ", ".join(o.name.rsplit(".", 1)[-1] for o in same_input)
-        return Advice("G3", "info", r.name,
-                      f"{len(same_input)} projections of one input ({names}): fuse them into one Linear of "
-                      f"width {widths} (fused QKV: one matmul instead of {len(same_input)}); re-parameterization "
-                      "does not apply, their outputs are not summed")
+        return _fuse_projections(r, same_input)
     if any("in_channels" in o.extra for o in inside):
         return Advice("G3", "warn", r.name,
                       f"its input feeds {r.branches} parallel compute ops (fragmentation); if their outputs are "
@@ -202,19 +231,46 @@ def _fragmentation(s: Summary, r) -> Advice:
                                         "fewer, wider operators use the hardware better")
 
 
+def _leaves_inside(s: Summary, r) -> list:
+    return [o for o in s.all_rows if o.is_leaf and _is_inside(o.name, r.name)]
+
+
+def _fuse_projections(r, projections: list) -> Advice:
+    """G3 for Linear layers reading the block's input (Q, K, V): one wider Linear."""
+    widths = "+".join(str(o.extra["out_features"]) for o in projections)
+    names = ", ".join(o.name.rsplit(".", 1)[-1] for o in projections)
+    return Advice("G3", "info", r.name,
+                  f"{len(projections)} projections of one input ({names}): fuse them into one Linear of "
+                  f"width {widths} (fused QKV: one matmul instead of {len(projections)}); re-parameterization "
+                  "does not apply, their outputs are not summed")
+
+
+def _same_first_input(o, r) -> bool:
+    return bool(o.input_shapes and r.input_shapes and o.input_shapes[0] == r.input_shapes[0])
+
+
+# the layer hyper-parameter that identifies each kind of non-conv layer, and its matmul dims
+_MATMUL_DIMS = (
+    ("in_features", ("in_features", "out_features")),
+    ("head_dim", ("embed_dim", "head_dim")),
+    ("hidden_size", ("input_size", "hidden_size")),
+    ("embedding_dim", ("embedding_dim",)),
+)
+
+
 def _matmul_dims(r) -> dict[str, int]:
     e = r.extra
     if "in_channels" in e:
-        if e["groups"] > 1:  # per-group dims are what the kernel sees
-            return {"in_channels": e["in_channels"] // e["groups"], "out_channels": e["out_channels"] // e["groups"]} \
-                if e["in_channels"] // e["groups"] > 1 else {}
-        return {"in_channels": e["in_channels"], "out_channels": e["out_channels"]}
-    if "in_features" in e:
-        return {"in_features": e["in_features"], "out_features": e["out_features"]}
-    if "head_dim" in e:
-        return {"embed_dim": e["embed_dim"], "head_dim": e["head_dim"]}
-    if "hidden_size" in e:
-        return {"input_size": e["input_size"], "hidden_size": e["hidden_size"]}
-    if "embedding_dim" in e:
-        return {"embedding_dim": e["embedding_dim"]}
+        return _conv_dims(e)
+    for key, dims in _MATMUL_DIMS:
+        if key in e:
+            return {d: e[d] for d in dims}
     return {}
+
+
+def _conv_dims(e: dict[str, Any]) -> dict[str, int]:
+    g = e["groups"]
+    if g > 1:  # per-group dims are what the kernel sees; none for a depthwise conv
+        return {"in_channels": e["in_channels"] // g, "out_channels": e["out_channels"] // g} \
+            if e["in_channels"] // g > 1 else {}
+    return {"in_channels": e["in_channels"], "out_channels": e["out_channels"]}

@@ -93,14 +93,7 @@ def rnn_macs(module: nn.RNNBase, args: tuple[Any, ...]) -> int:
     input and recurrent matmuls, plus ``hidden × proj`` for an LSTM projection. A
     ``PackedSequence`` counts only its real (unpadded) steps.
     """
-    x = args[0]
-    if isinstance(x, nn.utils.rnn.PackedSequence):
-        steps = int(x.batch_sizes.sum())
-    else:
-        if x.dim() == 2:  # unbatched (T, F)
-            steps = x.shape[0]
-        else:
-            steps = x.shape[0] * x.shape[1]
+    steps = _rnn_steps(args[0])
     gates = {"LSTM": 4, "GRU": 3}.get(module.mode, 1)
     dirs = 2 if module.bidirectional else 1
     hidden = module.hidden_size
@@ -109,9 +102,18 @@ def rnn_macs(module: nn.RNNBase, args: tuple[Any, ...]) -> int:
     macs = 0
     for layer in range(module.num_layers):
         inp = module.input_size if layer == 0 else out * dirs
-        per_step = gates * hidden * (inp + out) + (hidden * proj if proj else 0)
+        per_step = gates * hidden * (inp + out) + hidden * proj  # proj is 0 without a projection
         macs += per_step * dirs * steps
     return macs
+
+
+def _rnn_steps(x: Any) -> int:
+    """Time steps summed over the batch: a PackedSequence's real ones, else ``T`` (unbatched) or ``B·T``."""
+    if isinstance(x, nn.utils.rnn.PackedSequence):
+        return int(x.batch_sizes.sum())
+    if x.dim() == 2:  # unbatched (T, F)
+        return x.shape[0]
+    return x.shape[0] * x.shape[1]
 
 
 def _sdpa_cpu_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -149,13 +151,16 @@ _EXTRA_FORMULAS[_aten._trilinear] = shape_wrapper(_trilinear_flops)
 
 def _op_flops(func, args, kwargs, out) -> int:
     packet = func._overloadpacket
-    formula = flop_registry.get(packet)
-    if formula is not None:
-        return int(formula(*args, **kwargs, out_val=out))
-    formula = _EXTRA_FORMULAS.get(packet)
+    formula = flop_registry.get(packet, _EXTRA_FORMULAS.get(packet))
     if formula is not None:
         return int(formula(*args, **kwargs, out_val=out))
     return 0
+
+
+def _flat_tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors among the leaves of ``tree`` (args, kwargs, outputs)."""
+    flat, _ = tree_flatten(tree)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -220,18 +225,20 @@ class OpCounter(TorchDispatchMode):
         rec = self._record(module)
         if rec is None:
             return
-        flat, _ = tree_flatten(args)
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        tensors = _flat_tensors(args)
         if rec.input_shapes is None:
             rec.input_shapes = [tuple(t.shape) for t in tensors]
         keys = {k for k in map(_storage_key, tensors) if k is not None}
         is_rnn = isinstance(module, nn.RNNBase)
         self.stack.append(_Frame(rec, keys, is_rnn))
         if is_rnn:
-            self._rnn_depth += 1
-            macs = rnn_macs(module, args)
-            stats = OpStats(macs=macs, by_op={f"rnn.{module.mode.lower()}": macs})
-            self._attribute(stats)
+            self._enter_rnn(module, args)
+
+    def _enter_rnn(self, module: nn.RNNBase, args: tuple[Any, ...]) -> None:
+        """A recurrent layer's MACs, counted from its shapes; its own operators are not counted again."""
+        self._rnn_depth += 1
+        macs = rnn_macs(module, args)
+        self._attribute(OpStats(macs=macs, by_op={f"rnn.{module.mode.lower()}": macs}))
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self.stack or self.stack[-1].rec.module is not module:
@@ -242,8 +249,7 @@ class OpCounter(TorchDispatchMode):
         rec.branches = max(rec.branches, frame.branch_ops)
         if frame.is_rnn:
             self._rnn_depth -= 1
-        flat, spec = tree_flatten(output)
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        tensors = _flat_tensors(output)
         rec.output_bytes += sum(t.numel() * t.element_size() for t in tensors)
         if rec.output_shapes is None:
             rec.output_shapes = _shapes_of(output)
@@ -272,23 +278,22 @@ class OpCounter(TorchDispatchMode):
 
     # -- operator accounting -------------------------------------------------------
     def _attribute(self, stats: OpStats) -> None:
-        seen: set[int] = set()
-        frames = self.stack or []
-        if not frames:
-            root = self.records.get("")
+        """Add ``stats`` to the total of every open module (each once) and of the root, and to the
+        innermost one's own costs (the root's where no module is open)."""
+        root = self.records.get("")
+        if not self.stack:
             if root is not None:
                 root.total.add(stats)
                 root.self_.add(stats)
             return
-        for frame in frames:
+        seen: set[int] = set()
+        for frame in self.stack:
             if id(frame.rec) not in seen:
                 seen.add(id(frame.rec))
                 frame.rec.total.add(stats)
-        frames[-1].rec.self_.add(stats)
-        if self.stack and self.stack[0].rec.name != "":
-            root = self.records.get("")
-            if root is not None and id(root) not in seen:
-                root.total.add(stats)
+        self.stack[-1].rec.self_.add(stats)
+        if root is not None and id(root) not in seen:
+            root.total.add(stats)
 
     def _op_name(self, func) -> str:
         """Operator name for the per-operator MACs; matmuls inside recurrent cells and
@@ -305,10 +310,8 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        in_flat, _ = tree_flatten((args, kwargs))
-        ins = [t for t in in_flat if isinstance(t, torch.Tensor)]
-        out_flat, _ = tree_flatten(out)
-        outs = [t for t in out_flat if isinstance(t, torch.Tensor)]
+        ins = _flat_tensors((args, kwargs))
+        outs = _flat_tensors(out)
         in_keys = [_storage_key(t) for t in ins]
         stats = OpStats(ops=1)
         if not (func.is_view or _aliases_inputs(func, outs, in_keys)):
@@ -355,10 +358,9 @@ def _shapes_of(obj: Any) -> Any:
         return tuple(obj.shape)
     if isinstance(obj, dict):
         return {k: _shapes_of(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_shapes_of(v) for v in obj) if not hasattr(obj, "_fields") else tuple(
-            _shapes_of(v) for v in obj
-        )
+    if isinstance(obj, (list, tuple)):  # a namedtuple's shapes are a plain tuple
+        shapes = (_shapes_of(v) for v in obj)
+        return tuple(shapes) if hasattr(obj, "_fields") else type(obj)(shapes)
     if isinstance(obj, nn.utils.rnn.PackedSequence):
         return ("packed", tuple(obj.data.shape))
     return type(obj).__name__

@@ -66,16 +66,9 @@ def autograd_dot(
     package and is unmaintained, while DOT is plain text that any Graphviz can render.
     Stops after ``max_nodes`` nodes and says so in the graph label.
     """
-    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+    if not _is_int(max_nodes) or max_nodes < 1:
         raise UserError(f"max_nodes must be an integer >= 1, got {max_nodes!r}")
-    tensors = [t for t in _flatten(outputs) if isinstance(t, torch.Tensor)]
-    if not tensors:
-        raise UserError("autograd_dot needs the model's output tensor(s); got no tensors")
-    if not any(t.grad_fn is not None or t.requires_grad for t in tensors):
-        raise UserError(
-            "the outputs carry no autograd graph: run the forward outside torch.no_grad()/"
-            "inference_mode() with parameters that require grad"
-        )
+    tensors = _graph_outputs(outputs)
     names = {id(t): name for name, t in (params or {}).items() if isinstance(t, torch.Tensor)}
     dot = _AutogradDot(names, show_saved)
     dot.add_outputs(tensors)
@@ -138,7 +131,7 @@ def export_onnx(
     """
     require("onnx", "onnx", "ONNX export")
     require("onnxscript", "onnx", "ONNX export")
-    if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset < 7):
+    if opset is not None and (not _is_int(opset) or opset < 7):
         raise UserError(f"opset must be an ONNX opset number such as 18, got {opset!r}")
     args, kwargs = split_inputs(inputs)
     dynamic_shapes = None
@@ -146,10 +139,7 @@ def export_onnx(
         args, kwargs, dynamic_shapes = _batch_dynamic(args, kwargs)
     weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
-    target = Path(path)
-    if target.is_dir():
-        raise UserError(f"ONNX path {str(target)!r} is a directory: give a file name such as model.onnx")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target = _onnx_target(path)
     # Export into a private folder beside the target (with the final file name, since a .data
     # side file is referenced by name), then move the files into place.
     tmpdir = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
@@ -166,9 +156,7 @@ def export_onnx(
                 external_data=weight_bytes > _ONNX_INLINE_LIMIT,
                 verbose=False,
             )
-        produced = sorted(tmpdir.iterdir(), key=lambda p: p.name == target.name)  # model file last
-        for p in produced:
-            os.replace(p, target.parent / p.name)
+        _move_files(tmpdir, target)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     return target
@@ -211,12 +199,7 @@ def save_graph(model: torch.nn.Module, inputs: Any, path: str | os.PathLike[str]
     exports ONNX; a directory (or a path without extension) gets a TensorBoard event file.
     """
     p = Path(path)
-    if fmt is None:
-        ext = p.suffix.lower().lstrip(".")
-        fmt = ext if ext else "tensorboard"
-        if p.is_dir():
-            fmt = "tensorboard"
-    fmt = fmt.lower().lstrip(".")
+    fmt = _graph_format(p, fmt)
     if fmt not in GRAPH_FORMATS:
         raise UserError(
             f"unknown graph format {fmt!r} for {str(p)!r}: use a .dot, .svg, .png, .pdf or .onnx "
@@ -235,6 +218,48 @@ def save_graph(model: torch.nn.Module, inputs: Any, path: str | os.PathLike[str]
 
 
 # --- helpers ---------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    """An int proper: ``True`` is an int to Python but never a count."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _graph_outputs(outputs: Any) -> list[torch.Tensor]:
+    """The output tensors of :func:`autograd_dot`; a UserError where they have no graph to draw."""
+    tensors = [t for t in _flatten(outputs) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise UserError("autograd_dot needs the model's output tensor(s); got no tensors")
+    if not any(t.grad_fn is not None or t.requires_grad for t in tensors):
+        raise UserError(
+            "the outputs carry no autograd graph: run the forward outside torch.no_grad()/"
+            "inference_mode() with parameters that require grad"
+        )
+    return tensors
+
+
+def _onnx_target(path: str | os.PathLike[str]) -> Path:
+    """The ONNX file's path, its folder created."""
+    target = Path(path)
+    if target.is_dir():
+        raise UserError(f"ONNX path {str(target)!r} is a directory: give a file name such as model.onnx")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def _move_files(tmpdir: Path, target: Path) -> None:
+    """Move what the export wrote next to ``target``, the model file last."""
+    produced = sorted(tmpdir.iterdir(), key=lambda p: p.name == target.name)
+    for p in produced:
+        os.replace(p, target.parent / p.name)
+
+
+def _graph_format(p: Path, fmt: str | None) -> str:
+    """``fmt`` normalised or, when None, the format ``p`` implies (a directory or no extension: tensorboard)."""
+    if fmt is None:
+        ext = p.suffix.lower().lstrip(".")
+        fmt = "tensorboard" if p.is_dir() or not ext else ext
+    return fmt.lower().lstrip(".")
 
 
 class _AutogradDot:
@@ -277,10 +302,14 @@ class _AutogradDot:
                 self.lines.append(f"  {self.node_id(t.grad_fn)} -> {out_id};")
                 self.queue.append(t.grad_fn)
             elif t.requires_grad:  # the output is itself a leaf
-                if id(t) not in self.done:
-                    self.done.add(id(t))
-                    self.add_leaf(self.node_id(t), t)
-                self.lines.append(f"  {self.node_id(t)} -> {out_id};")
+                self.add_leaf_output(t, out_id)
+
+    def add_leaf_output(self, t: torch.Tensor, out_id: str) -> None:
+        """An output that is a leaf tensor: its node (once) and the edge to the output node."""
+        if id(t) not in self.done:
+            self.done.add(id(t))
+            self.add_leaf(self.node_id(t), t)
+        self.lines.append(f"  {self.node_id(t)} -> {out_id};")
 
     def walk(self, max_nodes: int) -> bool:
         """Describe the queued backward functions breadth-first; False when ``max_nodes`` stopped it."""
@@ -339,15 +368,17 @@ def _saved(fn: Any) -> Iterator[tuple[str, str]]:
             value = getattr(fn, attr)
         except Exception:  # some saved values raise once freed by backward
             continue
-        if isinstance(value, torch.Tensor):
-            text = _shape(value)
-        elif isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
-            text = "[" + ", ".join(_shape(v) if isinstance(v, torch.Tensor) else repr(v) for v in value) + "]"
-        else:
-            text = repr(value)
-            if len(text) > 60:
-                text = text[:57] + "..."
-        yield attr.removeprefix("_saved_"), text
+        yield attr.removeprefix("_saved_"), _saved_text(value)
+
+
+def _saved_text(value: Any) -> str:
+    """A saved value for a node label: tensors as shapes, anything else as a short repr."""
+    if isinstance(value, torch.Tensor):
+        return _shape(value)
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return "[" + ", ".join(_shape(v) if isinstance(v, torch.Tensor) else repr(v) for v in value) + "]"
+    text = repr(value)
+    return text[:57] + "..." if len(text) > 60 else text
 
 
 def _flatten(obj: Any) -> Iterator[Any]:
@@ -380,24 +411,29 @@ def _batch_dynamic(
     """Mark dim 0 as ``batch`` on tensor inputs that share the first tensor's dim 0: a tuple of
     specs for positional inputs, a dict by name for keyword ones (torch.export's two forms)."""
     values = [*args, *kwargs.values()]
-    tensors = [a for a in values if isinstance(a, torch.Tensor) and a.dim() >= 1]
+    tensors = [a for a in values if _has_batch_dim(a)]
     if not tensors:
         return args, kwargs, None
     batch = tensors[0].shape[0]
     dim = torch.export.Dim("batch")
-    new_values, shapes = [], []
-    for a in values:
-        if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == batch:
-            if batch == 1:
-                a = torch.cat([a, a])
-            new_values.append(a)
-            shapes.append({0: dim})
-        else:
-            new_values.append(a)
-            shapes.append(None)
+    new_values, shapes = zip(*(_mark_batch(a, batch, dim) for a in values))
     if kwargs:  # split_inputs gives keyword or positional inputs, never both
         return (), dict(zip(kwargs, new_values)), dict(zip(kwargs, shapes))
     return tuple(new_values), {}, tuple(shapes)
+
+
+def _has_batch_dim(a: Any) -> bool:
+    return isinstance(a, torch.Tensor) and a.dim() >= 1
+
+
+def _mark_batch(a: Any, batch: int, dim: Any) -> tuple[Any, dict[int, Any] | None]:
+    """``a`` and its dynamic-shape spec: ``{0: dim}`` for a tensor of this batch (a batch of 1
+    repeated to 2, which torch.export would specialise), None for anything else."""
+    if not (_has_batch_dim(a) and a.shape[0] == batch):
+        return a, None
+    if batch == 1:
+        a = torch.cat([a, a])
+    return a, {0: dim}
 
 
 @contextlib.contextmanager

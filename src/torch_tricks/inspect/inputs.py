@@ -74,55 +74,82 @@ class InputSpec:
 
 def parse_input_specs(text: str | Sequence[str]) -> list[InputSpec]:
     """Parse one spec string (comma-separated for several inputs) or a list of them."""
-    parts: list[str] = []
-    for item in [text] if isinstance(text, str) else list(text):
-        parts.extend(p.strip() for p in item.split(",") if p.strip())
+    parts = _split_specs(text)
     if not parts:
         raise UserError("empty --input: give a shape such as 3x224x224 (batch excluded)")
     specs = [_parse_one(p) for p in parts]
+    _check_spec_names(parts, specs)
+    return specs
+
+
+def _split_specs(text: str | Sequence[str]) -> list[str]:
+    parts: list[str] = []
+    for item in [text] if isinstance(text, str) else list(text):
+        parts.extend(p.strip() for p in item.split(",") if p.strip())
+    return parts
+
+
+def _check_spec_names(parts: list[str], specs: list[InputSpec]) -> None:
+    """Every spec named or none, and no name twice."""
     named = [s.name for s in specs if s.name]
     if named and len(named) != len(specs):
         first = next(p for p, s in zip(parts, specs) if not s.name)
         raise UserError(f"input {first!r} has no name while others do: name every input (NAME=SPEC, "
                         "keyword arguments of the forward) or none (positional)")
-    twice = sorted({n for n in named if named.count(n) > 1})
+    twice = _duplicates(named)
     if twice:
         raise UserError(f"input name {twice[0]!r} is given twice: give each keyword input once")
-    return specs
+
+
+def _duplicates(names: list[str]) -> list[str]:
+    """The names given more than once, sorted."""
+    return sorted({n for n in names if names.count(n) > 1})
 
 
 def _parse_one(part: str) -> InputSpec:
-    name, eq, body = part.partition("=")
-    if not eq:
-        name, body = None, part
-    else:
-        name = name.strip()
-        if not name.isidentifier() or keyword.iskeyword(name):
-            raise UserError(f"bad input name {name!r} in {part!r}: NAME=SPEC needs a Python identifier, "
-                            "the forward's argument name (e.g. input_ids=long:128:50257)")
-        body = body.strip()
+    name, body = _split_name(part)
     fields = body.split(":")
     if fields[0].lower() in _FILLS:
-        if len(fields) != 2 or not _DIMS.match(fields[1]):
-            raise UserError(f"bad input spec {part!r}: {fields[0].lower()} takes the shape only, "
-                            f"e.g. {fields[0].lower()}:128")
-        return InputSpec(_shape(fields[1], part), torch.int64, None, name, _FILLS[fields[0].lower()])
+        return _parse_fill(fields, part, name)
     dtype = torch.float32
     if fields[0].lower() in _DTYPES:
         dtype = _DTYPES[fields.pop(0).lower()]
     if not fields or not _DIMS.match(fields[0]):
         raise UserError(f"bad input spec {part!r}: {_GRAMMAR}")
     shape = _shape(fields[0], part)
-    high = None
-    if len(fields) == 2:
-        if not fields[1].isdigit() or int(fields[1]) < 1:
-            raise UserError(f"bad input spec {part!r}: the bound after the shape must be a positive integer")
-        if dtype.is_floating_point:
-            raise UserError(f"bad input spec {part!r}: a value bound only applies to integer inputs")
-        high = int(fields[1])
-    elif len(fields) > 2:
+    return InputSpec(shape, dtype, _parse_high(fields[1:], part, dtype), name)
+
+
+def _split_name(part: str) -> tuple[str | None, str]:
+    """``NAME=SPEC`` -> (NAME, SPEC); a spec without ``=`` has no name."""
+    name, eq, body = part.partition("=")
+    if not eq:
+        return None, part
+    name = name.strip()
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise UserError(f"bad input name {name!r} in {part!r}: NAME=SPEC needs a Python identifier, "
+                        "the forward's argument name (e.g. input_ids=long:128:50257)")
+    return name, body.strip()
+
+
+def _parse_fill(fields: list[str], part: str, name: str | None) -> InputSpec:
+    fill = fields[0].lower()
+    if len(fields) != 2 or not _DIMS.match(fields[1]):
+        raise UserError(f"bad input spec {part!r}: {fill} takes the shape only, e.g. {fill}:128")
+    return InputSpec(_shape(fields[1], part), torch.int64, None, name, _FILLS[fill])
+
+
+def _parse_high(rest: list[str], part: str, dtype: torch.dtype) -> int | None:
+    """The optional ``:HIGH`` bound, ``rest`` being the fields after the shape."""
+    if len(rest) > 1:
         raise UserError(f"bad input spec {part!r}: too many ':' fields")
-    return InputSpec(shape, dtype, high, name)
+    if not rest:
+        return None
+    if not rest[0].isdigit() or int(rest[0]) < 1:
+        raise UserError(f"bad input spec {part!r}: the bound after the shape must be a positive integer")
+    if dtype.is_floating_point:
+        raise UserError(f"bad input spec {part!r}: a value bound only applies to integer inputs")
+    return int(rest[0])
 
 
 def _shape(dims: str, part: str) -> tuple[int, ...]:
@@ -147,22 +174,22 @@ def make_inputs(
     if batch < 1:
         raise UserError(f"--batch must be >= 1, got {batch}")
     gen = torch.Generator().manual_seed(seed)
-    out = []
-    for spec in specs:
-        shape = (batch, *spec.shape)
-        if spec.fill is not None:
-            t = torch.full(shape, spec.fill, dtype=torch.int64)
-        elif spec.dtype.is_floating_point:
-            t = torch.randn(shape, generator=gen).to(spec.dtype)
-        elif spec.dtype == torch.bool:
-            t = torch.randint(0, 2, shape, generator=gen).bool()
-        else:
-            high = spec.high or int(getattr(model, "vocab_size", 0) or 2)
-            t = torch.randint(0, high, shape, generator=gen, dtype=torch.int64).to(spec.dtype)
-        out.append(t.to(device))
+    out = [_random_tensor(spec, batch, gen, model).to(device) for spec in specs]
     if specs and specs[0].name:
         return {s.name: t for s, t in zip(specs, out)}
     return tuple(out)
+
+
+def _random_tensor(spec: InputSpec, batch: int, gen: torch.Generator, model: Any) -> torch.Tensor:
+    shape = (batch, *spec.shape)
+    if spec.fill is not None:
+        return torch.full(shape, spec.fill, dtype=torch.int64)
+    if spec.dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(spec.dtype)
+    if spec.dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    high = spec.high or int(getattr(model, "vocab_size", 0) or 2)
+    return torch.randint(0, high, shape, generator=gen, dtype=torch.int64).to(spec.dtype)
 
 
 # -- inputs as the forward takes them ------------------------------------------------------------
@@ -236,30 +263,43 @@ def check_input_names(model: Any, names: Iterable[str]) -> None:
     ``TransformersKwargs`` (``output_attentions``...), which the model passes down and
     ignores when unknown, so a misspelt ``attention_mak`` would be dropped silently.
     """
-    forward = getattr(model, "forward", model)
-    try:
-        try:
-            params = inspect.signature(forward, eval_str=True).parameters.values()
-        except Exception:  # an annotation that does not evaluate here
-            params = inspect.signature(forward).parameters.values()
-    except (TypeError, ValueError):
+    params = _forward_params(getattr(model, "forward", model))
+    if params is None:
         return  # a builtin or C++ forward: nothing to check against
     takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    extra = _var_keyword_names(params, model)
+    if extra is None:
+        return
+    unknown = next((name for name in names if name not in takes and name not in extra), None)
+    if unknown is not None:
+        raise _unknown_input_error(model, unknown, takes, extra)
+
+
+def _forward_params(forward: Any) -> list[inspect.Parameter] | None:
+    """The forward's parameters; None where it has no Python signature."""
+    try:
+        try:
+            return list(inspect.signature(forward, eval_str=True).parameters.values())
+        except Exception:  # an annotation that does not evaluate here
+            return list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
+def _unknown_input_error(model: Any, name: str, takes: list[str], extra: list[str]) -> UserError:
+    close = difflib.get_close_matches(name, takes + extra, n=1)
+    shown = ", ".join(takes[:12]) + (", ..." if len(takes) > 12 else "")
+    return UserError(f"model {type(model).__name__}'s forward takes no input named {name!r}: "
+                     + (f"did you mean {close[0]!r}? " if close else "")
+                     + f"it takes {shown or 'no keyword inputs'}")
+
+
+def _var_keyword_names(params: list[inspect.Parameter], model: Any) -> list[str] | None:
+    """Names taken through the forward's ``**kwargs``: none without one; None: any name."""
     var_kw = next((p for p in params if p.kind == p.VAR_KEYWORD), None)
-    extra: list[str] = []
-    if var_kw is not None:
-        declared = _declared_kwargs(var_kw.annotation, model)
-        if declared is None:
-            return
-        extra = declared
-    for name in names:
-        if name in takes or name in extra:
-            continue
-        close = difflib.get_close_matches(name, takes + extra, n=1)
-        shown = ", ".join(takes[:12]) + (", ..." if len(takes) > 12 else "")
-        raise UserError(f"model {type(model).__name__}'s forward takes no input named {name!r}: "
-                        + (f"did you mean {close[0]!r}? " if close else "")
-                        + f"it takes {shown or 'no keyword inputs'}")
+    if var_kw is None:
+        return []
+    return _declared_kwargs(var_kw.annotation, model)
 
 
 def _declared_kwargs(annotation: Any, model: Any) -> list[str] | None:

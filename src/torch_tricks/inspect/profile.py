@@ -72,17 +72,21 @@ class ProfileReport:
         head = f"{model_name}, batch {batch}" if batch is not None else model_name
         text = [f"{head}: hot spots of one training step"]
         if self.ops:
-            text += ["", f"torch.profiler operators (by self CPU time, {self.steps} steps):",
-                     table(["operator", "calls", "self ms", "total ms"],
-                           [[o.name, o.count, f"{o.self_cpu_ms:.2f}", f"{o.cpu_total_ms:.2f}"] for o in self.ops])]
+            text += ["", f"torch.profiler operators (by self CPU time, {self.steps} steps):", self._ops_table()]
         if self.python:
-            text += ["", "cProfile functions (by cumulative time):",
-                     table(["function", "calls", "cumulative ms", "own ms"],
-                           [[f.function[-70:], f.ncalls, f"{f.cumtime_ms:.2f}", f"{f.tottime_ms:.2f}"]
-                            for f in self.python], "lrrr")]
+            text += ["", "cProfile functions (by cumulative time):", self._python_table()]
         if self.trace_path:
             text += ["", f"Chrome trace written to {self.trace_path}"]
         return "\n".join(text)
+
+    def _ops_table(self) -> str:
+        return table(["operator", "calls", "self ms", "total ms"],
+                     [[o.name, o.count, f"{o.self_cpu_ms:.2f}", f"{o.cpu_total_ms:.2f}"] for o in self.ops])
+
+    def _python_table(self) -> str:
+        return table(["function", "calls", "cumulative ms", "own ms"],
+                     [[f.function[-70:], f.ncalls, f"{f.cumtime_ms:.2f}", f"{f.tottime_ms:.2f}"]
+                      for f in self.python], "lrrr")
 
 
 def profile_step(
@@ -104,13 +108,8 @@ def profile_step(
     """
     if not callable(step_fn):
         raise UserError(f"profile_step needs a callable step function, got {type(step_fn).__name__}")
-    for name, value, low in (("warmup", warmup, 0), ("steps", steps, 1), ("top_k", top_k, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise UserError(f"{name} must be an integer >= {low}, got {value!r}")
-    if not (use_cprofile or use_torch_profiler):
-        raise UserError("both profilers are disabled: enable use_cprofile or use_torch_profiler")
-    if trace_path is not None and not use_torch_profiler:
-        raise UserError("trace_path needs the torch profiler: drop use_torch_profiler=False")
+    _check_counts(warmup, steps, top_k)
+    _check_profilers(use_torch_profiler, use_cprofile, trace_path)
 
     for _ in range(warmup):
         step_fn()
@@ -130,6 +129,19 @@ def profile_step(
 # --- helpers ---------------------------------------------------------------------------
 
 
+def _check_counts(warmup: Any, steps: Any, top_k: Any) -> None:
+    for name, value, low in (("warmup", warmup, 0), ("steps", steps, 1), ("top_k", top_k, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise UserError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_profilers(use_torch_profiler: bool, use_cprofile: bool, trace_path: Any) -> None:
+    if not (use_cprofile or use_torch_profiler):
+        raise UserError("both profilers are disabled: enable use_cprofile or use_torch_profiler")
+    if trace_path is not None and not use_torch_profiler:
+        raise UserError("trace_path needs the torch profiler: drop use_torch_profiler=False")
+
+
 def _run_cprofile(step_fn: Callable[[], Any], steps: int, top_k: int) -> tuple[list[PythonHotSpot], str]:
     prof = cProfile.Profile()
     prof.enable()
@@ -141,9 +153,7 @@ def _run_cprofile(step_fn: Callable[[], Any], steps: int, top_k: int) -> tuple[l
         prof.disable()
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
-    # Drop the profiler's own bookkeeping call so it cannot take a top-k slot.
-    for key in [k for k in stats.stats if k[2] == "<method 'disable' of '_lsprof.Profiler' objects>"]:
-        del stats.stats[key]
+    _drop_profiler_calls(stats)
     stats.sort_stats(pstats.SortKey.CUMULATIVE)
     stats.print_stats(top_k)
     rows = []
@@ -151,6 +161,12 @@ def _run_cprofile(step_fn: Callable[[], Any], steps: int, top_k: int) -> tuple[l
         _cc, nc, tt, ct, _callers = stats.stats[key]  # type: ignore[attr-defined]
         rows.append(PythonHotSpot(pstats.func_std_string(key), int(nc), tt * 1e3, ct * 1e3))
     return rows, buf.getvalue()
+
+
+def _drop_profiler_calls(stats: pstats.Stats) -> None:
+    """Drop the profiler's own bookkeeping call so it cannot take a top-k slot."""
+    for key in [k for k in stats.stats if k[2] == "<method 'disable' of '_lsprof.Profiler' objects>"]:
+        del stats.stats[key]
 
 
 def _run_torch_profiler(
@@ -174,25 +190,31 @@ def _run_torch_profiler(
     averages = prof.key_averages(group_by_input_shape=record_shapes)
     table = averages.table(sort_by="self_cpu_time_total", row_limit=top_k)
     events = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top_k]
-    rows = []
-    for e in events:
-        # torch < 2.4 names these self_cuda_time_total / cuda_time_total
-        dev_self = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        dev_total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        has_dev = on_cuda and (dev_total or dev_self)
-        rows.append(
-            OpHotSpot(
-                name=e.key,
-                count=int(e.count),
-                self_cpu_ms=e.self_cpu_time_total / 1e3,  # the profiler reports microseconds
-                cpu_total_ms=e.cpu_time_total / 1e3,
-                self_device_ms=dev_self / 1e3 if has_dev else None,
-                device_total_ms=dev_total / 1e3 if has_dev else None,
-                input_shapes=str(e.input_shapes) if record_shapes and e.input_shapes else None,
-            )
-        )
+    rows = [_op_hot_spot(e, on_cuda, record_shapes) for e in events]
     trace = _export_trace(prof, trace_path) if trace_path is not None else None
     return rows, table, trace
+
+
+def _op_hot_spot(e: Any, on_cuda: bool, record_shapes: bool) -> OpHotSpot:
+    """One ``key_averages()`` event; the profiler reports microseconds."""
+    dev_self, dev_total = _device_times(e)
+    has_dev = on_cuda and (dev_total or dev_self)
+    return OpHotSpot(
+        name=e.key,
+        count=int(e.count),
+        self_cpu_ms=e.self_cpu_time_total / 1e3,
+        cpu_total_ms=e.cpu_time_total / 1e3,
+        self_device_ms=dev_self / 1e3 if has_dev else None,
+        device_total_ms=dev_total / 1e3 if has_dev else None,
+        input_shapes=str(e.input_shapes) if record_shapes and e.input_shapes else None,
+    )
+
+
+def _device_times(e: Any) -> tuple[float, float]:
+    """(self, total) device microseconds; torch < 2.4 names them self_cuda_time_total / cuda_time_total."""
+    dev_self = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+    dev_total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+    return dev_self, dev_total
 
 
 def _export_trace(prof: Any, trace_path: str | os.PathLike[str]) -> Path:

@@ -125,6 +125,30 @@ def summary(
         raise UserError(f"depth must be >= 0, got {depth!r}")
     args, named = split_inputs(inputs)
     named = {**named, **(kwargs or {})}
+    counter = _count_forward(model, args, named, train_mode)
+    all_rows = [_row(counter.records[n]) for n in _tree_order(model, counter)]
+    root = counter.records.get("")
+    tensors = input_tensors(args) + input_tensors(named)
+    return Summary(
+        model=type(model).__name__,
+        inputs=_describe(args, named),
+        rows=_down_to(all_rows, depth),
+        all_rows=all_rows,
+        totals=_totals(model, root, all_rows, tensors),
+        by_operator=_families(root.total.by_op if root else {}),
+        input_shapes=[tuple(t.shape) for t in tensors],
+    )
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+def _down_to(rows: list[Row], depth: int) -> list[Row]:
+    """The rows shown: modules down to ``depth``, the model's own (totals) row left out."""
+    return [r for r in rows if r.name and r.depth <= depth]
+
+
+def _count_forward(model: nn.Module, args: tuple[Any, ...], named: dict[str, Any], train_mode: bool) -> OpCounter:
+    """One counted forward in the requested mode; the model's mode is restored afterwards."""
     was_training = model.training
     model.train(train_mode)
     counter = OpCounter(model)
@@ -137,37 +161,29 @@ def summary(
         raise _forward_error(exc, counter, _describe(args, named)) from exc
     finally:
         model.train(was_training)
+    return counter
 
-    all_rows = [_row(counter.records[n]) for n in _tree_order(model, counter)]
-    root = counter.records.get("")
+
+def _totals(model: nn.Module, root: ModuleRecord | None, all_rows: list[Row],
+            tensors: list[torch.Tensor]) -> dict[str, int]:
     trainable, frozen = _param_counts(model)
-    tensors = input_tensors(args) + input_tensors(named)
-    leaf_acts = sum(r.activation_bytes for r in all_rows if r.is_leaf)
     totals = {
         "params": trainable + frozen,
         "trainable_params": trainable,
         "frozen_params": frozen,
         "param_bytes": _param_bytes(model),
-        "macs": root.total.macs if root else 0,
-        "flops": root.total.flops if root else 0,
-        "mac_bytes": root.total.mac_bytes if root else 0,
-        "pointwise_bytes": root.total.pointwise_bytes if root else 0,
-        "activation_bytes": leaf_acts,
+        "macs": 0,
+        "flops": 0,
+        "mac_bytes": 0,
+        "pointwise_bytes": 0,
+        "activation_bytes": sum(r.activation_bytes for r in all_rows if r.is_leaf),
         "input_bytes": sum(t.numel() * t.element_size() for t in tensors),
     }
-    rows = [r for r in all_rows if r.name and r.depth <= depth]
-    return Summary(
-        model=type(model).__name__,
-        inputs=_describe(args, named),
-        rows=rows,
-        all_rows=all_rows,
-        totals=totals,
-        by_operator=_families(root.total.by_op if root else {}),
-        input_shapes=[tuple(t.shape) for t in tensors],
-    )
+    if root:
+        for key in ("macs", "flops", "mac_bytes", "pointwise_bytes"):
+            totals[key] = getattr(root.total, key)
+    return totals
 
-
-# -- helpers -----------------------------------------------------------------------------
 
 def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     return ", ".join(d for d in (describe_inputs(args), describe_inputs(kwargs)) if d)
@@ -235,24 +251,23 @@ def _param_bytes(module: nn.Module) -> int:
     )
 
 
+_LAYER_EXTRA: tuple[tuple[type, tuple[str, ...]], ...] = (
+    (nn.modules.conv._ConvNd, ("in_channels", "out_channels", "groups", "kernel_size")),
+    (nn.Linear, ("in_features", "out_features")),
+    (nn.Embedding, ("num_embeddings", "embedding_dim")),
+    (nn.MultiheadAttention, ("embed_dim", "num_heads", "head_dim")),
+    (nn.RNNBase, ("input_size", "hidden_size")),
+    (nn.modules.batchnorm._BatchNorm, ("num_features",)),
+)
+
+
 def _layer_extra(m: nn.Module) -> dict[str, Any]:
-    if isinstance(m, nn.modules.conv._ConvNd):
-        return {
-            "in_channels": m.in_channels,
-            "out_channels": m.out_channels,
-            "groups": m.groups,
-            "kernel_size": tuple(m.kernel_size),
-        }
-    if isinstance(m, nn.Linear):
-        return {"in_features": m.in_features, "out_features": m.out_features}
-    if isinstance(m, nn.Embedding):
-        return {"num_embeddings": m.num_embeddings, "embedding_dim": m.embedding_dim}
-    if isinstance(m, nn.MultiheadAttention):
-        return {"embed_dim": m.embed_dim, "num_heads": m.num_heads, "head_dim": m.head_dim}
-    if isinstance(m, nn.RNNBase):
-        return {"input_size": m.input_size, "hidden_size": m.hidden_size}
-    if isinstance(m, nn.modules.batchnorm._BatchNorm):
-        return {"num_features": m.num_features}
+    for cls, attrs in _LAYER_EXTRA:
+        if isinstance(m, cls):
+            extra = {a: getattr(m, a) for a in attrs}
+            if "kernel_size" in extra:
+                extra["kernel_size"] = tuple(extra["kernel_size"])
+            return extra
     return {}
 
 

@@ -106,8 +106,7 @@ def benchmark(
     if not callable(fn):
         raise UserError(f"benchmark needs a callable, got {type(fn).__name__}: pass the function itself")
     warmup, repeats, min_time_s = _check_counts(warmup, repeats, min_time_s)
-    if device is not None:
-        parse_device(device)  # validate early, before any call
+    _check_device(device)
 
     def call() -> None:
         fn(*args, **kwargs)
@@ -141,14 +140,9 @@ def compare(
     all candidates alike. Rounds continue until ``repeats`` rounds are done and the summed
     time of all candidates reaches ``min_time_s``. Returns timings in the order of ``fns``.
     """
-    if not isinstance(fns, Mapping) or not fns:
-        raise UserError("compare needs a non-empty dict of name -> zero-argument callable")
-    for name, fn in fns.items():
-        if not callable(fn):
-            raise UserError(f"compare: candidate {name!r} is a {type(fn).__name__}, not a callable")
+    _check_candidates(fns)
     warmup, repeats, min_time_s = _check_counts(warmup, repeats, min_time_s)
-    if device is not None:
-        parse_device(device)
+    _check_device(device)
 
     names = list(fns)
     for _ in range(warmup):
@@ -156,16 +150,7 @@ def compare(
             fns[name]()
     if sync:
         synchronize(device)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    total = 0.0
-    rounds = 0
-    while rounds < repeats or total < min_time_s:
-        k = rounds % len(names)
-        for name in names[k:] + names[:k]:
-            t = _timed(fns[name], device, sync)
-            times[name].append(t)
-            total += t
-        rounds += 1
+    times = _round_robin(fns, repeats, min_time_s, device, sync)
     return {name: Timing.from_times(times[name], warmup) for name in names}
 
 
@@ -194,6 +179,38 @@ def format_seconds(seconds: float) -> str:
 # --- helpers ---------------------------------------------------------------------------
 
 
+def _check_candidates(fns: Any) -> None:
+    if not isinstance(fns, Mapping) or not fns:
+        raise UserError("compare needs a non-empty dict of name -> zero-argument callable")
+    for name, fn in fns.items():
+        if not callable(fn):
+            raise UserError(f"compare: candidate {name!r} is a {type(fn).__name__}, not a callable")
+
+
+def _check_device(device: torch.device | str | int | None) -> None:
+    """Validate ``device`` early, before any call."""
+    if device is not None:
+        parse_device(device)
+
+
+def _round_robin(
+    fns: Mapping[str, Callable[[], Any]], repeats: int, min_time_s: float, device: Any, sync: bool
+) -> dict[str, list[float]]:
+    """The timed rounds of :func:`compare`, each starting one candidate further along."""
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    total = 0.0
+    rounds = 0
+    while rounds < repeats or total < min_time_s:
+        k = rounds % len(names)
+        for name in names[k:] + names[:k]:
+            t = _timed(fns[name], device, sync)
+            times[name].append(t)
+            total += t
+        rounds += 1
+    return times
+
+
 def _timed(call: Callable[[], Any], device: Any, sync: bool) -> float:
     if sync:
         synchronize(device)
@@ -205,10 +222,8 @@ def _timed(call: Callable[[], Any], device: Any, sync: bool) -> float:
 
 
 def _check_counts(warmup: Any, repeats: Any, min_time_s: Any) -> tuple[int, int, float]:
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise UserError(f"warmup must be an integer >= 0, got {warmup!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise UserError(f"repeats must be an integer >= 1, got {repeats!r}")
+    _check_count("warmup", warmup, 0)
+    _check_count("repeats", repeats, 1)
     try:
         min_time = float(min_time_s)
     except (TypeError, ValueError):
@@ -216,6 +231,11 @@ def _check_counts(warmup: Any, repeats: Any, min_time_s: Any) -> tuple[int, int,
     if not math.isfinite(min_time) or min_time < 0:
         raise UserError(f"min_time_s must be a finite number of seconds >= 0, got {min_time_s!r}")
     return warmup, repeats, min_time
+
+
+def _check_count(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise UserError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 def _unit_for(seconds: float) -> tuple[float, str]:

@@ -70,36 +70,48 @@ def load_model(ref: str, *, hf_config: Any = None, **kwargs: Any) -> tuple[nn.Mo
     if ":" not in ref:
         spec = model_spec(ref)
         return spec.factory(**kwargs), spec.default_input
+    return _load_reference(ref, kwargs)
+
+
+def _load_reference(ref: str, kwargs: dict[str, Any]) -> tuple[nn.Module, str | None]:
+    """A ``package.module:factory`` reference: the module imported, the factory (or module) found and called."""
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
         raise UserError(f"model reference {ref!r} must look like package.module:factory")
+    factory = _import_user_module(module_name, ref)
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise UserError(f"module {module_name!r} has no attribute {attr!r} (from --model {ref})")
+    model = _call_factory(factory, ref, kwargs)
+    if not isinstance(model, nn.Module):
+        raise UserError(f"factory {ref} returned {type(model).__name__}, not an nn.Module")
+    return model, getattr(factory, "default_input", None)
+
+
+def _import_user_module(module_name: str, ref: str) -> Any:
     if os.getcwd() not in sys.path and "" not in sys.path:
         # as `python -m` would: the console script's sys.path has its own folder, not the user's
         sys.path.append(os.getcwd())
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except Exception as exc:  # any import failure is the user's to fix
         raise UserError(
             f"cannot import {module_name!r} for --model {ref}: {type(exc).__name__}: {exc} "
             "(is it on PYTHONPATH, or run from its folder?)"
         ) from None
-    factory = module
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-        if factory is None:
-            raise UserError(f"module {module_name!r} has no attribute {attr!r} (from --model {ref})")
+
+
+def _call_factory(factory: Any, ref: str, kwargs: dict[str, Any]) -> Any:
+    """An ``nn.Module`` as it is, a callable called with ``kwargs``."""
     if isinstance(factory, nn.Module):
-        model = factory
-    elif callable(factory):
-        try:
-            model = factory(**kwargs)
-        except Exception as exc:
-            raise UserError(f"factory {ref} raised {type(exc).__name__}: {exc}") from None
-    else:
+        return factory
+    if not callable(factory):
         raise UserError(f"{ref} is neither a callable factory nor an nn.Module")
-    if not isinstance(model, nn.Module):
-        raise UserError(f"factory {ref} returned {type(model).__name__}, not an nn.Module")
-    return model, getattr(factory, "default_input", None)
+    try:
+        return factory(**kwargs)
+    except Exception as exc:
+        raise UserError(f"factory {ref} raised {type(exc).__name__}: {exc}") from None
 
 
 # Importing the model modules registers them.

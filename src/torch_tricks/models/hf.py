@@ -100,11 +100,12 @@ def _split_path_ref(ref: str) -> tuple[str, str | None] | None:
         if not sep or not base:
             return None
         path, head = base, tail
-    if path.endswith(".json"):
-        return path, head
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        return path, head
-    return None
+    return (path, head) if _is_config_path(path) else None
+
+
+def _is_config_path(path: str) -> bool:
+    """A ``.json`` file name, or a folder holding a config.json."""
+    return path.endswith(".json") or (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")))
 
 
 def is_hf_ref(ref: str) -> bool:
@@ -135,16 +136,15 @@ def parse_hf_config(text: str | Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     if isinstance(text, Mapping):
         return dict(text)
-    out: dict[str, Any] = {}
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, sep, val = item.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"bad --hf-config item {item!r}: expected KEY=VALUE, e.g. n_layer=4,n_embd=256")
-        out[key.strip()] = _value(val)
-    return out
+    items = (item.strip() for item in text.split(","))
+    return dict(_key_value(item) for item in items if item)
+
+
+def _key_value(item: str) -> tuple[str, Any]:
+    key, sep, val = item.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"bad --hf-config item {item!r}: expected KEY=VALUE, e.g. n_layer=4,n_embd=256")
+    return key.strip(), _value(val)
 
 
 # -- transformers -------------------------------------------------------------------------
@@ -169,16 +169,21 @@ def _pick_head(tf, model_type: str, head: str | None, what: str) -> str:
         raise UserError(f"unknown head {head!r} in --model {what}: choose one of {', '.join(HEADS)}")
     have = _heads_for(tf, model_type)
     if head is None:
-        for h in DEFAULT_ORDER:
-            if h in have:
-                return h
-        raise UserError(f"transformers has no model class for model type {model_type!r} (--model {what})")
+        return _default_head(have, model_type, what)
     if head not in have:
         raise UserError(
             f"model type {model_type!r} has no {head} head in transformers {tf.__version__}: "
             f"choose one of {', '.join(have) or 'none'} (--model {what})"
         )
     return head
+
+
+def _default_head(have: list[str], model_type: str, what: str) -> str:
+    """The first head of :data:`DEFAULT_ORDER` the model type has."""
+    for h in DEFAULT_ORDER:
+        if h in have:
+            return h
+    raise UserError(f"transformers has no model class for model type {model_type!r} (--model {what})")
 
 
 def _unknown_type(tf, model_type: str) -> UserError:
@@ -214,27 +219,33 @@ def _make_config(tf, model_type: str, base: dict[str, Any], overrides: dict[str,
     if model_type not in CONFIG_MAPPING:
         raise _unknown_type(tf, model_type)
     cls = CONFIG_MAPPING[model_type]
-    try:
-        probe = cls(**base)
-    except Exception as exc:
-        raise UserError(f"bad config for --model {what}: {type(exc).__name__}: {one_line(exc)}") from None
+    probe = _new_config(cls, base, f"bad config for --model {what}")
     aliases = getattr(cls, "attribute_map", {}) or {}
     kwargs = dict(base)
     for key, val in overrides.items():
         if not hasattr(probe, key):
-            raise UserError(
-                f"unknown --hf-config key {key!r} for {cls.__name__} (model type {model_type!r}): "
-                "use one of its config fields, e.g. "
-                + ", ".join(k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                                        "intermediate_size", "vocab_size") if hasattr(probe, k))
-            )
+            raise _unknown_key(cls, probe, key, model_type)
         kwargs[aliases.get(key, key)] = val
     if hasattr(probe, "use_cache"):
         kwargs.setdefault("use_cache", False)
+    return _new_config(cls, kwargs, f"bad --hf-config for --model {what}")
+
+
+def _new_config(cls: type, kwargs: dict[str, Any], what_failed: str) -> Any:
+    """``cls(**kwargs)``; a UserError starting with ``what_failed`` if the config refuses them."""
     try:
         return cls(**kwargs)
     except Exception as exc:
-        raise UserError(f"bad --hf-config for --model {what}: {type(exc).__name__}: {one_line(exc)}") from None
+        raise UserError(f"{what_failed}: {type(exc).__name__}: {one_line(exc)}") from None
+
+
+def _unknown_key(cls: type, probe: Any, key: str, model_type: str) -> UserError:
+    return UserError(
+        f"unknown --hf-config key {key!r} for {cls.__name__} (model type {model_type!r}): "
+        "use one of its config fields, e.g. "
+        + ", ".join(k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                "intermediate_size", "vocab_size") if hasattr(probe, k))
+    )
 
 
 # -- default input ------------------------------------------------------------------------
@@ -242,43 +253,61 @@ def _make_config(tf, model_type: str, base: dict[str, Any], overrides: dict[str,
 def default_input(config: Any, main_input: str = "input_ids") -> str | None:
     """The CLI input spec (batch excluded) a model of ``config`` takes as ``main_input``."""
     if main_input == "pixel_values":
-        size = getattr(config, "image_size", None)
-        channels = getattr(config, "num_channels", 3) or 3
-        if isinstance(size, int):
-            h = w = size
-        elif isinstance(size, (list, tuple)) and len(size) == 2:
-            h, w = size
-        else:
-            return None
-        return f"{channels}x{h}x{w}"
+        return _image_input(config)
     if main_input == "input_ids":
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        vocab = getattr(text, "vocab_size", None)
-        if not vocab:
-            return None
-        seq = DEFAULT_SEQ_LEN
-        for name in ("max_position_embeddings", "n_positions"):
-            most = getattr(text, name, None)
-            if isinstance(most, int) and most > 0:
-                seq = min(seq, most)
-                break
-        return f"long:{seq}:{vocab}"
+        return _token_input(config)
     return None
+
+
+def _image_input(config: Any) -> str | None:
+    """``CxHxW`` from ``num_channels`` and ``image_size`` (one int, or a pair)."""
+    size = getattr(config, "image_size", None)
+    channels = getattr(config, "num_channels", 3) or 3
+    if isinstance(size, int):
+        h = w = size
+    elif isinstance(size, (list, tuple)) and len(size) == 2:
+        h, w = size
+    else:
+        return None
+    return f"{channels}x{h}x{w}"
+
+
+def _token_input(config: Any) -> str | None:
+    """``long:T:VOCAB``, ``T`` no longer than the model's positions."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if not vocab:
+        return None
+    for name in ("max_position_embeddings", "n_positions"):
+        most = getattr(text, name, None)
+        if isinstance(most, int) and most > 0:
+            return f"long:{min(DEFAULT_SEQ_LEN, most)}:{vocab}"
+    return f"long:{DEFAULT_SEQ_LEN}:{vocab}"
 
 
 # -- encoder-decoder: decoder ids from the encoder ids ------------------------------------
 
 def _fill_decoder_ids(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
     """Forward pre-hook: teacher-forcing decoder ids when the caller gave none."""
-    if any(kwargs.get(k) is not None for k in ("decoder_input_ids", "decoder_inputs_embeds", "labels")):
-        return None
-    params = list(inspect.signature(module.forward).parameters)
-    pos = params.index("decoder_input_ids") if "decoder_input_ids" in params else None
-    if pos is None or len(args) > pos:
+    if not _lacks_decoder_input(module, args, kwargs):
         return None
     ids = args[0] if args else kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return None
+    start = _decoder_start_id(module)
+    dec = torch.cat([ids.new_full((ids.shape[0], 1), start), ids[:, :-1]], dim=1)
+    return args, {**kwargs, "decoder_input_ids": dec}
+
+
+def _lacks_decoder_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Neither keyword nor positional decoder input (ids, embeddings or labels) was given."""
+    if any(kwargs.get(k) is not None for k in ("decoder_input_ids", "decoder_inputs_embeds", "labels")):
+        return False
+    params = list(inspect.signature(module.forward).parameters)
+    return "decoder_input_ids" in params and len(args) <= params.index("decoder_input_ids")
+
+
+def _decoder_start_id(module: nn.Module) -> int:
     cfg = module.config
     gen = getattr(module, "generation_config", None)
     start = getattr(cfg, "decoder_start_token_id", None)  # transformers 5: not a field of every config
@@ -288,8 +317,7 @@ def _fill_decoder_ids(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
         start = getattr(cfg, "pad_token_id", None) or 0
     if isinstance(start, (list, tuple)):
         start = start[0]
-    dec = torch.cat([ids.new_full((ids.shape[0], 1), int(start)), ids[:, :-1]], dim=1)
-    return args, {**kwargs, "decoder_input_ids": dec}
+    return int(start)
 
 
 # -- size and noise -----------------------------------------------------------------------
@@ -347,20 +375,7 @@ def build(ref: str, hf_config: str | Mapping[str, Any] | None = None) -> tuple[n
     tf = _transformers()
     overrides = parse_hf_config(hf_config)
     attn = overrides.pop("attn_implementation", DEFAULT_ATTENTION)
-    if ref.startswith(PREFIX):
-        model_type, _, head = ref[len(PREFIX):].partition(":")
-        if not model_type:
-            raise UserError(f"--model {ref}: name a transformers model type, e.g. hf:gpt2, hf:bert:classification")
-        base: dict[str, Any] = {}
-    else:
-        split = _split_path_ref(ref)
-        if split is None:
-            raise UserError(f"--model {ref}: not a transformers config.json path")
-        path, head = split
-        base = _read_config_file(path)
-        model_type = base.pop("model_type")
-        if base.get("auto_map"):
-            raise UserError(f"{path!r} needs remote code (auto_map), which torch-tricks does not run")
+    model_type, head, base = _type_head_base(ref)
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
@@ -368,21 +383,43 @@ def build(ref: str, hf_config: str | Mapping[str, Any] | None = None) -> tuple[n
     head = _pick_head(tf, model_type, head or None, ref)
     with _quiet(tf):
         config = _make_config(tf, model_type, base, overrides, ref)
-    auto_cls = getattr(tf, HEADS[head][0])
+    model = _from_config(tf, getattr(tf, HEADS[head][0]), config, attn, ref)
+    if getattr(model.config, "is_encoder_decoder", False):
+        model.register_forward_pre_hook(_fill_decoder_ids, with_kwargs=True)
+    return model, default_input(model.config, getattr(model, "main_input_name", "input_ids"))
+
+
+def _type_head_base(ref: str) -> tuple[str, str | None, dict[str, Any]]:
+    """(model type, head or None, config fields) of ``hf:TYPE[:HEAD]`` or a config.json reference."""
+    if ref.startswith(PREFIX):
+        model_type, _, head = ref[len(PREFIX):].partition(":")
+        if not model_type:
+            raise UserError(f"--model {ref}: name a transformers model type, e.g. hf:gpt2, hf:bert:classification")
+        return model_type, head, {}
+    split = _split_path_ref(ref)
+    if split is None:
+        raise UserError(f"--model {ref}: not a transformers config.json path")
+    path, head = split
+    base = _read_config_file(path)
+    model_type = base.pop("model_type")
+    if base.get("auto_map"):
+        raise UserError(f"{path!r} needs remote code (auto_map), which torch-tricks does not run")
+    return model_type, head, base
+
+
+def _from_config(tf, auto_cls: Any, config: Any, attn: str, ref: str) -> nn.Module:
+    """Build on the meta device first to refuse a model too big for memory, then for real."""
     try:
         with _quiet(tf):
             with torch.device("meta"):  # the size first, without allocating it (~1 s for 7e9 parameters)
                 shell = auto_cls.from_config(config, attn_implementation=attn)
             _check_fits(shell, ref)
             del shell
-            model = auto_cls.from_config(config, attn_implementation=attn)
+            return auto_cls.from_config(config, attn_implementation=attn)
     except UserError:
         raise
     except Exception as exc:
         raise UserError(f"cannot build --model {ref}: {type(exc).__name__}: {one_line(exc)}") from None
-    if getattr(model.config, "is_encoder_decoder", False):
-        model.register_forward_pre_hook(_fill_decoder_ids, with_kwargs=True)
-    return model, default_input(model.config, getattr(model, "main_input_name", "input_ids"))
 
 
 def list_families() -> list[dict[str, Any]]:

@@ -145,20 +145,27 @@ class ResNet(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(512 * block.expansion, num_classes)
 
-        # torchvision's init: Kaiming normal (fan_out) for convs, BN to identity;
-        # Linear keeps PyTorch's default init.
+        self._init_weights()
+        if zero_init_residual:
+            self._zero_init_residual()
+
+    def _init_weights(self) -> None:
+        """torchvision's init: Kaiming normal (fan_out) for convs, BN to identity;
+        Linear keeps PyTorch's default init."""
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
             elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
                 nn.init.constant_(m.weight, 1)
                 nn.init.constant_(m.bias, 0)
-        if zero_init_residual:
-            for m in self.modules():
-                if isinstance(m, Bottleneck):
-                    nn.init.constant_(m.bn3.weight, 0)
-                elif isinstance(m, BasicBlock):
-                    nn.init.constant_(m.bn2.weight, 0)
+
+    def _zero_init_residual(self) -> None:
+        """Each block's last BN gamma to 0: the block starts as the identity."""
+        for m in self.modules():
+            if isinstance(m, Bottleneck):
+                nn.init.constant_(m.bn3.weight, 0)
+            elif isinstance(m, BasicBlock):
+                nn.init.constant_(m.bn2.weight, 0)
 
     def _make_layer(
         self, block: Type[Union[BasicBlock, Bottleneck]], planes: int, blocks: int, stride: int = 1
