@@ -6,7 +6,7 @@ that does CUDA work in the loader's worker processes.
 from __future__ import annotations
 
 import ast
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from torch_tricks.doctor.analysis import (FileAnalysis, LOOPS, dataloaders, is_backward, is_cuda_device, kwarg,
                                           moves_batch_to_cuda, number, walk_local)
@@ -28,9 +28,13 @@ def _dataset_exprs(f: FileAnalysis, call: ast.Call) -> list[ast.AST]:
 
 def _dataset_on_device(f: FileAnalysis, call: ast.Call) -> bool:
     """The dataset holds tensors already moved to a device (pinning those would fail)."""
-    return any((isinstance(n, ast.Attribute) and n.attr in ("cuda", "to"))
-               or (isinstance(n, ast.keyword) and n.arg == "device")
-               for e in _dataset_exprs(f, call) for n in ast.walk(e))
+    return any(_names_device(n) for e in _dataset_exprs(f, call) for n in ast.walk(e))
+
+
+def _names_device(node: ast.AST) -> bool:
+    """A ``.cuda`` / ``.to`` attribute or a ``device=`` keyword."""
+    return ((isinstance(node, ast.Attribute) and node.attr in ("cuda", "to"))
+            or (isinstance(node, ast.keyword) and node.arg == "device"))
 
 
 def _in_memory_dataset(f: FileAnalysis, call: ast.Call) -> bool:
@@ -55,12 +59,18 @@ class LoaderWithoutPinMemory(StaticRule):
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for call, loops in dataloaders(f):
-            if any(kw.arg is None for kw in call.keywords) or kwarg(call, "pin_memory", 7) is not None:
-                continue
-            if _dataset_on_device(f, call):
-                continue
-            if any(moves_batch_to_cuda(f, loop) for loop in loops):
+            if not _pin_memory_settled(f, call) and any(moves_batch_to_cuda(f, loop) for loop in loops):
                 yield call, self.message
+
+
+def _pin_memory_settled(f: FileAnalysis, call: ast.Call) -> bool:
+    """The loader sets pin_memory (or may, through ``**kwargs``), or its data is already on a device."""
+    return _has_star_kwargs(call) or kwarg(call, "pin_memory", 7) is not None or _dataset_on_device(f, call)
+
+
+def _has_star_kwargs(call: ast.Call) -> bool:
+    """``call`` passes ``**kwargs``: any argument may be among them."""
+    return any(kw.arg is None for kw in call.keywords)
 
 
 @static_rule
@@ -79,13 +89,24 @@ class LoaderWithoutWorkers(StaticRule):
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for call, loops in dataloaders(f):
-            if any(kw.arg is None for kw in call.keywords):
-                continue
-            workers = kwarg(call, "num_workers", 5)
-            if (workers is not None and number(workers) != 0) or _in_memory_dataset(f, call):
-                continue
-            if any(is_backward(n) for loop in loops for n in walk_local(loop)):
+            if not _workers_settled(f, call) and _has_backward(loops):
                 yield call, self.message
+
+
+def _workers_settled(f: FileAnalysis, call: ast.Call) -> bool:
+    """The loader sets num_workers (or may, through ``**kwargs``), or its dataset is an in-memory TensorDataset."""
+    return _has_star_kwargs(call) or _sets_workers(call) or _in_memory_dataset(f, call)
+
+
+def _sets_workers(call: ast.Call) -> bool:
+    """The loader passes a num_workers other than a literal 0."""
+    workers = kwarg(call, "num_workers", 5)
+    return workers is not None and number(workers) != 0
+
+
+def _has_backward(loops: Iterable[ast.AST]) -> bool:
+    """A backward call in one of ``loops`` (a training loop)."""
+    return any(is_backward(n) for loop in loops for n in walk_local(loop))
 
 
 _DIST_SAMPLERS = ("torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler")
@@ -107,17 +128,35 @@ class DistributedSamplerWithoutSetEpoch(StaticRule):
                    "is in sight.")
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
-        samplers = [c for c in f.nodes[ast.Call] if f.qualname(c.func) in _DIST_SAMPLERS]
-        if not samplers or any(isinstance(c.func, ast.Attribute) and c.func.attr == "set_epoch" for c in f.nodes[ast.Call]):
+        samplers = _distributed_samplers(f)
+        if not samplers or _calls_set_epoch(f):
             return
-        if not any(is_backward(n) for t in LOOPS for loop in f.nodes[t] for n in walk_local(loop)):
-            return  # no training loop (a backward in a loop) in this file: the epochs run elsewhere
+        if not _has_training_loop(f):
+            return  # the epochs run elsewhere
         for call in samplers:
-            shuffle = kwarg(call, "shuffle", 3)
-            if any(kw.arg is None for kw in call.keywords) or (shuffle is not None and number(shuffle) == 0) or (
-                    isinstance(shuffle, ast.Constant) and shuffle.value is False):
-                continue
-            yield call, self.message
+            if not _has_star_kwargs(call) and not _shuffle_off(call):
+                yield call, self.message
+
+
+def _distributed_samplers(f: FileAnalysis) -> list[ast.Call]:
+    return [c for c in f.nodes[ast.Call] if f.qualname(c.func) in _DIST_SAMPLERS]
+
+
+def _has_training_loop(f: FileAnalysis) -> bool:
+    """A loop of this file calls backward."""
+    return _has_backward(loop for t in LOOPS for loop in f.nodes[t])
+
+
+def _calls_set_epoch(f: FileAnalysis) -> bool:
+    """The file calls ``.set_epoch()`` on something (a sampler, probably)."""
+    return any(isinstance(c.func, ast.Attribute) and c.func.attr == "set_epoch" for c in f.nodes[ast.Call])
+
+
+def _shuffle_off(call: ast.Call) -> bool:
+    """The sampler is given shuffle=False (or 0)."""
+    shuffle = kwarg(call, "shuffle", 3)
+    return (shuffle is not None and number(shuffle) == 0) or (
+        isinstance(shuffle, ast.Constant) and shuffle.value is False)
 
 
 _DATASET_BASES = frozenset({"torch.utils.data.Dataset", "torch.utils.data.IterableDataset",
@@ -134,55 +173,86 @@ def _is_dataset_class(f: FileAnalysis, cls: ast.ClassDef, seen: frozenset = froz
 def _self_device_is_cuda(f: FileAnalysis, cls: ast.ClassDef, node: ast.AST) -> bool | None:
     """For ``self.<attr>`` in a method of ``cls``: True/False when the values the class assigns to that
     attribute spell a device (``"cuda"``, ``"cpu"``); None when they do not say."""
-    if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+    if not _is_self_attribute(node):
         return None
-    strings = [n.value for value, _, _ in f.self_attrs.get(cls, {}).get(node.attr, ())
-               for n in ast.walk(value) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    strings = _assigned_strings(f, cls, node.attr)
     return any(s.startswith("cuda") for s in strings) if strings else None
+
+
+def _assigned_strings(f: FileAnalysis, cls: ast.ClassDef, attr: str) -> list[str]:
+    """The string constants in the values ``cls`` assigns to ``self.<attr>``."""
+    return [n.value for value, _, _ in f.self_attrs.get(cls, {}).get(attr, ()) for n in ast.walk(value)
+            if _is_string(n)]
+
+
+def _is_self_attribute(node: ast.AST) -> bool:
+    """``self.<attr>``."""
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+
+
+def _is_string(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
 
 
 def _cuda_work(f: FileAnalysis, cls: ast.ClassDef, method: ast.AST) -> ast.Call | None:
     """The first call in ``method`` that puts data on a CUDA device: ``.cuda()``, ``.to(<cuda device>)``,
     a torch factory with ``device=<cuda device>``, a ``torch.cuda.*Tensor``."""
-    def cuda_device(node: ast.AST) -> bool:
-        said = _self_device_is_cuda(f, cls, node)
-        return said if said is not None else is_cuda_device(f, node)
+    return next((node for node in walk_local(method) if isinstance(node, ast.Call) and _puts_on_cuda(f, cls, node)),
+                None)
 
-    for node in walk_local(method):
-        if not isinstance(node, ast.Call):
-            continue
-        func, q = node.func, f.qualname(node.func) or ""
-        if q.startswith("torch.cuda.") and q.rsplit(".", 1)[-1].endswith("Tensor"):
-            return node
-        if isinstance(func, ast.Attribute) and not q:
-            if func.attr == "cuda":
-                return node
-            if func.attr == "to":
-                device = kwarg(node, "device", 0)
-                if device is not None and cuda_device(device):
-                    return node
-        if q.startswith("torch."):
-            device = kwarg(node, "device")
-            if device is not None and cuda_device(device):
-                return node
-    return None
+
+def _puts_on_cuda(f: FileAnalysis, cls: ast.ClassDef, call: ast.Call) -> bool:
+    """``call`` (in a method of ``cls``) puts data on a CUDA device."""
+    func, q = call.func, f.qualname(call.func) or ""
+    if _is_cuda_tensor_type(q):
+        return True
+    if isinstance(func, ast.Attribute) and not q:
+        return _moves_to_cuda(f, cls, call)
+    return q.startswith("torch.") and _cuda_device(f, cls, kwarg(call, "device"))
+
+
+def _moves_to_cuda(f: FileAnalysis, cls: ast.ClassDef, call: ast.Call) -> bool:
+    """The method call ``call`` is ``.cuda()`` or ``.to(<cuda device>)``."""
+    attr = call.func.attr
+    return attr == "cuda" or (attr == "to" and _cuda_device(f, cls, kwarg(call, "device", 0)))
+
+
+def _is_cuda_tensor_type(q: str) -> bool:
+    """A legacy CUDA tensor type: ``torch.cuda.FloatTensor`` ..."""
+    return q.startswith("torch.cuda.") and q.rsplit(".", 1)[-1].endswith("Tensor")
+
+
+def _cuda_device(f: FileAnalysis, cls: ast.ClassDef, device: ast.AST | None) -> bool:
+    """``device`` (an argument in a method of ``cls``) names a CUDA device."""
+    if device is None:
+        return False
+    said = _self_device_is_cuda(f, cls, device)
+    return said if said is not None else is_cuda_device(f, device)
 
 
 def _loader_of(f: FileAnalysis, cls: ast.ClassDef) -> ast.Call | None:
     """A DataLoader of this file over an instance of ``cls`` with worker processes (num_workers a
     positive literal or a value the file does not fix)."""
     for call, _ in dataloaders(f):
-        if any(kw.arg is None for kw in call.keywords):
+        if _has_star_kwargs(call) or not _spawns_workers(call):
             continue
-        workers = kwarg(call, "num_workers", 5)
-        if workers is None or number(workers) == 0 or (isinstance(workers, ast.Constant) and not workers.value):
-            continue
-        for expr in _dataset_exprs(f, call):
-            if isinstance(expr, ast.Call):
-                k = f.kind(expr.func)
-                if k is not None and k.cat == "class" and k.ref is cls:
-                    return call
+        if any(_instantiates(f, expr, cls) for expr in _dataset_exprs(f, call)):
+            return call
     return None
+
+
+def _spawns_workers(call: ast.Call) -> bool:
+    """The loader's num_workers is given and is not a literal 0 (or other false constant)."""
+    workers = kwarg(call, "num_workers", 5)
+    return not (workers is None or number(workers) == 0 or (isinstance(workers, ast.Constant) and not workers.value))
+
+
+def _instantiates(f: FileAnalysis, expr: ast.AST, cls: ast.ClassDef) -> bool:
+    """``expr`` is a call of the class ``cls``."""
+    if not isinstance(expr, ast.Call):
+        return False
+    k = f.kind(expr.func)
+    return k is not None and k.cat == "class" and k.ref is cls
 
 
 @static_rule
@@ -204,18 +274,28 @@ class CudaInDatasetGetitem(StaticRule):
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for cls in f.classes.values():
-            if not _is_dataset_class(f, cls):
+            found = _sample_cuda_work(f, cls)
+            if found is None:
                 continue
-            for name in _SAMPLE_METHODS:
-                method = f.method(cls, name)
-                work = _cuda_work(f, cls, method) if method is not None else None
-                if work is None:
-                    continue
-                loader = _loader_of(f, cls)
-                if loader is not None:
-                    workers = ast.unparse(kwarg(loader, "num_workers", 5))
-                    yield work, (f"`{ast.unparse(work)}` in {cls.name}.{name}, which the DataLoader on line "
-                                 f"{loader.lineno} runs in worker processes (num_workers={workers}): CUDA in a forked "
-                                 f"worker fails ('Cannot re-initialize CUDA in forked subprocess'); return CPU tensors "
-                                 f"and move the batch in the loop")
-                break
+            loader = _loader_of(f, cls)
+            if loader is None:
+                continue
+            name, work = found
+            workers = ast.unparse(kwarg(loader, "num_workers", 5))
+            yield work, (f"`{ast.unparse(work)}` in {cls.name}.{name}, which the DataLoader on line "
+                         f"{loader.lineno} runs in worker processes (num_workers={workers}): CUDA in a forked "
+                         f"worker fails ('Cannot re-initialize CUDA in forked subprocess'); return CPU tensors "
+                         f"and move the batch in the loop")
+
+
+def _sample_cuda_work(f: FileAnalysis, cls: ast.ClassDef) -> tuple[str, ast.Call] | None:
+    """(method name, call) of the first sample method (__getitem__ ...) of the Dataset class ``cls`` that
+    does CUDA work; None when ``cls`` is no Dataset or none does."""
+    if not _is_dataset_class(f, cls):
+        return None
+    for name in _SAMPLE_METHODS:
+        method = f.method(cls, name)
+        work = _cuda_work(f, cls, method) if method is not None else None
+        if work is not None:
+            return name, work
+    return None
