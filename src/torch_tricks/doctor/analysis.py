@@ -88,6 +88,7 @@ SAFE_BUILTINS = frozenset("""range len enumerate zip list dict tuple set str rep
     max sum abs round sorted reversed iter next getattr setattr hasattr super type format any all map filter
     divmod hash id""".split())
 TQDM = frozenset({"tqdm.tqdm", "tqdm.auto.tqdm", "tqdm.notebook.tqdm", "tqdm.trange"})
+_SAME_ELEMENTS = TQDM | {"iter", "tqdm"}  # iter(x), tqdm(x): the elements of x
 LOADERISH = re.compile(r"(?:^|_)(?:data)?loader$|^dl$|_dl$", re.IGNORECASE)
 DATALOADER = "torch.utils.data.DataLoader"
 WRAPPERS = frozenset({"torch.nn.DataParallel", "torch.nn.DistributedDataParallel", "torch.compile"})
@@ -109,16 +110,26 @@ def canon(q: str | None) -> str | None:
     if q is None:
         return None
     parts = q.split(".")
-    if q.startswith("torch.nn.modules.") and len(parts) >= 4 and parts[-1][:1].isupper():
-        return "torch.nn." + parts[-1]
-    if q.startswith("torch.nn.parallel.") and parts[-1] in ("DataParallel", "DistributedDataParallel"):
-        return "torch.nn." + parts[-1]
+    home = _public_home(q, parts) if parts[-1][:1].isupper() else None
+    return f"{home}.{parts[-1]}" if home is not None else RENAMED.get(q, q)
+
+
+def _public_home(q: str, parts: list[str]) -> str | None:
+    """The package that exports the class ``q`` names by its defining module (``torch.nn`` for
+    ``torch.nn.modules.loss.CrossEntropyLoss``); None when ``q`` is spelled as exported."""
+    if q.startswith("torch.nn."):
+        return "torch.nn" if _exported_by_nn(q, parts) else None
     if q.startswith("torch.utils.data.") and parts[-1] == "DataLoader":
-        return DATALOADER
-    if q.startswith("torch.optim.") and len(parts) == 4 and parts[-1][:1].isupper() \
-            and parts[2] not in ("lr_scheduler", "swa_utils"):  # torch.optim.adamw.AdamW; a scheduler keeps its module
-        return "torch.optim." + parts[-1]
-    return RENAMED.get(q, q)
+        return "torch.utils.data"
+    if q.startswith("torch.optim.") and len(parts) == 4 and parts[2] not in ("lr_scheduler", "swa_utils"):
+        return "torch.optim"  # torch.optim.adamw.AdamW; a scheduler keeps its module
+    return None
+
+
+def _exported_by_nn(q: str, parts: list[str]) -> bool:
+    """A class of ``torch.nn.modules.*``, or DataParallel/DDP of ``torch.nn.parallel.*``."""
+    return ((q.startswith("torch.nn.modules.") and len(parts) >= 4)
+            or (q.startswith("torch.nn.parallel.") and parts[-1] in ("DataParallel", "DistributedDataParallel")))
 
 
 def is_torch_nn_class(q: str | None) -> bool:
@@ -161,8 +172,12 @@ def kwarg(call: ast.Call, name: str, index: int | None = None) -> ast.AST | None
     for kw in call.keywords:
         if kw.arg == name:
             return kw.value
-    if index is not None and len(call.args) > index and not any(
-            isinstance(a, ast.Starred) for a in call.args[:index + 1]):
+    return _positional(call, index) if index is not None else None
+
+
+def _positional(call: ast.Call, index: int) -> ast.AST | None:
+    """The argument at position ``index``, when no ``*args`` comes before it."""
+    if len(call.args) > index and not any(isinstance(a, ast.Starred) for a in call.args[:index + 1]):
         return call.args[index]
     return None
 
@@ -252,16 +267,13 @@ class FileAnalysis:
             if type(node) in RECORDED:
                 self._record(node, scope)
             inner = node if isinstance(node, SCOPES) else scope
-            children = []
-            for name in node._fields:
-                value = getattr(node, name, None)
-                if isinstance(value, ast.AST):
-                    children.append(value)
-                elif isinstance(value, list):
-                    children.extend(v for v in value if isinstance(v, ast.AST))
-            for child in reversed(children):
+            for child in reversed(list(ast.iter_child_nodes(node))):
                 parent[child] = node
                 stack.append((child, inner))
+        self._sort_bindings()
+
+    def _sort_bindings(self) -> None:
+        """Each name's bindings in source order (:meth:`lookup` takes the latest before a read)."""
         for table in self.bindings.values():
             for binds in table.values():
                 binds.sort(key=lambda b: b[0])
@@ -283,15 +295,8 @@ class FileAnalysis:
 
     def _record_binding(self, node: ast.AST, scope: ast.AST | None) -> None:
         """The names a statement binds: assignments, loop and ``with`` targets, ``except ... as``, ``del``."""
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                self._bind(scope, target, node.value, end(node), node)
-        elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)):
-            if node.value is not None:
-                self._bind(scope, node.target, node.value, end(node), node)
-        elif isinstance(node, ast.AugAssign):
-            if isinstance(node.target, ast.Name):
-                self._add(scope, node.target.id, (end(node), "aug", node, None))
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr, ast.AugAssign)):
+            self._record_assignment(node, scope)
         elif isinstance(node, (ast.For, ast.AsyncFor)):
             self._bind_loop(scope, node.target, node, end(node.iter))
         elif isinstance(node, ast.comprehension):
@@ -300,7 +305,23 @@ class FileAnalysis:
             for item in node.items:
                 if item.optional_vars is not None:
                     self._bind(scope, item.optional_vars, None, end(item.context_expr), node)
-        elif isinstance(node, ast.ExceptHandler):
+        else:
+            self._record_unbinding(node, scope)
+
+    def _record_assignment(self, node: ast.AST, scope: ast.AST | None) -> None:
+        """``x = v`` (each target), ``x: T = v``, ``(x := v)``, and ``x += v``."""
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                self._bind(scope, target, node.value, end(node), node)
+        elif isinstance(node, ast.AugAssign):
+            if isinstance(node.target, ast.Name):
+                self._add(scope, node.target.id, (end(node), "aug", node, None))
+        elif node.value is not None:
+            self._bind(scope, node.target, node.value, end(node), node)
+
+    def _record_unbinding(self, node: ast.AST, scope: ast.AST | None) -> None:
+        """``except ... as name`` and ``del name``: the name's value is unknown from there on."""
+        if isinstance(node, ast.ExceptHandler):
             if node.name:
                 self._add(scope, node.name, (pos(node), "unknown", node, None))
         elif isinstance(node, ast.Delete):
@@ -311,10 +332,7 @@ class FileAnalysis:
     def _record_definition(self, node: ast.AST, scope: ast.AST | None) -> None:
         """A function or class (its name, and the table it belongs in), or a function's parameters."""
         if isinstance(node, ast.arguments):
-            func = self.parent.get(node)
-            for arg in node.posonlyargs + node.args + node.kwonlyargs + [node.vararg, node.kwarg]:
-                if arg is not None:
-                    self._add(func, arg.arg, ((0, 0), "param", func, arg.arg))
+            self._record_parameters(node)
             return
         self._add(scope, node.name, (pos(node), "def", node, None))
         if isinstance(node, ast.ClassDef):
@@ -322,18 +340,20 @@ class FileAnalysis:
         elif not isinstance(self.parent.get(node), ast.ClassDef):
             self.plain_functions[node.name].append(node)
 
+    def _record_parameters(self, node: ast.arguments) -> None:
+        func = self.parent.get(node)
+        for arg in node.posonlyargs + node.args + node.kwonlyargs + [node.vararg, node.kwarg]:
+            if arg is not None:
+                self._add(func, arg.arg, ((0, 0), "param", func, arg.arg))
+
     def _record_import(self, node: ast.Import | ast.ImportFrom, scope: ast.AST | None) -> None:
         """The local names an import binds, and the qualified names they stand for."""
         for alias in node.names:
-            if isinstance(node, ast.Import):
-                local = alias.asname or alias.name.split(".")[0]
-                self.aliases[local] = alias.name if alias.asname else local
-            elif node.level == 0 and node.module and alias.name != "*":
-                local = alias.asname or alias.name
-                self.aliases[local] = f"{node.module}.{alias.name}"
-            else:
-                continue
-            self._add(scope, local, (end(node), "import", node, None))
+            bound = _imported_name(node, alias)
+            if bound is not None:
+                local, qualified = bound
+                self.aliases[local] = qualified
+                self._add(scope, local, (end(node), "import", node, None))
 
     def _add(self, scope, name: str, binding: tuple) -> None:
         self.bindings[scope][name].append(binding)
@@ -342,23 +362,28 @@ class FileAnalysis:
         if isinstance(target, ast.Name):
             self._add(scope, target.id, (pos, "value", value, path))
         elif isinstance(target, (ast.Tuple, ast.List)):
-            if (not path and isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts)
-                    and not any(isinstance(e, ast.Starred) for e in value.elts + target.elts)):
-                for t, v in zip(target.elts, value.elts):
-                    self._bind(scope, t, v, pos, stmt)
-            else:
-                for i, t in enumerate(target.elts):
-                    self._bind(scope, t, value if not isinstance(t, ast.Starred) else None, pos, stmt, path + (i,))
+            self._bind_unpacking(scope, target, value, pos, stmt, path)
         elif isinstance(target, ast.Starred):
             self._bind(scope, target.value, None, pos, stmt)
         elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and value is not None:
             self._bind_self_attr(scope, target, value, path, stmt)
 
+    def _bind_unpacking(self, scope, target, value, pos, stmt, path: tuple) -> None:
+        """``a, b = ...``: element by element from a display of the same length (``a, b = x, y``), else
+        each name to its ``path`` into the value."""
+        if not path and _same_length_displays(target, value):
+            for t, v in zip(target.elts, value.elts):
+                self._bind(scope, t, v, pos, stmt)
+        else:
+            for i, t in enumerate(target.elts):
+                self._bind(scope, t, value if not isinstance(t, ast.Starred) else None, pos, stmt, path + (i,))
+
     def _bind_self_attr(self, scope, target: ast.Attribute, value: ast.AST, path: tuple, stmt: ast.AST) -> None:
         """``self.x = value`` in a method (``self`` its first parameter): recorded for the class."""
-        method = scope if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
-        cls = self.parent.get(method) if method is not None else None
-        args = method.args.posonlyargs + method.args.args if method is not None else []
+        if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return
+        cls = self.parent.get(scope)
+        args = scope.args.posonlyargs + scope.args.args
         if isinstance(cls, ast.ClassDef) and args and args[0].arg == target.value.id:
             self.self_attrs[cls][target.attr].append((value, path, stmt))
 
@@ -423,22 +448,29 @@ class FileAnalysis:
             return self._qualnames[node]
         except KeyError:
             pass
-        q = None
         spelled = dotted(node) if isinstance(node, (ast.Name, ast.Attribute)) else None
-        if spelled is not None:
-            head, _, rest = spelled.partition(".")
-            if head in self.aliases:
-                q = canon(self.aliases[head] + ("." + rest if rest else ""))
+        q = self._resolve(spelled) if spelled is not None else None
         self._qualnames[node] = q
         return q
+
+    def _resolve(self, spelled: str) -> str | None:
+        """The canonical name a dotted spelling stands for through the file's imports; None when
+        its head is not imported."""
+        head, _, rest = spelled.partition(".")
+        if head not in self.aliases:
+            return None
+        return canon(self.aliases[head] + ("." + rest if rest else ""))
 
     @property
     def mentions_cuda(self) -> bool:
         """The file uses CUDA somewhere (``.cuda``, ``torch.cuda``, a ``"cuda..."`` device)."""
         if "cuda" not in self.memo:
-            self.memo["cuda"] = any(n.attr == "cuda" for n in self.nodes[ast.Attribute]) or any(
-                isinstance(n.value, str) and n.value.startswith("cuda") for n in self.nodes[ast.Constant])
+            self.memo["cuda"] = self._uses_cuda()
         return self.memo["cuda"]
+
+    def _uses_cuda(self) -> bool:
+        return any(n.attr == "cuda" for n in self.nodes[ast.Attribute]) or any(
+            isinstance(n.value, str) and n.value.startswith("cuda") for n in self.nodes[ast.Constant])
 
     # ---- names
 
@@ -446,6 +478,18 @@ class FileAnalysis:
         """The binding of ``node`` where it is read: the latest one before it in its own
         function, else the last one in an enclosing function or the module."""
         name, where = node.id, pos(node)
+        for scope, own in self._scopes_searched(node, name):
+            binds = self.bindings.get(scope, {}).get(name)
+            if binds:
+                found = _last_before(binds, where) if own else binds[-1]
+                if found is not None or not isinstance(scope, COMPS):
+                    return found  # None: bound later in this function, a loop-carried value
+        return None
+
+    def _scopes_searched(self, node: ast.Name, name: str) -> Iterator[tuple[ast.AST, bool]]:
+        """The scopes where the read ``node`` of ``name`` may find its binding, innermost first, each
+        with whether the read runs in its frame (its function, or a comprehension inline in it): a
+        class body is not seen from its methods, and a ``global`` name is the module's."""
         scope, own = self.scope_of.get(node), True
         while scope is not None:
             if isinstance(scope, ast.ClassDef) and not own:
@@ -453,18 +497,9 @@ class FileAnalysis:
                 continue
             if name in self.global_names.get(scope, ()):
                 scope, own = self.tree, False
-            binds = self.bindings.get(scope, {}).get(name)
-            if binds:
-                if not own:
-                    return binds[-1]
-                before = [b for b in binds if b[0] <= where]
-                if before:
-                    return before[-1]
-                if not isinstance(scope, COMPS):
-                    return None  # bound later in this function: a loop-carried value
+            yield scope, own
             own = own and isinstance(scope, COMPS)
             scope = self.scope_of.get(scope)
-        return None
 
     def binding_value(self, node: ast.AST) -> ast.AST | None:
         """The expression a Name was last assigned (plain ``x = expr`` only)."""
@@ -494,46 +529,54 @@ class FileAnalysis:
 
     def _kind(self, node: ast.AST) -> Kind | None:
         if isinstance(node, ast.Name):
-            b = self.lookup(node)
-            return self._binding_kind(b) if b is not None else None
+            return self._name_kind(node)
         if isinstance(node, ast.Call):
             return self._call_kind(node)
         if isinstance(node, ast.Attribute):
             return self._attribute_kind(node)
         if isinstance(node, ast.Subscript):
-            k = self.kind(node.value)
-            if k is not None and k.cat == "batch":
-                return BATCH
-            if k is not None and k.cat == "tensor":
-                return Kind("tensor", k.detail if k.detail in ACTS or k.detail == "batch" else None)
-            return None
+            return _item_kind(self.kind(node.value))
+        return self._operation_kind(node)
+
+    def _operation_kind(self, node: ast.AST) -> Kind | None:
+        """A tensor for arithmetic with a tensor; for ``a if c else b``, the kind both branches share."""
         if isinstance(node, ast.BinOp):
-            for side in (node.left, node.right):
-                k = self.kind(side)
-                if k is not None and k.cat == "tensor":
-                    return TENSOR
-            return None
+            return TENSOR if self._is_tensor(node.left) or self._is_tensor(node.right) else None
         if isinstance(node, ast.IfExp):
-            a, b = self.kind(node.body), self.kind(node.orelse)
-            return a if a is not None and b is not None and a.key() == b.key() else None
+            return _same_kind(self.kind(node.body), self.kind(node.orelse))
         return None
+
+    def _name_kind(self, node: ast.Name) -> Kind | None:
+        b = self.lookup(node)
+        return self._binding_kind(b) if b is not None else None
+
+    def _is_tensor(self, node: ast.AST) -> bool:
+        return _category(self.kind(node)) == "tensor"
 
     def _binding_kind(self, b) -> Kind | None:
         _, how, a, extra = b
         if how == "value":
-            k = self.kind(a)
-            if extra and k is not None:  # unpacking: elements of a tensor (torch.max, chunk) are tensors
-                return TENSOR if k.cat == "tensor" else None
-            return k
+            return self._assigned_kind(a, extra)
         if how == "for":
             return self._element_kind(a.iter, extra)
         if how == "aug":
-            return self.kind(a.target) if self.lookup(a.target) is not b else None
+            return self._augmented_kind(a, b)
         if how == "param":
             return self._param_kind(a, extra)
         if how == "def":
-            return Kind("class", ref=a) if isinstance(a, ast.ClassDef) else Kind("func", ref=a)
+            return Kind("class" if isinstance(a, ast.ClassDef) else "func", ref=a)
         return None
+
+    def _augmented_kind(self, stmt: ast.AugAssign, binding: tuple) -> Kind | None:
+        """``x += v`` keeps the kind of the value of ``x`` before it."""
+        return self.kind(stmt.target) if self.lookup(stmt.target) is not binding else None
+
+    def _assigned_kind(self, value: ast.AST, path: tuple) -> Kind | None:
+        """The kind of a name assigned ``value`` (at ``path`` into it when unpacked: the elements of a
+        tensor, as from torch.max or chunk, are tensors)."""
+        if path:
+            return TENSOR if self._is_tensor(value) else None
+        return self.kind(value)
 
     def _element_kind(self, it: ast.AST, path: tuple) -> Kind | None:
         """The kind of the loop variable at ``path`` in ``for <target> in it``."""
@@ -550,12 +593,12 @@ class FileAnalysis:
         """The iterable under ``enumerate(...)`` / ``tqdm(...)`` / ``iter(...)`` and the path into its
         elements; None when the path picks ``enumerate``'s counter."""
         while isinstance(it, ast.Call) and it.args:
-            fn = self.qualname(it.func) or (it.func.id if isinstance(it.func, ast.Name) else None)
+            fn = self.qualname(it.func) or _called_function(it)
             if fn == "enumerate":
-                if not path or path[0] != 1:
+                if path[:1] != (1,):  # the counter, or the whole (counter, element) pair
                     return None
                 path, it = path[1:], it.args[0]
-            elif fn in TQDM or fn in ("iter", "tqdm"):
+            elif fn in _SAME_ELEMENTS:
                 it = it.args[0]
             else:
                 break
@@ -575,8 +618,7 @@ class FileAnalysis:
         positional = func.args.posonlyargs + func.args.args
         cls = self.parent.get(func)
         if isinstance(cls, ast.ClassDef):
-            decorators = {dotted(d) for d in func.decorator_list}
-            if positional and positional[0].arg == name and not decorators & {"staticmethod", "classmethod"}:
+            if _is_self_parameter(func, positional, name):
                 return Kind("self", ref=cls)
             return self.module_by_use(func, name)
         if len(self.plain_functions.get(func.name, ())) != 1:
@@ -586,6 +628,18 @@ class FileAnalysis:
     def _kind_passed_in(self, func: ast.AST, name: str, positional: list[ast.arg]) -> Kind | None:
         """The kind every call of the plain function ``func`` in this file passes as its parameter
         ``name``; :meth:`module_by_use` when none of them shows a kind (or there is no call)."""
+        kinds = self._passed_kinds(func, name, positional)
+        if kinds is None:
+            return None
+        if all(k is None for k in kinds):
+            return self.module_by_use(func, name)
+        if any(k is None for k in kinds):
+            return None
+        return _agreed_kind(kinds)
+
+    def _passed_kinds(self, func: ast.AST, name: str, positional: list[ast.arg]) -> list[Kind | None] | None:
+        """The kind each call of ``func`` in this file passes as its parameter ``name``; None when a
+        call does not pass it (a default applies)."""
         index = next((i for i, a in enumerate(positional) if a.arg == name), None)
         kinds = []
         for call in self.calls_by_name.get(func.name, ()):
@@ -593,9 +647,7 @@ class FileAnalysis:
             if arg is None:
                 return None
             kinds.append(self.kind(arg))
-        if not kinds or any(k is None for k in kinds):
-            return self.module_by_use(func, name) if all(k is None for k in kinds) else None
-        return _agreed_kind(kinds)
+        return kinds
 
     def tensor_by_use(self, node: ast.Name) -> bool:
         """The value ``node`` reads (a name whose kind is unknown: a parameter, an element
@@ -609,25 +661,25 @@ class FileAnalysis:
         key = ("tensor_by_use", id(binding[2]), node.id, binding[0])
         if key in self.memo:
             return self.memo[key]
-        found = False
-        for use in self.uses.get(self.function_scope(node), {}).get(node.id, ()):
-            if self.lookup(use) is not binding:
-                continue
-            parent = self.parent.get(use)
-            if isinstance(parent, ast.Attribute) and parent.value is use:
-                call = self.parent.get(parent)
-                if parent.attr in ("shape", "ndim") or (parent.attr in SHAPE_METHODS and isinstance(call, ast.Call)
-                                                         and call.func is parent):
-                    found = True
-            elif isinstance(parent, ast.Call) and use in parent.args:
-                q = self.qualname(parent.func)
-                found = q is not None and ((q.startswith("torch.") and q.count(".") == 1
-                                            and q.rsplit(".", 1)[-1] in TENSOR_FUNCS)
-                                           or q.startswith("torch.nn.functional."))
-            if found:
-                break
+        uses = self.uses.get(self.function_scope(node), {}).get(node.id, ())
+        found = any(self._used_as_tensor(use) for use in uses if self.lookup(use) is binding)
         self.memo[key] = found
         return found
+
+    def _used_as_tensor(self, use: ast.Name) -> bool:
+        """This read of a name shows a tensor: its ``.shape``/``.ndim``, a shape method called on
+        it, or it handed to a torch tensor function."""
+        parent = self.parent.get(use)
+        if isinstance(parent, ast.Attribute) and parent.value is use:
+            return self._is_shape_use(parent)
+        if isinstance(parent, ast.Call) and use in parent.args:
+            return _takes_tensors(self.qualname(parent.func))
+        return False
+
+    def _is_shape_use(self, attr: ast.Attribute) -> bool:
+        """``x.shape``, ``x.ndim``, or a shape method called: ``x.view(...)``, ``x.size()`` ..."""
+        return attr.attr in ("shape", "ndim") or (attr.attr in SHAPE_METHODS
+                                                  and _is_called(attr, self.parent.get(attr)))
 
     def module_by_use(self, func: ast.AST, name: str) -> Kind | None:
         """``Kind("module")`` if parameter ``name`` of ``func`` is shown to be an nn.Module by
@@ -637,55 +689,49 @@ class FileAnalysis:
         key = ("module_by_use", func, name)
         if key in self.memo:
             return self.memo[key]
-        found = None
         args = func.args.posonlyargs + func.args.args + func.args.kwonlyargs
         arg = next((a for a in args if a.arg == name), None)
-        if arg is not None:
-            q = self.qualname(arg.annotation) if arg.annotation is not None else None
-            if q is not None and is_torch_nn_class(q) and not q.endswith("Loss") and q != "torch.nn.Parameter":
-                found = Kind("module", q)
-            elif not any(b[1] != "param" for b in self.bindings.get(func, {}).get(name, ())):
-                for node in walk_local(func):
-                    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                            and node.func.attr in MODULE_ONLY_METHODS and isinstance(node.func.value, ast.Name)
-                            and node.func.value.id == name):
-                        found = Kind("module")
-                        break
+        found = self._module_shown_by(func, arg) if arg is not None else None
         self.memo[key] = found
         return found
+
+    def _module_shown_by(self, func: ast.AST, arg: ast.arg) -> Kind | None:
+        """The module kind the parameter ``arg`` of ``func`` is shown to have: by its annotation, or
+        (never rebound) by a module-only method called on it."""
+        q = self.qualname(arg.annotation) if arg.annotation is not None else None
+        if _is_nn_module_class(q):
+            return Kind("module", q)
+        if any(b[1] != "param" for b in self.bindings.get(func, {}).get(arg.arg, ())):
+            return None
+        return Kind("module") if _calls_module_method_on(func, arg.arg) else None
 
     def _attribute_kind(self, node: ast.Attribute) -> Kind | None:
         if self.qualname(node) is not None:
             return None  # a module-level name such as torch.float16
         rk = self.kind(node.value)
-        if node.attr in ("weight", "bias", "grad"):
-            return PARAM if rk is None or rk.cat in ("module", "self", "tensor") else None
-        if rk is None:
-            return None
-        if rk.cat == "tensor" and node.attr in ("data", "T", "mT", "H", "mH", "real", "imag"):
-            return PARAM if rk.detail == "param" else TENSOR
-        if rk.cat == "self" or (rk.cat == "module" and rk.detail == "local"):
-            return self._self_attr_kind(rk.ref, node.attr)
-        return None
+        k = _tensor_attribute_kind(rk, node.attr)
+        if k is not None:
+            return k
+        return self._self_attr_kind(rk.ref, node.attr) if _is_local_instance(rk) else None
 
     def _self_attr_kind(self, cls, attr: str, seen=None) -> Kind | None:
         if not isinstance(cls, ast.ClassDef):
             return None
         entries = self.self_attrs.get(cls, {}).get(attr)
         if entries:
-            kinds = []
-            for value, path, _ in entries:
-                k = self.kind(value)
-                kinds.append((TENSOR if k is not None and k.cat == "tensor" else None) if path else k)
-            if kinds[0] is not None and all(k is not None and k.key() == kinds[0].key() for k in kinds):
-                return kinds[0]
-            return None
-        seen = (seen or set()) | {cls}
-        for base in self.local_bases(cls):
-            if base not in seen:
-                k = self._self_attr_kind(base, attr, seen)
-                if k is not None:
-                    return k
+            return self._assigned_attr_kind(entries)
+        bases, seen = self._bases_to_search(cls, seen)
+        for base in bases:
+            k = self._self_attr_kind(base, attr, seen)
+            if k is not None:
+                return k
+        return None
+
+    def _assigned_attr_kind(self, entries: list) -> Kind | None:
+        """The kind every assignment ``self.attr = value`` of a class gives, when they agree."""
+        kinds = [self._assigned_kind(value, path) for value, path, _ in entries]
+        if kinds[0] is not None and all(k is not None and k.key() == kinds[0].key() for k in kinds):
+            return kinds[0]
         return None
 
     def _call_kind(self, node: ast.Call) -> Kind | None:
@@ -694,68 +740,72 @@ class FileAnalysis:
         if q is not None:
             return self.constructor_kind(q, node)
         if isinstance(func, ast.Attribute):
-            m = func.attr
-            if m in ACT_METHODS:
-                return Kind("tensor", ACT_METHODS[m])
-            if m in ("expand", "expand_as"):
-                return Kind("tensor", "expanded")
-            rk = self.kind(func.value)
-            if (rk is None or rk.cat in ("module", "self")) and m in _PARAMETER_METHODS:
-                return Kind(_PARAMETER_METHODS[m])
-            if rk is not None and rk.cat == "tensor":
-                return _tensor_method_kind(rk, m)
-            if rk is not None and rk.cat in ("module", "lossfn", "self") and m in MODULE_SELF_METHODS:
-                return self._module_itself(rk)
+            return self._method_result_kind(func)
+        return self._callable_result_kind(func)
+
+    def _method_result_kind(self, func: ast.Attribute) -> Kind | None:
+        """What calling the method ``func`` (``x.m``) gives, by the method and the kind of ``x``."""
+        m = func.attr
+        if m in _TENSOR_RESULTS:
+            return _TENSOR_RESULTS[m]
+        rk = self.kind(func.value)
+        cat = _category(rk)
+        if cat in (None, "module", "self") and m in _PARAMETER_METHODS:
+            return Kind(_PARAMETER_METHODS[m])
+        if cat == "tensor":
+            return _tensor_method_kind(rk, m)
+        if cat in ("module", "lossfn", "self") and m in MODULE_SELF_METHODS:
+            return self._module_itself(rk)
         return self._callable_result_kind(func)
 
     def _module_itself(self, k: Kind) -> Kind | None:
         """What ``module.to(...)`` / ``.train()`` / ``.cuda()`` returns: the module (of a local class for ``self``)."""
         if k.cat in ("module", "lossfn"):
             return k
-        return Kind("module", "local", k.ref) if self.is_module_class(k.ref) else None
+        return self._local_module(k.ref)
+
+    def _local_module(self, cls) -> Kind | None:
+        """An instance of the class ``cls`` of this file, when it is an nn.Module."""
+        return Kind("module", "local", cls) if self.is_module_class(cls) else None
 
     def _callable_result_kind(self, func: ast.AST) -> Kind | None:
         """What calling the object ``func`` gives: a loss function's loss, a module's output, a local
         module class's instance."""
         fk = self.kind(func)  # a callable object: a loss, a module (self.fc, model.encoder), a class
-        if fk is None:
-            return None
-        if fk.cat == "lossfn":
+        cat = _category(fk)
+        if cat == "lossfn":
             return LOSS
-        if fk.cat == "class":
-            return Kind("module", "local", fk.ref) if self.is_module_class(fk.ref) else None
-        if fk.cat == "module" and fk.detail in RNN_MODULES:
+        if cat == "class":
+            return self._local_module(fk.ref)
+        if cat == "module" and fk.detail in RNN_MODULES:
             return None  # (output, state): output is a PackedSequence when the input was packed
-        if fk.cat == "module" or (fk.cat == "self" and self.is_module_class(fk.ref)):
+        if self.is_module_kind(fk):
             return Kind("tensor", self.output_activation(fk))
         return None
 
     def constructor_kind(self, q: str, node: ast.Call) -> Kind | None:
-        last = q.rsplit(".", 1)[-1]
         if q in WRAPPERS and node.args:  # DataParallel(model), DDP(model), torch.compile(model) call model
             k = self.kind(node.args[0])
-            return k if k is not None and k.cat == "module" else None
-        if q in ACT_FUNCS:
-            return Kind("tensor", ACT_FUNCS[q])
-        if q.startswith("torch.nn.functional."):
-            return LOSS if last in F_LOSSES else TENSOR
-        if q in ("torch.nn.Parameter", "torch.nn.UninitializedParameter"):
-            return PARAM
-        if is_torch_nn_class(q):
-            return Kind("lossfn" if last.endswith("Loss") else "module", q, node)
-        return _library_object_kind(q, node) or _tensor_function_kind(q)
+            return k if _category(k) == "module" else None
+        return _nn_object_kind(q, node) or _library_object_kind(q, node) or _tensor_function_kind(q)
 
     def output_activation(self, k: Kind) -> str | None:
         """``softmax``/``log_softmax``/``sigmoid`` if calling this module returns that."""
-        if k.cat == "self" or (k.cat == "module" and k.detail == "local"):
+        if _is_local_instance(k):
             return self.forward_activation(k.ref)
-        if k.cat == "module":
-            if k.detail in ACT_MODULES:
-                return ACT_MODULES[k.detail]
-            if k.detail == "torch.nn.Sequential" and isinstance(k.ref, ast.Call) and k.ref.args:
-                last = self.kind(k.ref.args[-1])
-                if last is not None and last.cat == "module" and last is not k:
-                    return self.output_activation(last)
+        if k.cat != "module":
+            return None
+        if k.detail in ACT_MODULES:
+            return ACT_MODULES[k.detail]
+        if k.detail == "torch.nn.Sequential" and isinstance(k.ref, ast.Call) and k.ref.args:
+            return self._last_layer_activation(k)
+        return None
+
+    def _last_layer_activation(self, k: Kind) -> str | None:
+        """The output activation of the last layer of the ``nn.Sequential(...)`` of kind ``k``."""
+        last = self.kind(k.ref.args[-1])
+        if _category(last) == "module" and last is not k:
+            return self.output_activation(last)
         return None
 
     def forward_activation(self, cls) -> str | None:
@@ -763,33 +813,42 @@ class FileAnalysis:
             return None
         key = ("fwd", cls)
         if key not in self.memo:
-            self.memo[key] = None
-            forward = self.method(cls, "forward")
-            acts = set()
-            if forward is not None:
-                for node in walk_local(forward):
-                    if isinstance(node, ast.Return):
-                        k = self.kind(node.value) if node.value is not None else None
-                        acts.add(k.detail if k is not None and k.cat == "tensor" else None)
-            if len(acts) == 1 and next(iter(acts)) in ACTS:
-                self.memo[key] = acts.pop()
+            self.memo[key] = None  # while it is decided: a forward that calls itself shows none
+            self.memo[key] = _sole_activation(self._returned_activations(cls))
         return self.memo[key]
 
+    def _returned_activations(self, cls: ast.ClassDef) -> set[str | None]:
+        """The activation (None for none or not a tensor) of each value the class's ``forward`` returns."""
+        forward = self.method(cls, "forward")
+        if forward is None:
+            return set()
+        return {_activation(self.kind(node.value)) for node in walk_local(forward) if isinstance(node, ast.Return)}
+
     def method(self, cls: ast.ClassDef, name: str, seen=None):
-        for stmt in cls.body:
-            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == name:
-                return stmt
-        seen = (seen or set()) | {cls}
-        for base in self.local_bases(cls):
-            if base not in seen:
-                found = self.method(base, name, seen)
-                if found is not None:
-                    return found
+        own = _own_method(cls, name)
+        if own is not None:
+            return own
+        bases, seen = self._bases_to_search(cls, seen)
+        for base in bases:
+            found = self.method(base, name, seen)
+            if found is not None:
+                return found
         return None
+
+    def _bases_to_search(self, cls: ast.ClassDef, seen: set | None) -> tuple[list[ast.ClassDef], set]:
+        """The local bases of ``cls`` not searched yet, and the classes searched once ``cls`` is
+        (a guard against cyclic bases)."""
+        seen = (seen or set()) | {cls}
+        return [base for base in self.local_bases(cls) if base not in seen], seen
 
     def local_bases(self, cls: ast.ClassDef) -> list[ast.ClassDef]:
         return [self.classes[b.id] for b in cls.bases
                 if isinstance(b, ast.Name) and b.id in self.classes and self.classes[b.id] is not cls]
+
+    def is_module_kind(self, k: Kind | None) -> bool:
+        """``k`` is an nn.Module: a module, or ``self`` in a module class."""
+        cat = _category(k)
+        return cat == "module" or (cat == "self" and self.is_module_class(k.ref))
 
     def is_module_class(self, cls) -> bool:
         """``cls`` derives from torch.nn.Module (directly, through an nn class, a Lightning
@@ -798,39 +857,31 @@ class FileAnalysis:
             return False
         key = ("module", cls)
         if key not in self.memo:
-            self.memo[key] = False
-            found = False
-            for base in cls.bases:
-                q = self.qualname(base)
-                if q is not None and ((is_torch_nn_class(q) and q != "torch.nn.Parameter")
-                                      or q.rsplit(".", 1)[-1] == "LightningModule"):
-                    found = True
-            found = found or any(self.is_module_class(b) for b in self.local_bases(cls))
-            self.memo[key] = found
+            self.memo[key] = False  # while it is decided: a cycle of bases makes no module
+            self.memo[key] = self._derives_from_module(cls)
         return self.memo[key]
+
+    def _derives_from_module(self, cls: ast.ClassDef) -> bool:
+        return (any(_is_module_base(self.qualname(base)) for base in cls.bases)
+                or any(self.is_module_class(b) for b in self.local_bases(cls)))
 
     # ---- gradient mode
 
     def _grad_mode(self, expr: ast.AST) -> str | None:
         """'off' if ``with expr:`` / ``@expr`` disables autograd, 'on' if it enables it."""
         call = expr if isinstance(expr, ast.Call) else None
-        q = self.qualname(call.func if call is not None else expr)
-        if q in NO_GRAD:
-            flag = kwarg(call, "mode", 0) if call is not None and q == "torch.inference_mode" else None
-            return "on" if isinstance(flag, ast.Constant) and flag.value is False else "off"
-        if q == "torch.enable_grad":
-            return "on"
-        if q == "torch.set_grad_enabled" and call is not None:
-            flag = kwarg(call, "mode", 0)
-            if isinstance(flag, ast.Constant) and isinstance(flag.value, bool):
-                return "on" if flag.value else "off"
-        if q is None or not q.startswith("torch."):
-            # A project's own wrapper (YOLOv5's @smart_inference_mode(), a no_grad_if_eval helper) says
-            # what it does in its name; the rules would otherwise see a training forward.
-            spelled = dotted(call.func if call is not None else expr)
-            last = spelled.rsplit(".", 1)[-1].lower() if spelled else ""
-            if "inference_mode" in last or "no_grad" in last:
-                return "off"
+        func = call.func if call is not None else expr
+        q = self.qualname(func)
+        if q is not None and q.startswith("torch."):
+            return _torch_grad_mode(q, call)
+        return _wrapper_grad_mode(func)
+
+    def _first_grad_mode(self, exprs: list[ast.AST]) -> str | None:
+        """The grad mode set by the first of ``exprs`` (``with`` items, decorators) that sets one."""
+        for expr in exprs:
+            mode = self._grad_mode(expr)
+            if mode is not None:
+                return mode
         return None
 
     def no_grad(self, node: ast.AST) -> bool:
@@ -840,30 +891,40 @@ class FileAnalysis:
         inside = True
         child = node
         for anc in self.ancestors(node):
-            if inside and isinstance(anc, (ast.With, ast.AsyncWith)) and child in anc.body:
-                for item in anc.items:
-                    mode = self._grad_mode(item.context_expr)
-                    if mode is not None:
-                        return mode == "off"
+            mode = self._with_grad_mode(anc, child) if inside else None
             if isinstance(anc, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                for deco in anc.decorator_list:
-                    mode = self._grad_mode(deco)
-                    if mode is not None:
-                        return mode == "off"
-                if inside and self._grad_disabled_before(anc, node):
-                    return True
+                mode = self._function_grad_mode(anc, node, inside)
                 inside = False
+            if mode is not None:
+                return mode == "off"
             child = anc
         return inside and self._grad_disabled_before(self.tree, node)
+
+    def _function_grad_mode(self, func: ast.AST, node: ast.AST, inside: bool) -> str | None:
+        """The grad mode ``func`` sets for ``node`` in it: by a decorator, or, when ``node`` runs
+        in ``func``'s own frame (``inside``), 'off' after a ``torch.set_grad_enabled(False)``."""
+        mode = self._first_grad_mode(func.decorator_list)
+        if mode is None and inside and self._grad_disabled_before(func, node):
+            return "off"
+        return mode
+
+    def _with_grad_mode(self, anc: ast.AST, child: ast.AST) -> str | None:
+        """The grad mode ``anc`` sets for ``child`` when it is a ``with`` whose body holds it."""
+        if isinstance(anc, (ast.With, ast.AsyncWith)) and child in anc.body:
+            return self._first_grad_mode([item.context_expr for item in anc.items])
+        return None
 
     def _grad_disabled_before(self, scope: ast.AST, node: ast.AST) -> bool:
         state = None
         for stmt in walk_local(scope):
-            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and pos(stmt) < pos(node):
-                q = self.qualname(stmt.value.func)
-                if q == "torch.set_grad_enabled":
-                    state = self._grad_mode(stmt.value)
+            if self._is_set_grad_statement(stmt) and pos(stmt) < pos(node):
+                state = self._grad_mode(stmt.value)
         return state == "off"
+
+    def _is_set_grad_statement(self, stmt: ast.AST) -> bool:
+        """A statement ``torch.set_grad_enabled(...)`` (not a ``with``): the mode holds from there on."""
+        return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+                and self.qualname(stmt.value.func) == "torch.set_grad_enabled")
 
     # ---- calls grouped by frame
 
@@ -881,23 +942,29 @@ class FileAnalysis:
     def backward_mentions(self, scope: ast.AST, name: str) -> bool:
         """A ``.backward()`` (or autograd.backward/grad) in ``scope`` is called on an
         expression that uses ``name``, directly or through a variable assigned from it."""
-        for call in self.calls_in(scope):
-            q = self.qualname(call.func)
-            if is_backward(call):
-                exprs = [call.func.value]
-            elif q in ("torch.autograd.backward", "torch.autograd.grad"):
-                exprs = list(call.args[:1])
-            else:
-                continue
-            for expr in exprs:
-                for n in [expr, *ast.walk(expr)]:
-                    if isinstance(n, ast.Name):
-                        if n.id == name:
-                            return True
-                        value = self.binding_value(n)
-                        if value is not None and any(isinstance(v, ast.Name) and v.id == name for v in ast.walk(value)):
-                            return True
-        return False
+        return any(self._mentions(expr, name) for call in self.calls_in(scope)
+                   for expr in self._backward_operands(call))
+
+    def _mentions(self, expr: ast.AST, name: str) -> bool:
+        """``expr`` uses ``name``, directly or through a variable assigned from it."""
+        return any(self._reads(n, name) for n in [expr, *ast.walk(expr)] if isinstance(n, ast.Name))
+
+    def _backward_operands(self, call: ast.Call) -> list[ast.AST]:
+        """What a backward call differentiates: ``x`` of ``x.backward()``, the first argument of
+        ``torch.autograd.backward``/``grad``; nothing for another call."""
+        q = self.qualname(call.func)
+        if is_backward(call):
+            return [call.func.value]
+        if q in ("torch.autograd.backward", "torch.autograd.grad"):
+            return list(call.args[:1])
+        return []
+
+    def _reads(self, n: ast.Name, name: str) -> bool:
+        """``n`` is ``name``, or a variable assigned from an expression that uses ``name``."""
+        if n.id == name:
+            return True
+        value = self.binding_value(n)
+        return value is not None and any(_is_name(v, name) for v in ast.walk(value))
 
 
 def forward_before(f: FileAnalysis, node: ast.AST) -> bool:
@@ -907,13 +974,15 @@ def forward_before(f: FileAnalysis, node: ast.AST) -> bool:
     for c in f.calls_in(f.function_scope(node)):
         if pos(c) >= here:
             return False
-        k = f.kind(c.func)
-        if k is not None and (k.cat in ("module", "lossfn") or (k.cat == "self" and f.is_module_class(k.ref))):
-            return True
-        b = f.lookup(c.func) if isinstance(c.func, ast.Name) else None
-        if b is not None and b[1] == "param":
+        if _calls_model(f, c):
             return True
     return False
+
+
+def _calls_model(f: FileAnalysis, call: ast.Call) -> bool:
+    """``call`` calls a module or a loss, or a callable passed in as a parameter."""
+    k = f.kind(call.func)
+    return _category(k) == "lossfn" or f.is_module_kind(k) or _is_parameter(f, call.func)
 
 
 def backward_after(f: FileAnalysis, node: ast.AST) -> bool:
@@ -931,42 +1000,41 @@ def enclosing_function(f: FileAnalysis, node: ast.AST) -> ast.AST | None:
 
 
 def rate_limited(test: ast.AST) -> bool:
-    for n in ast.walk(test):
-        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod):
-            return True
-        if isinstance(n, (ast.Name, ast.Attribute)) and "memory" in (dotted(n) or "").rsplit(".", 1)[-1]:
-            return True
-    return False
+    return any(_is_modulo(n) or _names_memory(n) for n in ast.walk(test))
+
+
+def _is_modulo(node: ast.AST) -> bool:
+    """``a % b``: every k-th step."""
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
+
+
+def _names_memory(node: ast.AST) -> bool:
+    """A name or attribute chain whose last part is about memory (``low_memory``, ``cfg.memory``)."""
+    return isinstance(node, (ast.Name, ast.Attribute)) and "memory" in (dotted(node) or "").rsplit(".", 1)[-1]
 
 
 def is_backward(node: ast.AST) -> bool:
     """``x.backward(...)``: a call of a method named backward (a loss's, a tensor's)."""
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward"
+    return _called_method(node) == "backward"
 
 
 def is_step_loop(f: FileAnalysis, loop: ast.AST) -> bool:
     """A loop whose iterations are training steps: it iterates a loader, or its own body
     (not a nested loop) calls backward() or optimizer.step()."""
-    if isinstance(loop, (ast.For, ast.AsyncFor)):
-        if element_is_batch(f, loop):
-            return True
-    for node in walk_local(loop, into_loops=False):
-        if is_backward(node):
-            return True
-    return False
+    if isinstance(loop, (ast.For, ast.AsyncFor)) and element_is_batch(f, loop):
+        return True
+    return any(is_backward(node) for node in walk_local(loop, into_loops=False))
 
 
 def unwrap_iterable(f: FileAnalysis, it: ast.AST) -> ast.AST:
     """``loader`` for ``enumerate(loader)``, ``tqdm(loader)``, ``iter(loader)``."""
     while isinstance(it, ast.Call) and it.args and (
-            (isinstance(it.func, ast.Name) and it.func.id in ("enumerate", "tqdm", "iter"))
-            or f.qualname(it.func) in TQDM):
+            _called_function(it) in ("enumerate", "tqdm", "iter") or f.qualname(it.func) in TQDM):
         it = it.args[0]
     return it
 
 
 def element_is_batch(f: FileAnalysis, loop: ast.AST) -> bool:
-    it = loop.iter
     it = unwrap_iterable(f, loop.iter)
     k = f.kind(it)
     return (k is not None and k.cat == "loader") or (k is None and f.looks_like_loader(it))
@@ -986,89 +1054,124 @@ def version_guarded(f: FileAnalysis, node: ast.AST) -> bool:
     """Compatibility code for old torch versions: under a ``hasattr``/``getattr``/version
     test (either branch: the other one holds the new spelling), or in a ``try`` whose
     handler catches the AttributeError/ImportError that the new versions raise."""
-    def compat_test(test: ast.AST) -> bool:
-        for n in ast.walk(test):
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("hasattr", "getattr"):
-                return True
-            name = n.attr if isinstance(n, ast.Attribute) else n.id if isinstance(n, ast.Name) else ""
-            if "version" in name.lower():
-                return True
-        return False
-
     child = node
     for anc in f.ancestors(node):
-        if isinstance(anc, (ast.If, ast.IfExp)) and child is not anc.test and compat_test(anc.test):
+        if _guards_compat(anc, child):
             return True
-        if isinstance(anc, ast.Try) and child in anc.body and any(catches_compat(h) for h in anc.handlers):
-            return True
-        if isinstance(anc, ast.ExceptHandler) and catches_compat(anc):
-            return True  # the fallback after the new spelling failed
         if isinstance(anc, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
             break
         child = anc
     return False
 
 
+def _guards_compat(anc: ast.AST, child: ast.AST) -> bool:
+    """``anc`` makes its part ``child`` compatibility code: a branch of a compat test, the body of a
+    ``try`` that catches compat errors, or such a handler."""
+    if isinstance(anc, (ast.If, ast.IfExp)):
+        return child is not anc.test and _compat_test(anc.test)
+    if isinstance(anc, ast.Try):
+        return child in anc.body and any(catches_compat(h) for h in anc.handlers)
+    return isinstance(anc, ast.ExceptHandler) and catches_compat(anc)  # the fallback after the new spelling failed
+
+
+def _compat_test(test: ast.AST) -> bool:
+    """``test`` asks ``hasattr``/``getattr`` or reads a name about a version."""
+    for n in ast.walk(test):
+        if _called_function(n) in ("hasattr", "getattr"):
+            return True
+        if "version" in _identifier(n).lower():
+            return True
+    return False
+
+
+def _identifier(node: ast.AST) -> str:
+    """The name a Name reads or an Attribute picks; "" for other nodes."""
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ""
+
+
 def dataloaders(f: FileAnalysis) -> list[tuple[ast.Call, list[ast.AST]]]:
     """Every DataLoader(...) call with the loops that iterate it: by the loader object the
     loop's iterable is known to be, or by the same variable / attribute name."""
-    if "loaders" in f.memo:
-        return f.memo["loaders"]
+    if "loaders" not in f.memo:
+        f.memo["loaders"] = _find_dataloaders(f)
+    return f.memo["loaders"]
+
+
+def _find_dataloaders(f: FileAnalysis) -> list[tuple[ast.Call, list[ast.AST]]]:
     loops = f.nodes[ast.For] + f.nodes[ast.AsyncFor]
     out = []
     for call in f.nodes[ast.Call]:
         if f.qualname(call.func) != DATALOADER:
             continue
-        parent = f.parent.get(call)
-        targets = parent.targets if isinstance(parent, ast.Assign) else [parent.target] if isinstance(
-            parent, ast.AnnAssign) else []
-        names = {dotted(t) for t in targets} - {None}
-        found = []
-        for loop in loops:
-            it = unwrap_iterable(f, loop.iter)
-            k = f.kind(it)
-            if it is call or (k is not None and k.cat == "loader" and k.ref is call) or dotted(it) in names:
-                found.append(loop)
-        out.append((call, found))
-    f.memo["loaders"] = out
+        names = {dotted(t) for t in _assignment_targets(f.parent.get(call))} - {None}
+        out.append((call, [loop for loop in loops if _iterates(f, loop, call, names)]))
     return out
 
 
+def _assignment_targets(stmt: ast.AST | None) -> list[ast.AST]:
+    """The targets of ``stmt`` when it is an assignment (plain or annotated)."""
+    if isinstance(stmt, ast.Assign):
+        return stmt.targets
+    return [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+
+
+def _iterates(f: FileAnalysis, loop: ast.AST, call: ast.Call, names: set) -> bool:
+    """``loop`` iterates the loader ``call`` builds: the call itself, a value known to be that
+    loader, or a variable / attribute of one of ``names``."""
+    it = unwrap_iterable(f, loop.iter)
+    k = f.kind(it)
+    return it is call or (_category(k) == "loader" and k.ref is call) or dotted(it) in names
+
+
 def moves_batch_to_cuda(f: FileAnalysis, loop: ast.AST) -> bool:
-    batch = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
-    for node in walk_local(loop):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and root_name(node.func.value) in batch):
-            continue
-        if node.func.attr == "cuda":
-            return True
-        if node.func.attr == "to":
-            device = kwarg(node, "device", 0)
-            if device is not None and is_cuda_device(f, device):
-                return True
-    return False
+    batch = _names_in(loop.target)
+    return any(root_name(node.func.value) in batch and _moves_to_cuda(f, node)
+               for node in walk_local(loop) if _called_method(node) in ("cuda", "to"))
+
+
+def _names_in(target: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+
+
+def _moves_to_cuda(f: FileAnalysis, call: ast.Call) -> bool:
+    """``x.cuda()``, or ``x.to(device)`` with a CUDA device."""
+    if call.func.attr == "cuda":
+        return True
+    device = kwarg(call, "device", 0)
+    return device is not None and is_cuda_device(f, device)
 
 
 def is_cuda_device(f: FileAnalysis, node: ast.AST) -> bool:
     """``node`` names a CUDA device: a ``"cuda..."`` string (directly or in the expression
     the variable was assigned), or, when its value is not in the file, a variable called
     ``device``/``gpu``/``cuda`` in a file that uses CUDA."""
-    value = f.binding_value(node) if isinstance(node, ast.Name) else None
-    strings = [n.value for n in ast.walk(value if value is not None else node)
-               if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    value = f.binding_value(node)
+    strings = _strings_in(value if value is not None else node)
     if strings:
         return any(s.startswith("cuda") for s in strings)
+    return _named_like_device(f, node)
+
+
+_DEVICE_NAME = re.compile(r"device|dev$|gpu|cuda", re.IGNORECASE)
+
+
+def _named_like_device(f: FileAnalysis, node: ast.AST) -> bool:
+    """A variable or attribute called ``device``/``gpu``/``cuda`` ... in a file that uses CUDA."""
     spelled = dotted(node)
-    return (spelled is not None and f.mentions_cuda
-            and re.search(r"device|dev$|gpu|cuda", spelled.rsplit(".", 1)[-1], re.IGNORECASE) is not None)
+    return spelled is not None and f.mentions_cuda and _DEVICE_NAME.search(spelled.rsplit(".", 1)[-1]) is not None
+
+
+def _strings_in(tree: ast.AST) -> list[str]:
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
 def optimizer_step(f: FileAnalysis, call: ast.Call) -> bool:
     """``optimizer.step()`` or ``scaler.step(optimizer)``."""
-    k = f.kind(call.func.value)
-    if k is not None and k.cat == "optimizer":
+    if _category(f.kind(call.func.value)) == "optimizer":
         return True
-    return bool(call.args) and (f.kind(call.args[0]) or Kind("?")).cat == "optimizer"
+    return bool(call.args) and _category(f.kind(call.args[0])) == "optimizer"
 
 
 def ancestors_until(f: FileAnalysis, node: ast.AST, stop: ast.AST) -> Iterator[ast.AST]:
@@ -1081,23 +1184,42 @@ def ancestors_until(f: FileAnalysis, node: ast.AST, stop: ast.AST) -> Iterator[a
 def looks_like_model(f: FileAnalysis, node: ast.AST) -> bool:
     k = f.kind(node)
     if k is not None:
-        return k.cat == "module" or (k.cat == "self" and f.is_module_class(k.ref))
-    b = f.lookup(node) if isinstance(node, ast.Name) else None  # a model passed in, or a name that says so
-    return (b is not None and b[1] == "param") or (isinstance(node, ast.Name) and "model" in node.id.lower())
+        return f.is_module_kind(k)
+    # a model passed in, or a name that says so
+    return _is_parameter(f, node) or (isinstance(node, ast.Name) and "model" in node.id.lower())
+
+
+def _is_parameter(f: FileAnalysis, node: ast.AST) -> bool:
+    """``node`` is a name that reads a parameter of its function."""
+    b = f.lookup(node) if isinstance(node, ast.Name) else None
+    return b is not None and b[1] == "param"
 
 
 # ---- evidence for the step rules (TT126-TT132)
+
+
+def exclusive_branches(f: FileAnalysis, a: ast.AST, b: ast.AST) -> bool:
+    """``a`` and ``b`` never run in the same pass: they lie in different branches of one ``if``
+    (or conditional expression), or in a ``try`` body and one of its handlers (or two handlers)."""
+    la, lb = _branch_labels(f, a), _branch_labels(f, b)
+    return any(anc in lb and _exclusive(label, lb[anc]) for anc, label in la.items())
+
+
+def _branch_labels(f: FileAnalysis, node: ast.AST) -> dict:
+    """Each ``if``/``try`` around ``node`` -> the branch of it that holds ``node``."""
+    out, child = {}, node
+    for anc in f.ancestors(node):
+        if isinstance(anc, (ast.If, ast.IfExp, ast.Try, getattr(ast, "TryStar", ast.Try))):
+            out[anc] = _branch_label(anc, child)
+        child = anc
+    return out
 
 
 def _branch_label(anc: ast.AST, child: ast.AST) -> object:
     """Which branch of the ``if``/``try`` ``anc`` holds ``child``: "body", "orelse", a handler;
     "test" or "final" for parts that run whichever branch is taken."""
     if isinstance(anc, (ast.If, ast.IfExp)):
-        if child is anc.test:
-            return "test"
-        if child is anc.body or (isinstance(anc.body, list) and child in anc.body):
-            return "body"
-        return "orelse"
+        return _if_branch(anc, child)
     if child in anc.finalbody:
         return "final"
     if child in anc.handlers:
@@ -1105,39 +1227,57 @@ def _branch_label(anc: ast.AST, child: ast.AST) -> object:
     return "body"  # the try body and its else run together
 
 
-def exclusive_branches(f: FileAnalysis, a: ast.AST, b: ast.AST) -> bool:
-    """``a`` and ``b`` never run in the same pass: they lie in different branches of one ``if``
-    (or conditional expression), or in a ``try`` body and one of its handlers (or two handlers)."""
-    def labels(node: ast.AST) -> dict:
-        out, child = {}, node
-        for anc in f.ancestors(node):
-            if isinstance(anc, (ast.If, ast.IfExp, ast.Try, getattr(ast, "TryStar", ast.Try))):
-                out[anc] = _branch_label(anc, child)
-            child = anc
-        return out
-
-    la, lb = labels(a), labels(b)
-    return any(anc in lb and label not in ("test", "final") and lb[anc] not in ("test", "final") and label != lb[anc]
-               for anc, label in la.items())
+def _if_branch(anc: ast.If | ast.IfExp, child: ast.AST) -> str:
+    if child is anc.test:
+        return "test"
+    if child is anc.body or (isinstance(anc.body, list) and child in anc.body):
+        return "body"
+    return "orelse"
 
 
+def _exclusive(a: object, b: object) -> bool:
+    """Two branch labels of one ``if``/``try`` that never run in the same pass."""
+    return a not in ("test", "final") and b not in ("test", "final") and a != b
+
+
+# ---- FileAnalysis helpers: kinds
+
+
+# methods whose result is a tensor of a known detail, whatever the receiver
+_TENSOR_RESULTS = {**{m: Kind("tensor", act) for m, act in ACT_METHODS.items()},
+                   "expand": Kind("tensor", "expanded"), "expand_as": Kind("tensor", "expanded")}
+_PARAMETER_ATTRS = ("weight", "bias", "grad")
 _PARAMETER_METHODS = {"parameters": "params", "buffers": "params", "named_parameters": "named_params",
                       "named_buffers": "named_params"}
+# category -> (path to the element, its kind): a parameter of .parameters(), the value of a
+# .named_parameters() pair, a row of a tensor
+_ELEMENTS = {"params": ((), PARAM), "named_params": ((1,), PARAM), "tensor": ((), TENSOR)}
+
+
+def _tensor_attribute_kind(rk: Kind | None, attr: str) -> Kind | None:
+    """``x.weight``/``.bias``/``.grad`` of a module, a tensor or an unknown ``x`` (of kind ``rk``) is a
+    parameter; ``.data``, ``.T``, ``.real`` ... of a tensor a tensor (a parameter's, a parameter)."""
+    cat = _category(rk)
+    if attr in _PARAMETER_ATTRS:
+        return PARAM if cat in (None, "module", "self", "tensor") else None
+    if cat == "tensor" and attr in ("data", "T", "mT", "H", "mH", "real", "imag"):
+        return PARAM if rk.detail == "param" else TENSOR
+    return None
 
 
 def _element_of(k: Kind, path: tuple) -> Kind | None:
     """The kind of the element at ``path`` of one item of an iterable of kind ``k``."""
     if k.cat == "loader":
-        if path or (isinstance(k.ref, ast.Call) and kwarg(k.ref, "collate_fn", 6) is None):
-            return BATCH  # an element of a batch, or a default-collated batch: tensors
-        return Kind("batch")  # a whole batch from a custom collate: maybe an object with an in-place .to()
-    if k.cat == "params":
-        return PARAM if not path else None
-    if k.cat == "named_params":
-        return PARAM if path == (1,) else None
-    if k.cat == "tensor" and not path:
-        return TENSOR
-    return None
+        return _batch_element(k, path)
+    where, element = _ELEMENTS.get(k.cat, (None, None))
+    return element if path == where else None
+
+
+def _batch_element(loader: Kind, path: tuple) -> Kind:
+    """The kind of the element at ``path`` of a batch of the DataLoader of kind ``loader``."""
+    if path or (isinstance(loader.ref, ast.Call) and kwarg(loader.ref, "collate_fn", 6) is None):
+        return BATCH  # an element of a batch, or a default-collated batch: tensors
+    return Kind("batch")  # a whole batch from a custom collate: maybe an object with an in-place .to()
 
 
 def _agreed_kind(kinds: list[Kind]) -> Kind | None:
@@ -1159,29 +1299,217 @@ def _tensor_method_kind(rk: Kind, method: str) -> Kind | None:
     return TENSOR
 
 
+def _nn_object_kind(q: str, node: ast.Call) -> Kind | None:
+    """The kind of an activation's output, a functional's result, a parameter, or a torch.nn layer or
+    loss built by ``q(...)``."""
+    last = q.rsplit(".", 1)[-1]
+    if q in ACT_FUNCS:
+        return Kind("tensor", ACT_FUNCS[q])
+    if q.startswith("torch.nn.functional."):
+        return LOSS if last in F_LOSSES else TENSOR
+    if q in ("torch.nn.Parameter", "torch.nn.UninitializedParameter"):
+        return PARAM
+    if is_torch_nn_class(q):
+        return Kind("lossfn" if last.endswith("Loss") else "module", q, node)
+    return None
+
+
 def _library_object_kind(q: str, node: ast.Call) -> Kind | None:
     """The kind of a data loader, device, optimizer, scheduler or torchvision model built by ``q(...)``."""
-    last = q.rsplit(".", 1)[-1]
     if q == DATALOADER:
         return Kind("loader", q, node)
     if q == "torch.device":
         return Kind("device", None, node)
-    if q.startswith("torch.optim.") and q.count(".") == 2 and last[:1].isupper():
-        return Kind("optimizer", q, node)
-    if q.startswith("torch.optim.lr_scheduler.") and last[:1].isupper():
-        return Kind("scheduler", q, node)
-    if q.startswith("torchvision.models.") and last[:1].islower():
+    if q.startswith("torch.optim."):
+        return _optim_object_kind(q, node)
+    if q.startswith("torchvision.models.") and q.rsplit(".", 1)[-1][:1].islower():
         return Kind("module", q, node)
     return None
+
+
+def _optim_object_kind(q: str, node: ast.Call) -> Kind | None:
+    """An optimizer (a class of ``torch.optim``) or a scheduler (of ``torch.optim.lr_scheduler``)."""
+    if not q.rsplit(".", 1)[-1][:1].isupper():
+        return None
+    if q.count(".") == 2:
+        return Kind("optimizer", q, node)
+    return Kind("scheduler", q, node) if q.startswith("torch.optim.lr_scheduler.") else None
 
 
 def _tensor_function_kind(q: str) -> Kind | None:
     """The kind of what a torch function ``q`` returns when it is a tensor (an expanded one for
     ``broadcast_to``)."""
-    last = q.rsplit(".", 1)[-1]
     if q == "torch.broadcast_to":
         return Kind("tensor", "expanded")
-    if (q.startswith("torch.") and q.count(".") == 1 and last in TENSOR_FUNCS) or \
-            q.startswith(("torch.linalg.", "torch.fft.", "torch.special.")):
+    if _is_torch_tensor_function(q) or q.startswith(("torch.linalg.", "torch.fft.", "torch.special.")):
         return TENSOR
     return None
+
+
+def _category(k: Kind | None) -> str | None:
+    """``k.cat``, or None for an unknown kind."""
+    return k.cat if k is not None else None
+
+
+def _is_local_instance(k: Kind | None) -> bool:
+    """``k`` is an instance of a class of this file: ``self``, or a local module."""
+    cat = _category(k)
+    return cat == "self" or (cat == "module" and k.detail == "local")
+
+
+def _activation(k: Kind | None) -> str | None:
+    """The activation a tensor of kind ``k`` comes from (its detail); None for anything but a tensor."""
+    return k.detail if _category(k) == "tensor" else None
+
+
+def _item_kind(k: Kind | None) -> Kind | None:
+    """The kind of ``x[i]`` for ``x`` of kind ``k``: a batch's item is a tensor of the batch; a
+    tensor's keeps its activation (or its being a batch)."""
+    cat = _category(k)
+    if cat == "batch":
+        return BATCH
+    if cat == "tensor":
+        return Kind("tensor", k.detail if k.detail in ACTS or k.detail == "batch" else None)
+    return None
+
+
+def _sole_activation(acts: set[str | None]) -> str | None:
+    """The activation when it is the one every ``return`` of a forward gives."""
+    act = next(iter(acts)) if len(acts) == 1 else None
+    return act if act in ACTS else None
+
+
+def _same_kind(a: Kind | None, b: Kind | None) -> Kind | None:
+    """``a`` when ``b`` is the same kind (both branches of a conditional expression agree)."""
+    return a if a is not None and b is not None and a.key() == b.key() else None
+
+
+def _is_module_base(q: str | None) -> bool:
+    """A base class ``q`` that makes a subclass an nn.Module: an nn class, a LightningModule."""
+    return q is not None and ((is_torch_nn_class(q) and q != "torch.nn.Parameter")
+                              or q.rsplit(".", 1)[-1] == "LightningModule")
+
+
+def _is_self_parameter(method: ast.AST, positional: list[ast.arg], name: str) -> bool:
+    """``name`` is the first parameter of ``method`` (its ``self``: neither a staticmethod nor a classmethod)."""
+    decorators = {dotted(d) for d in method.decorator_list}
+    return bool(positional) and positional[0].arg == name and not decorators & {"staticmethod", "classmethod"}
+
+
+def _takes_tensors(q: str | None) -> bool:
+    """``q`` is a torch function on tensors: ``torch.<f>`` of :data:`TENSOR_FUNCS`, or a functional."""
+    return q is not None and (_is_torch_tensor_function(q) or q.startswith("torch.nn.functional."))
+
+
+def _is_torch_tensor_function(q: str) -> bool:
+    """``q`` is ``torch.<f>`` for a top-level function that returns a tensor (``torch.zeros``, ``torch.cat``)."""
+    return q.startswith("torch.") and q.count(".") == 1 and q.rsplit(".", 1)[-1] in TENSOR_FUNCS
+
+
+def _is_nn_module_class(q: str | None) -> bool:
+    """``q`` is a torch.nn layer class: not a loss, nor ``nn.Parameter``."""
+    return q is not None and is_torch_nn_class(q) and not q.endswith("Loss") and q != "torch.nn.Parameter"
+
+
+def _own_method(cls: ast.ClassDef, name: str) -> ast.AST | None:
+    """The method ``name`` defined in the body of ``cls`` itself."""
+    return next((stmt for stmt in cls.body
+                 if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == name), None)
+
+
+def _calls_module_method_on(func: ast.AST, name: str) -> bool:
+    """``func`` calls on ``name`` a method only modules have: ``name.eval()``, ``name.parameters()`` ..."""
+    return any(_called_method(node) in MODULE_ONLY_METHODS and _is_name(node.func.value, name)
+               for node in walk_local(func))
+
+
+# ---- FileAnalysis helpers: gradient mode
+
+
+_GRAD_MODE = {True: "on", False: "off"}
+
+
+def _torch_grad_mode(q: str, call: ast.Call | None) -> str | None:
+    """What ``torch.no_grad`` / ``inference_mode`` / ``enable_grad`` / ``set_grad_enabled(flag)`` (``q``,
+    called as ``call`` if it is a call) does to autograd: 'off', 'on', or None when not shown."""
+    if q in NO_GRAD:
+        flag = _mode_flag(call) if q == "torch.inference_mode" else None
+        return "on" if flag is False else "off"
+    if q == "torch.enable_grad":
+        return "on"
+    if q == "torch.set_grad_enabled":
+        return _GRAD_MODE.get(_mode_flag(call))
+    return None
+
+
+def _mode_flag(call: ast.Call | None) -> bool | None:
+    """The literal ``mode`` a call such as ``inference_mode(False)`` passes; None when not a literal bool."""
+    return _bool_value(kwarg(call, "mode", 0)) if call is not None else None
+
+
+def _bool_value(node: ast.AST | None) -> bool | None:
+    """The value of a ``True``/``False`` literal; None for anything else."""
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, bool) else None
+
+
+def _wrapper_grad_mode(func: ast.AST) -> str | None:
+    """A project's own wrapper (YOLOv5's @smart_inference_mode(), a no_grad_if_eval helper) says
+    what it does in its name; the rules would otherwise see a training forward."""
+    spelled = dotted(func)
+    last = spelled.rsplit(".", 1)[-1].lower() if spelled else ""
+    return "off" if "inference_mode" in last or "no_grad" in last else None
+
+
+# ---- FileAnalysis helpers: indexing and names
+
+
+def _imported_name(node: ast.Import | ast.ImportFrom, alias: ast.alias) -> tuple[str, str] | None:
+    """The local name ``alias`` of an import binds and the qualified name it stands for; None for
+    a relative or star import (nothing this analysis resolves)."""
+    if isinstance(node, ast.Import):
+        local = alias.asname or alias.name.split(".")[0]
+        return local, alias.name if alias.asname else local
+    return _imported_from(node, alias)
+
+
+def _imported_from(node: ast.ImportFrom, alias: ast.alias) -> tuple[str, str] | None:
+    if node.level == 0 and node.module and alias.name != "*":
+        return alias.asname or alias.name, f"{node.module}.{alias.name}"
+    return None
+
+
+def _same_length_displays(target: ast.Tuple | ast.List, value: ast.AST | None) -> bool:
+    """``a, b = x, y``: a tuple or list display of as many elements as the target, none starred."""
+    return (isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts)
+            and not any(isinstance(e, ast.Starred) for e in value.elts + target.elts))
+
+
+def _last_before(binds: list, where: tuple[int, int]) -> tuple | None:
+    """The last of ``binds`` (in source order) made at or before ``where``."""
+    return next((b for b in reversed(binds) if b[0] <= where), None)
+
+
+# ---- small predicates on nodes
+
+
+def _called_method(node: ast.AST) -> str | None:
+    """``name`` for a method call ``x.name(...)``; None for any other node."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return node.func.attr
+    return None
+
+
+def _called_function(node: ast.AST) -> str | None:
+    """``name`` for a call of a bare name ``name(...)``; None for any other node."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        return node.func.id
+    return None
+
+
+def _is_called(func: ast.AST, parent: ast.AST | None) -> bool:
+    """``parent`` (the parent node of ``func``) is the call of ``func``."""
+    return isinstance(parent, ast.Call) and parent.func is func
+
+
+def _is_name(node: ast.AST, name: str) -> bool:
+    return isinstance(node, ast.Name) and node.id == name

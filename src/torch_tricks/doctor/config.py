@@ -60,24 +60,11 @@ def load_config(start: Path | str) -> DoctorConfig:
 
 
 def _parse(pyproject: Path) -> DoctorConfig:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
-    try:
-        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise UserError(f"{pyproject}: cannot read it as TOML ({str(exc).splitlines()[0]}): fix the file") from None
-    table = data.get("tool", {}).get("torch-tricks", {}).get("doctor")
+    table = _read_toml(pyproject).get("tool", {}).get("torch-tricks", {}).get("doctor")
     if table is None:
         return DoctorConfig(path=pyproject)
     where = f"{TABLE} in {pyproject}"
-    if not isinstance(table, dict):
-        raise UserError(f"{where} must be a table of keys ({', '.join(_KEYS)})")
-    unknown = sorted(set(table) - set(_KEYS))
-    if unknown:
-        raise UserError(f"unknown key {unknown[0]!r} in {where}: use {', '.join(_KEYS)}")
-
+    _check_keys(table, where)
     select = table.get("select")
     if select is not None:
         select = check_rule_codes(_strings(select, "select", where), f"select of {where}")
@@ -87,6 +74,26 @@ def _parse(pyproject: Path) -> DoctorConfig:
         raise UserError(f"fail-on = {fail_on!r} in {where}: use one of {', '.join(SEVERITIES)}")
     exclude = _strings(table.get("exclude", []), "exclude", where)
     return DoctorConfig(select=select, ignore=ignore, fail_on=fail_on, exclude=exclude, path=pyproject)
+
+
+def _read_toml(pyproject: Path) -> dict:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    try:
+        return tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise UserError(f"{pyproject}: cannot read it as TOML ({str(exc).splitlines()[0]}): fix the file") from None
+
+
+def _check_keys(table, where: str) -> None:
+    """``table`` is a table of known keys, else a :class:`UserError`."""
+    if not isinstance(table, dict):
+        raise UserError(f"{where} must be a table of keys ({', '.join(_KEYS)})")
+    unknown = sorted(set(table) - set(_KEYS))
+    if unknown:
+        raise UserError(f"unknown key {unknown[0]!r} in {where}: use {', '.join(_KEYS)}")
 
 
 def _strings(value, key: str, where: str) -> tuple[str, ...]:

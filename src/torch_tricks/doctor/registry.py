@@ -77,8 +77,13 @@ def findings_count(findings: Iterable[Finding]) -> str:
     if not findings:
         return "no findings"
     by = Counter(f.severity for f in findings)
-    parts = [f"{by[s]} {s}{'s' if by[s] != 1 and s != 'info' else ''}" for s in ("error", "warning", "info") if by[s]]
-    return f"{len(findings)} finding{'s' if len(findings) != 1 else ''} ({', '.join(parts)})"
+    parts = [_count(by[s], s) for s in ("error", "warning", "info") if by[s]]
+    return f"{_count(len(findings), 'finding')} ({', '.join(parts)})"
+
+
+def _count(n: int, noun: str) -> str:
+    """``"1 error"``, ``"2 errors"``; ``info`` has no plural."""
+    return f"{n} {noun}{'s' if n != 1 and noun != 'info' else ''}"
 
 
 _RULES: dict[str, Rule] = {}
@@ -118,14 +123,15 @@ def check_rule_codes(codes: Iterable[str], where: str = "the rule list") -> tupl
     """
     if isinstance(codes, str):
         codes = [codes]
-    out = []
-    for code in codes:
-        c = code.strip().upper()
-        if not c or not any(rid.startswith(c) for rid in _RULES):
-            raise UserError(f"unknown doctor rule {code!r} in {where}: use ids such as TT101 or a "
-                            f"prefix such as TT1 (`torch-tricks doctor --list` shows them)")
-        out.append(c)
-    return tuple(out)
+    return tuple(_checked_code(code, where) for code in codes)
+
+
+def _checked_code(code: str, where: str) -> str:
+    c = code.strip().upper()
+    if not c or not any(rid.startswith(c) for rid in _RULES):
+        raise UserError(f"unknown doctor rule {code!r} in {where}: use ids such as TT101 or a "
+                        f"prefix such as TT1 (`torch-tricks doctor --list` shows them)")
+    return c
 
 
 # --------------------------------------------------------------------------- static rules

@@ -28,13 +28,8 @@ def to_sarif(findings: Iterable[Finding], rules: Iterable[Rule],
     not be read or parsed: they become error notifications of the run's invocation (the
     run itself still succeeded).
     """
-    rules = list(rules)
     findings = list(findings)
-    index = {r.id: i for i, r in enumerate(rules)}
-    for f in findings:
-        if f.rule not in index:
-            index[f.rule] = len(rules)
-            rules.append(get_rule(f.rule))
+    rules, index = _with_rules_of(list(rules), findings)
     run = {
         "tool": {"driver": {"name": "torch-tricks", "version": __version__,
                             "rules": [_descriptor(r) for r in rules]}},
@@ -47,6 +42,16 @@ def to_sarif(findings: Iterable[Finding], rules: Iterable[Rule],
     if notes:
         run["invocations"] = [{"executionSuccessful": True, "toolExecutionNotifications": notes}]
     return {"$schema": SARIF_SCHEMA_URI, "version": "2.1.0", "runs": [run]}
+
+
+def _with_rules_of(rules: list[Rule], findings: list[Finding]) -> tuple[list[Rule], dict[str, int]]:
+    """``rules`` plus the rule of each finding not among them, and each rule's index in that list."""
+    index = {r.id: i for i, r in enumerate(rules)}
+    for f in findings:
+        if f.rule not in index:
+            index[f.rule] = len(rules)
+            rules.append(get_rule(f.rule))
+    return rules, index
 
 
 def _descriptor(rule: Rule) -> dict:
@@ -65,17 +70,22 @@ def _descriptor(rule: Rule) -> dict:
 def _result(finding: Finding, rule_index: int) -> dict:
     result = {"ruleId": finding.rule, "ruleIndex": rule_index, "level": _LEVEL[finding.severity],
               "message": {"text": finding.message}}
-    if finding.path and get_rule(finding.rule).kind == "runtime":
-        # a module or parameter of the model ("layer4", "fc.weight", "(model)"), not a file
-        result["locations"] = [{"logicalLocations": [{"fullyQualifiedName": finding.path, "kind": "module"}]}]
-    elif finding.path:
-        physical: dict = {"artifactLocation": {"uri": _uri(finding.path)}}
-        if finding.line > 0:
-            physical["region"] = {"startLine": finding.line, "startColumn": max(finding.col, 1)}
-        result["locations"] = [{"physicalLocation": physical}]
+    if finding.path:
+        result["locations"] = [_location(finding)]
     if finding.extra:
         result["properties"] = dict(finding.extra)
     return result
+
+
+def _location(finding: Finding) -> dict:
+    """Where a finding with a path is: a place in a file, or a part of the model for a runtime rule."""
+    if get_rule(finding.rule).kind == "runtime":
+        # a module or parameter of the model ("layer4", "fc.weight", "(model)"), not a file
+        return {"logicalLocations": [{"fullyQualifiedName": finding.path, "kind": "module"}]}
+    physical: dict = {"artifactLocation": {"uri": _uri(finding.path)}}
+    if finding.line > 0:
+        physical["region"] = {"startLine": finding.line, "startColumn": max(finding.col, 1)}
+    return {"physicalLocation": physical}
 
 
 def _uri(path: str) -> str:

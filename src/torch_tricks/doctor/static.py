@@ -87,26 +87,11 @@ def lint_paths(paths: Iterable[str | Path], select: Iterable[str] | None = None,
     """
     started = time.perf_counter()
     config = config or DoctorConfig()
-    enabled = _enabled(config.select if select is None else select,
-                       config.ignore if ignore is None else ignore)
+    enabled = _enabled_by(config, select, ignore)
     files = _collect(paths, config)
     result = LintResult(files=len(files))
     for done, file in enumerate(files, 1):
-        name = str(file)
-        try:
-            source = _read(file)
-            tree = _parse(source, name)
-        except (OSError, UnicodeDecodeError, SyntaxError, ValueError, RecursionError, MemoryError) as exc:
-            result.errors.append((name, _reason(exc)))
-        else:
-            try:
-                result.findings.extend(_lint_tree(tree, source, name, enabled))
-            except RecursionError:
-                result.errors.append((name, "nested too deeply to analyse"))
-            except Exception as exc:  # a bug in a checker: keep the traceback, say which file
-                if hasattr(exc, "add_note"):
-                    exc.add_note(f"torch-tricks doctor crashed while linting {name}")
-                raise
+        _lint_file(file, enabled, result)
         if progress is not None:
             progress(done, len(files))
     result.findings.sort(key=_order)
@@ -129,10 +114,8 @@ def filter_findings(findings: Iterable[Finding], select: Iterable[str] | None = 
                     ignore: Iterable[str] | None = None) -> list[Finding]:
     """The findings whose rule ``select`` keeps (ids or prefixes; None keeps all) and
     ``ignore`` does not drop: the same filter as linting's, for any rule (runtime too)."""
-    sel = None if select is None else check_rule_codes(select, "select")
-    ign = check_rule_codes(ignore or (), "ignore")
-    return [f for f in findings if (sel is None or any(f.rule.startswith(c) for c in sel))
-            and not any(f.rule.startswith(c) for c in ign)]
+    keep = _rule_filter(select, ignore)
+    return [f for f in findings if keep(f.rule)]
 
 
 def static_rules() -> list[Rule]:
@@ -143,11 +126,44 @@ def static_rules() -> list[Rule]:
 # --------------------------------------------------------------------------- driving
 
 
+def _lint_file(file: Path, enabled: list[str], result: LintResult) -> None:
+    """Add the findings of ``file`` to ``result``, or why it could not be read or analysed."""
+    name = str(file)
+    try:
+        source = _read(file)
+        tree = _parse(source, name)
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        result.errors.append((name, _reason(exc)))
+        return
+    try:
+        result.findings.extend(_lint_tree(tree, source, name, enabled))
+    except RecursionError:
+        result.errors.append((name, "nested too deeply to analyse"))
+    except Exception as exc:  # a bug in a checker: keep the traceback, say which file
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"torch-tricks doctor crashed while linting {name}")
+        raise
+
+
+def _enabled_by(config: DoctorConfig, select, ignore) -> list[str]:
+    """The rules to run: ``select``/``ignore`` given to a call replace the config's."""
+    return _enabled(config.select if select is None else select, config.ignore if ignore is None else ignore)
+
+
 def _enabled(select, ignore) -> list[str]:
+    keep = _rule_filter(select, ignore)
+    return [rid for rid in sorted(static_checks()) if keep(rid)]
+
+
+def _rule_filter(select, ignore) -> Callable[[str], bool]:
+    """Whether a rule id is kept by ``select`` (ids or prefixes; None keeps all) and not dropped by
+    ``ignore``; both are checked first (an unknown code is a :class:`UserError`)."""
     sel = None if select is None else check_rule_codes(select, "select")
     ign = check_rule_codes(ignore or (), "ignore")
-    return [rid for rid in sorted(static_checks())
-            if (sel is None or any(rid.startswith(c) for c in sel)) and not any(rid.startswith(c) for c in ign)]
+
+    def keep(rid: str) -> bool:
+        return (sel is None or rid.startswith(sel)) and not rid.startswith(ign)
+    return keep
 
 
 def _parse(source: str, path: str) -> ast.Module:
@@ -158,6 +174,18 @@ def _parse(source: str, path: str) -> ast.Module:
 
 def _lint_tree(tree: ast.Module, source: str, path: str, enabled: list[str]) -> list[Finding]:
     file = FileAnalysis(tree, source)
+    found = _check(file, enabled)
+    # Comments are tokenized only when a reported line mentions noqa: most files never pay.
+    noqa = _noqa_lines(source) if any("noqa" in file.line(line).lower() for _, line, _, _ in found) else {}
+    findings = [Finding(rule=rid, message=message, path=path, line=line, col=col, severity=get_rule(rid).severity)
+                for rid, line, col, message in found if not _silenced(rid, line, noqa)]
+    findings.sort(key=_order)
+    return findings
+
+
+def _check(file: FileAnalysis, enabled: list[str]) -> list[tuple[str, int, int, str]]:
+    """``(rule, line, column, message)`` of each finding of the ``enabled`` rules, the first one
+    only where a rule reports one place twice."""
     checks = static_checks()
     found, seen = [], set()
     for rid in enabled:
@@ -166,13 +194,12 @@ def _lint_tree(tree: ast.Module, source: str, path: str, enabled: list[str]) -> 
             if (rid, line, col) not in seen:
                 seen.add((rid, line, col))
                 found.append((rid, line, col, message))
-    # Comments are tokenized only when a reported line mentions noqa: most files never pay.
-    noqa = _noqa_lines(source) if any("noqa" in file.line(line).lower() for _, line, _, _ in found) else {}
-    findings = [Finding(rule=rid, message=message, path=path, line=line, col=col, severity=get_rule(rid).severity)
-                for rid, line, col, message in found
-                if not (line in noqa and (noqa[line] is None or rid in noqa[line]))]
-    findings.sort(key=_order)
-    return findings
+    return found
+
+
+def _silenced(rid: str, line: int, noqa: dict[int, frozenset[str] | None]) -> bool:
+    """A ``# noqa`` on ``line`` names the rule, or is bare."""
+    return line in noqa and (noqa[line] is None or rid in noqa[line])
 
 
 def _order(f: Finding):
@@ -188,17 +215,27 @@ def _noqa_lines(source: str) -> dict[int, frozenset[str] | None]:
     if "noqa" not in source.lower():
         return {}
     out: dict[int, frozenset[str] | None] = {}
-    try:
-        comments = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
-                    if t.type == tokenize.COMMENT]
-    except (tokenize.TokenError, SyntaxError):
-        comments = [(i, line[line.index("#"):]) for i, line in enumerate(source.splitlines(), 1) if "#" in line]
-    for line, text in comments:
+    for line, text in _comments(source):
         m = _NOQA.search(text)
         if m:
-            codes = m.group("codes")
-            out[line] = None if codes is None else frozenset(c.upper() for c in re.split(r"[\s,]+", codes) if c)
+            out[line] = _noqa_codes(m.group("codes"))
     return out
+
+
+def _comments(source: str) -> list[tuple[int, str]]:
+    """``(line, text)`` of each comment; from each ``#`` on when the source does not tokenize."""
+    try:
+        return [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                if t.type == tokenize.COMMENT]
+    except (tokenize.TokenError, SyntaxError):
+        return [(i, line[line.index("#"):]) for i, line in enumerate(source.splitlines(), 1) if "#" in line]
+
+
+def _noqa_codes(codes: str | None) -> frozenset[str] | None:
+    """The rule ids a ``# noqa: ...`` names, upper-cased; None for a bare ``# noqa``."""
+    if codes is None:
+        return None
+    return frozenset(c.upper() for c in re.split(r"[\s,]+", codes) if c)
 
 
 _SKIP_DIRS = {"__pycache__", "node_modules", "venv", "site-packages"}
@@ -212,16 +249,29 @@ def _collect(paths: Iterable[str | Path], config: DoctorConfig) -> list[Path]:
             raise UserError(f"{p}: no such file or folder: give existing .py files or folders to lint")
         if path.is_file():
             files.append(path)
-            continue
-        found = []
-        for folder, dirs, names in os.walk(path):
-            base = Path(folder)
-            dirs[:] = sorted(d for d in dirs if not (d.startswith(".") or d in _SKIP_DIRS
-                                                      or (base / d / "pyvenv.cfg").exists()
-                                                      or _excluded(base / d, config)))
-            found.extend(base / n for n in names if n.endswith(".py") and not _excluded(base / n, config))
-        files.extend(sorted(found))
+        else:
+            files.extend(_walk(path, config))
     return list(dict.fromkeys(files))
+
+
+def _walk(folder: Path, config: DoctorConfig) -> list[Path]:
+    """The ``*.py`` files under ``folder``, sorted, minus the skipped folders and excluded paths."""
+    found = []
+    for sub, dirs, names in os.walk(folder):
+        base = Path(sub)
+        dirs[:] = sorted(d for d in dirs if not _skipped_dir(base / d, config))
+        found.extend(base / n for n in names if _lintable(base / n, config))
+    return sorted(found)
+
+
+def _lintable(path: Path, config: DoctorConfig) -> bool:
+    return path.name.endswith(".py") and not _excluded(path, config)
+
+
+def _skipped_dir(path: Path, config: DoctorConfig) -> bool:
+    """A hidden, cache, dependency or virtualenv folder, or one the config excludes."""
+    return (path.name.startswith(".") or path.name in _SKIP_DIRS or (path / "pyvenv.cfg").exists()
+            or _excluded(path, config))
 
 
 def _excluded(path: Path, config: DoctorConfig) -> bool:
@@ -234,14 +284,13 @@ def _excluded(path: Path, config: DoctorConfig) -> bool:
     except ValueError:
         rel = path.as_posix()
     parts = rel.split("/")
-    for pat in config.exclude:
-        pat = pat.rstrip("/")
-        if "/" in pat:
-            if any(fnmatch("/".join(parts[:i]), pat) for i in range(1, len(parts) + 1)):
-                return True
-        elif any(fnmatch(part, pat) for part in parts):
-            return True
-    return False
+    return any(_matches(parts, pat.rstrip("/")) for pat in config.exclude)
+
+
+def _matches(parts: list[str], pat: str) -> bool:
+    if "/" in pat:
+        return any(fnmatch("/".join(parts[:i]), pat) for i in range(1, len(parts) + 1))
+    return any(fnmatch(part, pat) for part in parts)
 
 
 def _read(path: Path) -> str:
