@@ -45,12 +45,10 @@ def add_commands(sub: Any) -> None:
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     """Exit 0 when every step held its tolerance, 1 when one did not (nothing written without --force)."""
-    from torch_tricks._format import table
     from torch_tricks.deploy.pipeline import list_steps, optimize
 
     if args.list_steps:
-        steps = list_steps()
-        emit(args, {"steps": steps}, table(["step", "what it does"], [[k, v] for k, v in steps.items()], "ll"))
+        _emit_steps(args, list_steps())
         return 0
     steps = _steps_asked(args, list_steps())
     out = _checked_out(args, steps)
@@ -68,27 +66,42 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                    progress=_progress if sys.stderr.isatty() else None,
                    warmup=args.warmup, repeats=args.repeats, int8_for=args.int8_for)
     try:
-        exceeded = [s for s in res.steps if s.within_tolerance is False]
-        if args.save and (not exceeded or args.force):
-            res.save(out or Path(_optimize_name(args.model, steps) + res.suggested_suffix))
-        saved = res.saved
-        data = {"model": args.model, "steps_asked": steps, "data": args.data, "written": saved.path if saved else None,
-                **res.to_dict()}
-        emit(args, data, res.to_text(model_name=args.model, steps=steps, data_name=args.data, save_asked=args.save))
+        _save_and_emit(args, res, steps, out)
     finally:
         res.close()
-    return 1 if exceeded else 0
+    return 0 if res.ok else 1
 
 
 # -- internals -------------------------------------------------------------------------------------
 
+def _emit_steps(args: argparse.Namespace, steps: dict[str, str]) -> None:
+    from torch_tricks._format import table
+
+    emit(args, {"steps": steps}, table(["step", "what it does"], [[k, v] for k, v in steps.items()], "ll"))
+
+
+def _save_and_emit(args: argparse.Namespace, res: Any, steps: list[str], out: Path | None) -> None:
+    """Save the final model (unless a step exceeded its tolerance and --force is not given), then report."""
+    if args.save and (res.ok or args.force):
+        res.save(out or Path(_optimize_name(args.model, steps) + res.suggested_suffix))
+    saved = res.saved
+    data = {"model": args.model, "steps_asked": steps, "data": args.data, "written": saved.path if saved else None,
+            **res.to_dict()}
+    emit(args, data, res.to_text(model_name=args.model, steps=steps, data_name=args.data, save_asked=args.save))
+
+
 def _steps_asked(args: argparse.Namespace, known: dict[str, str]) -> list[str]:
     """The steps of ``--steps A,B --steps C`` in order, and the options checked before any work."""
-    from torch_tricks.inspect.inputs import parse_input_specs
-
     steps = [s.strip() for group in args.steps or () for s in group.split(",") if s.strip()]
     if not steps:
         raise UserError("--steps is required, e.g. --steps fuse,int8; choose from " + ", ".join(known))
+    _check_options(args)
+    return steps
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    from torch_tricks.inspect.inputs import parse_input_specs
+
     if args.repeats < 1 or args.warmup < 0 or args.calib_batches < 1:
         raise UserError("--repeats and --calib-batches must be >= 1 and --warmup >= 0")
     if args.data and args.input:
@@ -97,7 +110,6 @@ def _steps_asked(args: argparse.Namespace, known: dict[str, str]) -> list[str]:
         raise UserError("--threads must be >= 1")
     if args.input and any(s.name for s in parse_input_specs(args.input)):
         raise UserError("optimize takes positional inputs: give --input SPEC without NAME=")
-    return steps
 
 
 def _checked_out(args: argparse.Namespace, steps: Sequence[str]) -> Path | None:

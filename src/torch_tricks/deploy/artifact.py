@@ -71,6 +71,11 @@ def save_format(model: Any) -> tuple[str, str]:
     if isinstance(model, PT2EInt8Model):
         return "pt2e", ("the PT2E int8 graph is a torch.export program: saved with torch.export.save "
                         "(load_optimized compiles it again with inductor)")
+    return _module_format(model)
+
+
+def _module_format(model: nn.Module) -> tuple[str, str]:
+    """(format, why) for an ``nn.Module``: by the torch.ao int8 layers it holds, if any."""
     kinds = {type(m).__module__ for m in model.modules()}
     if any(k.startswith("torch.ao.nn.quantized.dynamic") for k in kinds):
         return "pickle", ("torch.export cannot serialize torch.ao's packed int8 weights and a trace would "
@@ -97,19 +102,25 @@ def save_artifact(model: Any, path: str | os.PathLike[str], example: tuple[Any, 
         )
     notes: list[str] = []
     meta = {"format": fmt, "steps": list(steps), "inputs": describe_inputs(example), "threads": threads}
-    if fmt == "onnx":
-        _save_onnx(model.path, target, notes)
-        load = "torch_tricks.deploy.pipeline.load_optimized(path) or onnxruntime.InferenceSession(path)"
-    elif fmt == "pt2e":
-        fmt, load = _save_pt2e(model, target, example, meta)
-    elif fmt == "torchscript":
-        load = _save_torchscript(model, target, example, meta)
-    else:
-        fmt, why, load = _save_program_or_pickle(model, target, example, meta, fmt, why)
+    fmt, why, load = _write(model, target, example, meta, fmt, why, notes)
     info = SaveInfo(path=str(target), format=fmt, size_bytes=_file_bytes(target), why=why, load=load, notes=notes)
     if verify:
         info.verify_max_abs_diff = _verify(target, model, example)
     return info
+
+
+def _write(model: Any, target: Path, example: tuple[Any, ...], meta: dict[str, Any], fmt: str, why: str,
+           notes: list[str]) -> tuple[str, str, str]:
+    """Write ``model`` in ``fmt``; (the format written, why, how to load it)."""
+    if fmt == "onnx":
+        _save_onnx(model.path, target, notes)
+        return fmt, why, "torch_tricks.deploy.pipeline.load_optimized(path) or onnxruntime.InferenceSession(path)"
+    if fmt == "pt2e":
+        fmt, load = _save_pt2e(model, target, example, meta)
+        return fmt, why, load
+    if fmt == "torchscript":
+        return fmt, why, _save_torchscript(model, target, example, meta)
+    return _save_program_or_pickle(model, target, example, meta, fmt, why)
 
 
 def load_optimized(path: str | os.PathLike[str], *, compile: bool = True) -> Any:
@@ -126,6 +137,11 @@ def load_optimized(path: str | os.PathLike[str], *, compile: bool = True) -> Any
         raise UserError(f"no saved model at {str(p)!r}")
     if not zipfile.is_zipfile(p):
         return OrtModule(p)
+    return _load_zip(p, compile)
+
+
+def _load_zip(p: Path, compile: bool) -> Any:
+    """A ``torch.export`` program, a TorchScript module or a pickled model, told apart by the zip's entries."""
     with zipfile.ZipFile(p) as z:
         names = z.namelist()
     if any(n.endswith("/archive_format") for n in names):

@@ -115,22 +115,13 @@ def int8_setting(
     """
     if runtime not in _RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(_RUNTIMES)}, not {runtime!r}")
-    machine = (machine if machine is not None else platform.machine()).lower()
-    if machine not in ("x86_64", "amd64", "i386", "i686", "x86"):
-        vnni: bool | None = None
-        why = f"{machine or 'this'} CPU is not x86: its int8 kernels widen the products before adding, exactly"
-    else:
-        vnni, why = _x86_vnni(runtime, set(flags) if flags is not None else cpu_flags(), capability, env)
+    vnni, why = _vnni_here(runtime, flags, capability, env, machine)
     auto = vnni is not False
     if runtime == "onnxruntime-static":
         auto = False
         why = ("u8 weights on every CPU: asymmetric per channel, more exact than ORT's symmetric s8 ones, and "
                "ORT's U8U8 kernels never use VPMADDUBSW (this CPU: " + why + ")")
-    if for_vnni is None:
-        chosen, forced = auto, False
-    else:
-        chosen, forced = bool(for_vnni), True
-        why = f"forced by the caller (auto would pick the {'VNNI' if auto else 'no-VNNI'} setting: {why})"
+    chosen, forced, why = _chosen(auto, for_vnni, why)
     torch_side = runtime == "torch"
     return Int8Setting(
         runtime=runtime, for_vnni=chosen, reduce_range=torch_side and not chosen,
@@ -139,22 +130,52 @@ def int8_setting(
     )
 
 
+def _vnni_here(runtime: str, flags: Iterable[str] | None, capability: str | None, env: Mapping[str, str] | None,
+               machine: str | None) -> tuple[bool | None, str]:
+    """(whether ``runtime``'s int8 kernels use VNNI on this CPU, None off x86; why)."""
+    machine = (machine if machine is not None else platform.machine()).lower()
+    if machine not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return None, f"{machine or 'this'} CPU is not x86: its int8 kernels widen the products before adding, exactly"
+    return _x86_vnni(runtime, set(flags) if flags is not None else cpu_flags(), capability, env)
+
+
+def _chosen(auto: bool, for_vnni: bool | None, why: str) -> tuple[bool, bool, str]:
+    """(for VNNI, forced, why): the automatic choice, or the caller's, which the reason then says."""
+    if for_vnni is None:
+        return auto, False, why
+    why = f"forced by the caller (auto would pick the {'VNNI' if auto else 'no-VNNI'} setting: {why})"
+    return bool(for_vnni), True, why
+
+
 def _x86_vnni(runtime: str, have: set[str], capability: str | None,
               env: Mapping[str, str] | None) -> tuple[bool, str]:
     """(whether ``runtime``'s int8 kernels use VNNI on this x86 CPU, why): its flags, cut by the kernels' ISA caps."""
     have_vnni = [f for f in _VNNI_FLAGS if f in have]
     caps = _isa_caps(capability, env) if runtime == "torch" else []
-    usable = [f for f in have_vnni if all(f in admits for _, admits in caps)]
+    usable = [f for f in have_vnni if _admitted(f, caps)]
     if usable:
-        why = f"{usable[0]} in the CPU flags" + (f", allowed by {' and '.join(n for n, _ in caps)}" if caps else "")
-        return True, why + ": u8*s8 products add straight into int32, exactly"
-    where = "no VNNI in the CPU flags (" + (", ".join(sorted(have & {"avx2", "avx512f"})) or "pre-AVX2") + ")"
-    if have_vnni:
-        where = f"{'/'.join(have_vnni)} cut off by " + " and ".join(
-            n for n, admits in caps if not all(f in admits for f in have_vnni))
-    return False, f"{where}: u8*s8 pair sums could saturate VPMADDUBSW's int16, " + (
+        return True, _vnni_used(usable[0], caps)
+    return False, f"{_no_vnni_where(have, have_vnni, caps)}: u8*s8 pair sums could saturate VPMADDUBSW's int16, " + (
         "so 7-bit activations (pair sums <= 2*127*128 = 32512 fit)" if runtime == "torch" else
         "so u8 weights (ORT's U8U8 kernels widen both to 16 bits and add into int32)")
+
+
+def _vnni_used(flag: str, caps: list[tuple[str, tuple[str, ...]]]) -> str:
+    why = f"{flag} in the CPU flags" + (f", allowed by {' and '.join(n for n, _ in caps)}" if caps else "")
+    return why + ": u8*s8 products add straight into int32, exactly"
+
+
+def _admitted(flag: str, caps: list[tuple[str, tuple[str, ...]]]) -> bool:
+    """Whether every ISA cap lets the kernels use the VNNI form ``flag``."""
+    return all(flag in admits for _, admits in caps)
+
+
+def _no_vnni_where(have: set[str], have_vnni: list[str], caps: list[tuple[str, tuple[str, ...]]]) -> str:
+    """Why no VNNI form is usable: none in the CPU flags, or the caps that cut them off."""
+    if not have_vnni:
+        return "no VNNI in the CPU flags (" + (", ".join(sorted(have & {"avx2", "avx512f"})) or "pre-AVX2") + ")"
+    return f"{'/'.join(have_vnni)} cut off by " + " and ".join(
+        n for n, admits in caps if not all(f in admits for f in have_vnni))
 
 
 def _isa_caps(capability: str | None, env: Mapping[str, str] | None) -> list[tuple[str, tuple[str, ...]]]:
@@ -174,20 +195,23 @@ def _isa_caps(capability: str | None, env: Mapping[str, str] | None) -> list[tup
 def cpu_flags() -> frozenset[str]:
     """The ``flags`` of ``/proc/cpuinfo`` (empty where there is none: then no VNNI is assumed
     on x86, the safe side), with torch's own cpuinfo checks added for AVX2/AVX-512/VNNI."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    flags = _cpuinfo_flags()
     for name, flag in (("_is_avx2_supported", "avx2"), ("_is_avx512_supported", "avx512f"),
                        ("_is_vnni_supported", "avx512_vnni")):
         if torch_cpu_flag(name):
             flags.add(flag)
     return frozenset(flags)
+
+
+def _cpuinfo_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def torch_cpu_flag(name: str) -> bool:

@@ -168,12 +168,17 @@ def onnx_size_bytes(path: str | os.PathLike[str]) -> int:
     p = Path(path)
     total = p.stat().st_size
     if available("onnx"):
-        import onnx
-
-        m = onnx.load(str(p), load_external_data=False)
-        side = {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"}
-        total += sum((p.parent / s).stat().st_size for s in side if (p.parent / s).is_file())
+        total += _external_data_bytes(p)
     return total
+
+
+def _external_data_bytes(p: Path) -> int:
+    """Bytes of the external-data files the ONNX file ``p`` references (those that exist)."""
+    import onnx
+
+    m = onnx.load(str(p), load_external_data=False)
+    side = {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"}
+    return sum((p.parent / s).stat().st_size for s in side if (p.parent / s).is_file())
 
 
 def ort_int8_setting(mode: str, weight_type: str | None = None) -> Int8Setting:
@@ -284,14 +289,7 @@ def ort_quantize_static(
     with _workdir(path_out) as d, _quiet_root_logger():
         model_in = _without_value_info(src, d)
         if preprocess:
-            from onnxruntime.quantization.shape_inference import quant_pre_process
-
-            pre = Path(d) / "pre.onnx"
-            try:
-                quant_pre_process(model_in, str(pre))
-                model_in = str(pre)
-            except Exception:  # pre-processing is an optimisation; quantize the file as it is
-                pass
+            model_in = _preprocessed(model_in, d)
         with atomic_path(path_out, suffix=".onnx") as tmp:
             quantize_static(
                 model_in, tmp, _Reader(), quant_format=QuantFormat.QDQ, per_channel=per_channel,
@@ -329,6 +327,9 @@ def onnx_step(model: nn.Module, ctx: StepContext) -> tuple[OrtModule, StepResult
     return ort, _with_ort_notes(res)
 
 
+_FORCED_WEIGHT_TYPE = {None: None, True: "int8", False: "uint8"}  # for_vnni -> ORT weight type (None: auto)
+
+
 @deploy_step(
     "onnx-int8",
     summary="export to ONNX, then ONNX Runtime int8: onnx-int8:static (calibrated, default) or "
@@ -355,22 +356,27 @@ def onnx_int8_step(model: nn.Module, ctx: StepContext) -> tuple[OrtModule, StepR
     path, res = _export_for_step(model, ctx)
     qpath = path.with_name(f"step{ctx.index}.int8.onnx")
     mode = ctx.mode or "static"
-    setting = ort_int8_setting(mode, None if ctx.for_vnni is None else "int8" if ctx.for_vnni else "uint8")
-    try:
-        if mode == "static":
-            ort_quantize_static(path, qpath, ctx.calib, weight_type=setting.weight_type)
-        else:
-            ort_quantize_dynamic(path, qpath, weight_type=setting.weight_type)
-    except UserError:
-        raise
-    except Exception as exc:
-        raise UserError(f"ONNX Runtime int8 quantization failed: {plain_line(exc)}") from None
+    setting = ort_int8_setting(mode, _FORCED_WEIGHT_TYPE[ctx.for_vnni])
+    _ort_quantize(mode, path, qpath, ctx.calib, setting.weight_type)
     ort = OrtModule(qpath)
     res.backend = f"onnxruntime {mode} int8" + (" (QDQ, per-channel)" if mode == "static" else "")
     res.details["fp32_size_bytes"] = onnx_size_bytes(path)
     res.int8_setting = setting.to_dict()
     res.notes.append(f"int8 setting: {setting.describe()}")
     return ort, _with_ort_notes(res)
+
+
+def _ort_quantize(mode: str, path: Path, qpath: Path, calib: Any, weight_type: str) -> None:
+    """ONNX Runtime's static (calibrated) or dynamic int8 of ``path`` into ``qpath``."""
+    try:
+        if mode == "static":
+            ort_quantize_static(path, qpath, calib, weight_type=weight_type)
+        else:
+            ort_quantize_dynamic(path, qpath, weight_type=weight_type)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"ONNX Runtime int8 quantization failed: {plain_line(exc)}") from None
 
 
 def _export_for_step(model: nn.Module, ctx: StepContext) -> tuple[Path, StepResult]:
@@ -406,12 +412,15 @@ def _require_onnx(step: str) -> None:
 def _batches_to_check(args: tuple[Any, ...], dynamic_batch: bool) -> list[tuple[Any, ...]]:
     """``args``, and their first row too when the batch dim is dynamic (to check that it is)."""
     batches = [args]
-    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if dynamic_batch and first is not None and first.dim() > 0 and first.shape[0] > 1:
-        n = first.shape[0]
-        batches.append(tuple(a[:1] if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n else a
-                             for a in args))
+    n = _rows(args[0]) if args else None
+    if dynamic_batch and n is not None and n > 1:
+        batches.append(tuple(a[:1] if _rows(a) == n else a for a in args))
     return batches
+
+
+def _rows(a: Any) -> int | None:
+    """Dim 0 of a tensor that has dims (None for anything else)."""
+    return int(a.shape[0]) if isinstance(a, torch.Tensor) and a.dim() > 0 else None
 
 
 def _compare_with_eager(model: nn.Module, ort_model: OrtModule,
@@ -420,22 +429,40 @@ def _compare_with_eager(model: nn.Module, ort_model: OrtModule,
     max_abs, max_rel, checked = 0.0, 0.0, []
     with _eval(model), torch.inference_mode():
         for b in batches:
-            ref = _tensors(model(*b))
-            got = _tensors(ort_model(*b))
-            if len(ref) != len(got):
-                raise UserError(f"ONNX Runtime returned {len(got)} outputs, eager PyTorch {len(ref)}")
-            for r, g in zip(ref, got):
-                if tuple(r.shape) != tuple(g.shape):
-                    raise UserError(
-                        f"ONNX output shape {tuple(g.shape)} differs from eager {tuple(r.shape)}"
-                    )
-                if r.numel() == 0:
-                    continue
-                d = float((r.double() - g.double()).abs().max())
-                max_abs = max(max_abs, d)
-                max_rel = max(max_rel, d / max(float(r.double().abs().max()), 1e-12))
-            checked.append(int(b[0].shape[0]) if isinstance(b[0], torch.Tensor) and b[0].dim() else 1)
+            max_abs, max_rel = _max_diffs(_tensors(model(*b)), _tensors(ort_model(*b)), max_abs, max_rel)
+            rows = _rows(b[0])
+            checked.append(rows if rows is not None else 1)
     return max_abs, max_rel, checked
+
+
+def _max_diffs(ref: list[torch.Tensor], got: list[torch.Tensor], max_abs: float,
+               max_rel: float) -> tuple[float, float]:
+    """The running max abs and rel diffs, updated with one batch's outputs (which must match in number and shape)."""
+    if len(ref) != len(got):
+        raise UserError(f"ONNX Runtime returned {len(got)} outputs, eager PyTorch {len(ref)}")
+    for r, g in zip(ref, got):
+        if tuple(r.shape) != tuple(g.shape):
+            raise UserError(
+                f"ONNX output shape {tuple(g.shape)} differs from eager {tuple(r.shape)}"
+            )
+        if r.numel() == 0:
+            continue
+        d = float((r.double() - g.double()).abs().max())
+        max_abs = max(max_abs, d)
+        max_rel = max(max_rel, d / max(float(r.double().abs().max()), 1e-12))
+    return max_abs, max_rel
+
+
+def _preprocessed(model_in: str, workdir: str) -> str:
+    """ORT's ``quant_pre_process`` of ``model_in`` (shape inference, graph optimisation), or ``model_in`` where it fails."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    pre = Path(workdir) / "pre.onnx"
+    try:
+        quant_pre_process(model_in, str(pre))
+    except Exception:  # pre-processing is an optimisation; quantize the file as it is
+        return model_in
+    return str(pre)
 
 
 def _qtype(setting: Int8Setting) -> Any:

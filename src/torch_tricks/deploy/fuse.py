@@ -132,30 +132,43 @@ def fuse_with_report(
     rep.method = method
     if why:
         rep.notes.append(why)
-    # Fold everything first (pure), then swap modules: nothing can fail half-way.
+    _fold(target, plan)
+    rep.fused = [(a, b) for a, b in plan]
+    rep.kept_batchnorm = kept
+    rep.batchnorm_after = count_batchnorm(target)
+    rep.notes.extend(_fold_notes(target, plan))
+    return target, rep
+
+
+def _fold(target: nn.Module, plan: list[tuple[str, str]]) -> None:
+    """Fold everything first (pure), then swap modules: nothing can fail half-way."""
     swaps: list[tuple[str, nn.Module, str]] = []
     with torch.no_grad():
         for layer_name, bn_name in plan:
             layer, bn = target.get_submodule(layer_name), target.get_submodule(bn_name)
-            if isinstance(layer, nn.Linear):
-                new = fuse_linear_bn_eval(layer, bn)
-            else:
-                new = fuse_conv_bn_eval(layer, bn, transpose=isinstance(layer, _CONV_TRANSPOSES))
-            swaps.append((layer_name, new, bn_name))
+            swaps.append((layer_name, _folded(layer, bn), bn_name))
     for layer_name, new, bn_name in swaps:
         _set_submodule(target, layer_name, new)
         _set_submodule(target, bn_name, nn.Identity())
-    rep.fused = [(a, b) for a, b in plan]
-    rep.kept_batchnorm = kept
-    rep.batchnorm_after = count_batchnorm(target)
+
+
+def _folded(layer: nn.Module, bn: nn.Module) -> nn.Module:
+    if isinstance(layer, nn.Linear):
+        return fuse_linear_bn_eval(layer, bn)
+    return fuse_conv_bn_eval(layer, bn, transpose=isinstance(layer, _CONV_TRANSPOSES))
+
+
+def _fold_notes(target: nn.Module, plan: list[tuple[str, str]]) -> list[str]:
+    """Why nothing was folded, and a warning about multi-branch blocks not folded first."""
+    notes = []
     if not plan:
-        rep.notes.append("no BatchNorm directly follows a conv/linear layer whose output it alone uses")
+        notes.append("no BatchNorm directly follows a conv/linear layer whose output it alone uses")
     if any(callable(getattr(m, "reparameterize", None)) and not getattr(m, "deployed", True)
            for m in target.modules()):
-        rep.notes.append(
+        notes.append(
             "the model has multi-branch blocks not yet re-parameterized: run reparameterize_model before fuse"
         )
-    return target, rep
+    return notes
 
 
 def count_batchnorm(model: nn.Module) -> int:
@@ -198,43 +211,58 @@ def _plan(model: nn.Module, example_inputs: Any) -> tuple[list[tuple[str, str]],
     try:
         gm = fx.symbolic_trace(model)
     except Exception as exc:  # TraceError, TypeError, ... from user code under tracing
-        reason = one_line(exc, 10_000)
-        pairs = _eager_pairs(model)
-        names = {b for _, b in pairs}
-        kept = [f"{n}: not in an nn.Sequential or a known block (eager fallback)"
-                for n, m in model.named_modules() if _is_bn(m) and n not in names]
-        return pairs, kept, "eager", f"torch.fx could not trace the model ({reason[:160]}); eager fallback used"
+        return _eager_plan(model, one_line(exc, 10_000))
     shapes = _output_ranks(gm, example_inputs) if example_inputs is not None else None
     pairs, kept = _fx_pairs(gm, model, shapes)
     return pairs, kept, "fx", ""
+
+
+def _eager_plan(model: nn.Module, reason: str) -> tuple[list[tuple[str, str]], list[str], str, str]:
+    """:func:`_plan` for a model torch.fx cannot trace: the pairs of known containers and blocks."""
+    pairs = _eager_pairs(model)
+    names = {b for _, b in pairs}
+    kept = [f"{n}: not in an nn.Sequential or a known block (eager fallback)"
+            for n in _bn_names(model) if n not in names]
+    return pairs, kept, "eager", f"torch.fx could not trace the model ({reason[:160]}); eager fallback used"
 
 
 def _fx_pairs(
     gm: fx.GraphModule, model: nn.Module, ranks: dict[str, int] | None
 ) -> tuple[list[tuple[str, str]], list[str]]:
     modules = dict(model.named_modules())
-    calls = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
+    calls = _module_calls(gm)
     pairs: list[tuple[str, str]] = []
     kept: list[str] = []
-    seen_bn: set[str] = set()
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or not _is_bn(modules.get(node.target)):
-            continue
-        bn_name = node.target
-        if bn_name in seen_bn:
-            continue
-        seen_bn.add(bn_name)
+    bn_calls = _first_bn_calls(gm, modules)
+    for node in bn_calls:
         src = node.args[0] if node.args else None
-        why = _fx_pair_problem(src, modules[bn_name], bn_name, modules, calls, ranks)
+        why = _fx_pair_problem(src, modules[node.target], node.target, modules, calls, ranks)
         if why is None:
-            pairs.append((src.target, bn_name))
+            pairs.append((src.target, node.target))
         else:
-            kept.append(f"{bn_name}: {why}")
+            kept.append(f"{node.target}: {why}")
     # BNs that are never called in the traced graph (dead modules) stay where they are.
-    for n, m in model.named_modules():
-        if _is_bn(m) and n not in seen_bn:
-            kept.append(f"{n}: not called in the model's forward")
+    called = {node.target for node in bn_calls}
+    kept += [f"{n}: not called in the model's forward" for n in _bn_names(model) if n not in called]
     return pairs, kept
+
+
+def _module_calls(gm: fx.GraphModule) -> Counter:
+    """How many times the graph calls each submodule."""
+    return Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
+
+
+def _first_bn_calls(gm: fx.GraphModule, modules: dict[str, nn.Module]) -> list[fx.Node]:
+    """The first call of each BatchNorm in the graph, in graph order."""
+    first: dict[str, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and _is_bn(modules.get(node.target)):
+            first.setdefault(node.target, node)
+    return list(first.values())
+
+
+def _bn_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if _is_bn(m)]
 
 
 def _fx_pair_problem(src: Any, bn: nn.Module, bn_name: str, modules: dict[str, nn.Module], calls: Counter,
@@ -244,13 +272,20 @@ def _fx_pair_problem(src: Any, bn: nn.Module, bn_name: str, modules: dict[str, n
         return "its input is not the output of a module"
     layer = modules.get(src.target)
     why = _pair_problem(layer, bn)
-    if why is None and len(src.users) > 1:
-        why = f"the output of {src.target} has other users besides the BN"
-    elif why is None and (calls[src.target] > 1 or calls[bn_name] > 1):
-        why = "the layer or the BN is called more than once"
-    elif why is None and isinstance(layer, nn.Linear) and ranks is not None and ranks.get(src.name, 2) != 2:
-        why = "the linear output is not (N, features), so BatchNorm1d normalises another dim"
-    return why
+    if why is not None:
+        return why
+    if len(src.users) > 1:
+        return f"the output of {src.target} has other users besides the BN"
+    if calls[src.target] > 1 or calls[bn_name] > 1:
+        return "the layer or the BN is called more than once"
+    if isinstance(layer, nn.Linear) and not _is_2d(src, ranks):
+        return "the linear output is not (N, features), so BatchNorm1d normalises another dim"
+    return None
+
+
+def _is_2d(node: fx.Node, ranks: dict[str, int] | None) -> bool:
+    """Whether ``node``'s traced output has two dims (True where the ranks are unknown)."""
+    return ranks is None or ranks.get(node.name, 2) == 2
 
 
 def _output_ranks(gm: fx.GraphModule, example_inputs: Any) -> dict[str, int]:
@@ -265,32 +300,45 @@ def _output_ranks(gm: fx.GraphModule, example_inputs: Any) -> dict[str, int]:
 
 
 def _eager_pairs(model: nn.Module) -> list[tuple[str, str]]:
-    known = {
-        BasicBlock: (("conv1", "bn1"), ("conv2", "bn2")),
-        Bottleneck: (("conv1", "bn1"), ("conv2", "bn2"), ("conv3", "bn3")),
-    }
     pairs: list[tuple[str, str]] = []
     for name, m in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward:
-            children = list(m.named_children())
-            for (a, la), (b, lb) in zip(children, children[1:]):
-                if _pair_problem(la, lb) is None:
-                    pairs.append((prefix + a, prefix + b))
-            continue
-        pattern: tuple[tuple[str, str], ...] = ()
-        for cls, pat in known.items():
-            if isinstance(m, cls) and type(m).forward is cls.forward:
-                pattern = pat
-        if (isinstance(m, ResNet) and type(m).forward is ResNet.forward
-                and type(m).forward_features is ResNet.forward_features):
-            pattern = (("conv1", "bn1"),)
-        for a, b in pattern:
+        for a, b in _eager_candidates(m):
             if _pair_problem(getattr(m, a, None), getattr(m, b, None)) is None:
                 pairs.append((prefix + a, prefix + b))
-    # A module reachable under two names (shared) may be called elsewhere: keep those out.
+    return _reached_once(model, pairs)
+
+
+def _reached_once(model: nn.Module, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The pairs whose modules have one name each: a module reachable under two names (shared)
+    may be called elsewhere, so those are kept out."""
     uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     return [p for p in pairs if all(uses[id(model.get_submodule(n))] == 1 for n in p)]
+
+
+_KNOWN_BLOCKS: tuple[tuple[type[nn.Module], tuple[tuple[str, str], ...]], ...] = (
+    (Bottleneck, (("conv1", "bn1"), ("conv2", "bn2"), ("conv3", "bn3"))),
+    (BasicBlock, (("conv1", "bn1"), ("conv2", "bn2"))),
+)
+
+
+def _eager_candidates(m: nn.Module) -> tuple[tuple[str, str], ...]:
+    """Child names ``(layer, bn)`` that ``m``'s forward runs back to back: the neighbours in a
+    plain ``nn.Sequential``, the conv/BN pairs of the ResNet stem and blocks (forward not overridden)."""
+    if _plain(m, nn.Sequential):
+        names = [a for a, _ in m.named_children()]
+        return tuple(zip(names, names[1:]))
+    if _plain(m, ResNet) and type(m).forward_features is ResNet.forward_features:
+        return (("conv1", "bn1"),)
+    for cls, pattern in _KNOWN_BLOCKS:
+        if _plain(m, cls):
+            return pattern
+    return ()
+
+
+def _plain(m: nn.Module, cls: type[nn.Module]) -> bool:
+    """An instance of ``cls`` whose ``forward`` is ``cls``'s own."""
+    return isinstance(m, cls) and type(m).forward is cls.forward
 
 
 def _pair_problem(layer: nn.Module | None, bn: nn.Module | None) -> str | None:
@@ -303,18 +351,26 @@ def _pair_problem(layer: nn.Module | None, bn: nn.Module | None) -> str | None:
         return "it has no running statistics (track_running_stats=False), so eval mode uses batch statistics"
     t = type(layer)
     if t in _CONVS or t in _CONV_TRANSPOSES:
-        if t in _CONV_TRANSPOSES and layer.groups != 1:
-            return "grouped transposed convolutions are not folded"
-        if layer.out_channels != bn.num_features:
-            return f"{layer.out_channels} conv channels but {bn.num_features} BN features"
-        return None
+        return _conv_bn_problem(layer, bn)
     if t is nn.Linear:
-        if type(bn) is not nn.BatchNorm1d:
-            return "only BatchNorm1d is folded into a Linear"
-        if layer.out_features != bn.num_features:
-            return f"{layer.out_features} linear features but {bn.num_features} BN features"
-        return None
+        return _linear_bn_problem(layer, bn)
     return f"it follows a {t.__name__}, not a Conv/Linear layer"
+
+
+def _conv_bn_problem(layer: nn.Module, bn: nn.Module) -> str | None:
+    if type(layer) in _CONV_TRANSPOSES and layer.groups != 1:
+        return "grouped transposed convolutions are not folded"
+    if layer.out_channels != bn.num_features:
+        return f"{layer.out_channels} conv channels but {bn.num_features} BN features"
+    return None
+
+
+def _linear_bn_problem(layer: nn.Linear, bn: nn.Module) -> str | None:
+    if type(bn) is not nn.BatchNorm1d:
+        return "only BatchNorm1d is folded into a Linear"
+    if layer.out_features != bn.num_features:
+        return f"{layer.out_features} linear features but {bn.num_features} BN features"
+    return None
 
 
 def _is_bn(m: Any) -> bool:

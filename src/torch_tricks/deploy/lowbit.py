@@ -225,6 +225,25 @@ def convert_lowbit(
     Weights and biases are copied, so a trained model can be fine-tuned from where it is.
     Train the result with :func:`torch_tricks.train.fit` as usual.
     """
+    _check_lowbit_args(model, mode, bits, bits_a)
+    work = copy.deepcopy(model)
+    layers = _quantizable_layers(work)
+    if not layers:
+        raise UserError(f"convert_lowbit: {type(model).__name__} has no nn.Conv2d / nn.Linear layer to quantize")
+    targets = layers[1:-1] if skip_first_last else layers
+    if not targets:
+        raise UserError(
+            "convert_lowbit: only the first and last layers are quantizable and they are kept full "
+            "precision: pass skip_first_last=False"
+        )
+    after_relu = _layers_after_relu(work)
+    a_bits = bits if bits_a is None else bits_a
+    for name, layer in targets:
+        _set_submodule(work, name, _lowbit_like(layer, mode, bits, a_bits if name in after_relu else 32))
+    return work
+
+
+def _check_lowbit_args(model: Any, mode: str, bits: int, bits_a: int | None) -> None:
     if not isinstance(model, nn.Module):
         raise UserError(f"convert_lowbit needs an nn.Module, got {type(model).__name__}")
     if mode not in MODES:
@@ -233,27 +252,15 @@ def convert_lowbit(
         _check_bits(bits)
         if bits_a is not None:
             _check_bits(bits_a)
-    work = copy.deepcopy(model)
-    layers = [(n, m) for n, m in work.named_modules() if type(m) in (nn.Conv2d, nn.Linear)]
-    if not layers:
-        raise UserError(f"convert_lowbit: {type(model).__name__} has no nn.Conv2d / nn.Linear layer to quantize")
-    skip = {layers[0][0], layers[-1][0]} if skip_first_last else set()
-    after_relu = _layers_after_relu(work)
-    converted = 0
-    for name, layer in layers:
-        if name in skip:
-            continue
-        a_bits = (bits if bits_a is None else bits_a) if name in after_relu else 32
-        new = _lowbit_like(layer, mode, bits, a_bits)
-        parent_name, _, attr = name.rpartition(".")
-        setattr(work.get_submodule(parent_name) if parent_name else work, attr, new)
-        converted += 1
-    if converted == 0:
-        raise UserError(
-            "convert_lowbit: only the first and last layers are quantizable and they are kept full "
-            "precision: pass skip_first_last=False"
-        )
-    return work
+
+
+def _quantizable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if type(m) in (nn.Conv2d, nn.Linear)]
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
 
 
 def _lowbit_like(layer: nn.Module, mode: str, bits: int, bits_a: int) -> nn.Module:
@@ -279,24 +286,41 @@ def _lowbit_like(layer: nn.Module, mode: str, bits: int, bits_a: int) -> nn.Modu
 def _layers_after_relu(model: nn.Module) -> set[str]:
     """Names of Conv2d/Linear layers whose input is a ReLU's output, from a torch.fx trace
     (or, when the model does not trace, from module order inside ``nn.Sequential``\\ s)."""
-    names: set[str] = set()
     try:
         gm = torch.fx.symbolic_trace(model)
     except Exception:
-        gm = None
-    if gm is not None:
-        mods = dict(gm.named_modules())
-        relu_fns = {F.relu, torch.relu, torch.relu_}
-        for node in gm.graph.nodes:
-            if node.op != "call_module" or type(mods.get(node.target)) not in (nn.Conv2d, nn.Linear):
-                continue
-            src = node.args[0] if node.args else None
-            # look through shape-only ops (flatten, pooling keeps the [0, inf) range)
-            while src is not None and _is_range_preserving(src, mods):
-                src = src.args[0] if src.args else None
-            if src is not None and _is_relu(src, mods, relu_fns):
-                names.add(node.target)
-        return names
+        return _after_relu_in_order(model)
+    return _after_relu_traced(gm)
+
+
+def _after_relu_traced(gm: torch.fx.GraphModule) -> set[str]:
+    names: set[str] = set()
+    mods = dict(gm.named_modules())
+    relu_fns = {F.relu, torch.relu, torch.relu_}
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or type(mods.get(node.target)) not in (nn.Conv2d, nn.Linear):
+            continue
+        src = _source(node, mods)
+        if src is not None and _is_relu(src, mods, relu_fns):
+            names.add(node.target)
+    return names
+
+
+def _source(node: Any, mods: dict[str, nn.Module]) -> Any:
+    """The node ``node`` reads, looking through shape-only ops (flatten, pooling keeps the [0, inf) range)."""
+    src = _first_arg(node)
+    while src is not None and _is_range_preserving(src, mods):
+        src = _first_arg(src)
+    return src
+
+
+def _first_arg(node: Any) -> Any:
+    return node.args[0] if node.args else None
+
+
+def _after_relu_in_order(model: nn.Module) -> set[str]:
+    """The layers right after a ReLU in module registration order (what a plain ``nn.Sequential`` runs)."""
+    names: set[str] = set()
     prev_relu = False
     for name, m in model.named_modules():
         if type(m) in (nn.Conv2d, nn.Linear):

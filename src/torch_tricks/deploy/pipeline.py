@@ -139,12 +139,10 @@ def _plan(steps: Sequence[str] | str) -> list[_Planned]:
 def _split_steps(steps: Sequence[str] | str) -> list[str]:
     """``"fuse, int8"`` or ``["fuse", "int8"]`` -> ``["fuse", "int8"]`` (blanks dropped)."""
     if isinstance(steps, str):
-        items = [s.strip() for s in steps.split(",")]
-    elif isinstance(steps, (list, tuple)) and all(isinstance(s, str) for s in steps):
-        items = [s.strip() for s in steps]
-    else:
+        steps = steps.split(",")
+    elif not (isinstance(steps, (list, tuple)) and all(isinstance(s, str) for s in steps)):
         raise UserError(f"steps must be a list of step names or a comma-separated string, got {type(steps).__name__}")
-    return [s for s in items if s]
+    return [s.strip() for s in steps if s.strip()]
 
 
 def _check_finals(plan: list[_Planned]) -> None:
@@ -173,15 +171,10 @@ def _check_order(plan: list[_Planned], seen: dict[str, int]) -> None:
 
 def _with_int8_for(plan: list[_Planned], int8_for: Any) -> list[_Planned]:
     """Apply ``optimize(int8_for=...)`` to the chain's int8 step (checked before any work)."""
-    if not isinstance(int8_for, str) or int8_for.strip().lower() not in ("auto", *INT8_TARGETS):
-        raise UserError(f"the int8 target (int8_for, --int8-for) must be auto, vnni or no-vnni, not {int8_for!r}")
-    want = int8_for.strip().lower()
+    want = _int8_target(int8_for)
     if want == "auto":
         return plan
-    int8 = [p for p in plan if p.step.targets or p.step.one_int8_setting]
-    if not int8:
-        raise UserError(f"int8 target {want!r} given, but the chain has no int8 or onnx-int8 step")
-    p = int8[0]
+    p = _int8_planned(plan, want)
     if p.step.one_int8_setting:
         if want == "vnni":
             raise UserError(p.step.one_int8_setting)
@@ -189,6 +182,21 @@ def _with_int8_for(plan: list[_Planned], int8_for: Any) -> list[_Planned]:
     if p.int8_for not in ("auto", want):
         raise UserError(f"int8 target given twice: step {p.text!r} says {p.int8_for}, int8_for says {want}")
     return [dataclasses.replace(q, int8_for=want) if q is p else q for q in plan]
+
+
+def _int8_target(int8_for: Any) -> str:
+    """``int8_for`` checked and normalised: auto, vnni or no-vnni."""
+    if not isinstance(int8_for, str) or int8_for.strip().lower() not in ("auto", *INT8_TARGETS):
+        raise UserError(f"the int8 target (int8_for, --int8-for) must be auto, vnni or no-vnni, not {int8_for!r}")
+    return int8_for.strip().lower()
+
+
+def _int8_planned(plan: list[_Planned], want: str) -> _Planned:
+    """The chain's first int8 / onnx-int8 step, which ``int8_for`` applies to."""
+    int8 = [p for p in plan if p.step.targets or p.step.one_int8_setting]
+    if not int8:
+        raise UserError(f"int8 target {want!r} given, but the chain has no int8 or onnx-int8 step")
+    return int8[0]
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -260,26 +268,26 @@ class OptimizeResult:
     def table_rows(self) -> tuple[list[str], list[list[str]]]:
         """``(headers, rows)`` of strings: one row for the original and one per step."""
         headers = ["step", "backend", "max abs diff", "top-1", "params", "size"]
-        for b in self.batches if self.measured else ():
+        for b in self._timed_batches():
             headers += [f"bs{b} ms", f"bs{b} x"]
         headers.append("tolerance")
-        rows = []
-        for r in [self.original, *self.steps]:
-            a = r.agreement
-            row = [
-                r.step + ("" if r.changed or r is self.original else " (no-op)"),
-                r.backend or "-",
-                f"{a.max_abs_diff:.2e}" if a else "-",
-                f"{a.top1_agreement:.1%}" if a and a.top1_agreement is not None else "-",
-                si(r.params) if r.params else "-",
-                human_bytes(r.size_bytes) if r.size_bytes else "-",
-            ]
-            for b in self.batches if self.measured else ():
-                t, s = r.latency_s.get(b), r.speedup.get(b)
-                row += [f"{t * 1e3:.2f}" if t is not None else "-", f"{s:.2f}" if s is not None else "-"]
-            row.append("-" if r.within_tolerance is None else ("ok" if r.within_tolerance else "EXCEEDED"))
-            rows.append(row)
-        return headers, rows
+        return headers, [self._row(r) for r in [self.original, *self.steps]]
+
+    def _timed_batches(self) -> tuple[int, ...]:
+        return self.batches if self.measured else ()
+
+    def _row(self, r: StepResult) -> list[str]:
+        row = [
+            r.step + ("" if r.changed or r is self.original else " (no-op)"),
+            r.backend or "-",
+            *_agreement_cells(r.agreement),
+            si(r.params) if r.params else "-",
+            human_bytes(r.size_bytes) if r.size_bytes else "-",
+        ]
+        for b in self._timed_batches():
+            row += _latency_cells(r.latency_s.get(b), r.speedup.get(b))
+        row.append(_tolerance_cell(r.within_tolerance))
+        return row
 
     def format_table(self) -> str:
         """:meth:`table_rows` as a fixed-width text table."""
@@ -307,28 +315,39 @@ class OptimizeResult:
         step outside its tolerance is reported as such.
         """
         steps = [s.step for s in self.steps] if steps is None else steps
+        lines = [*self._heading(model_name, steps, data_name), self.format_table(), ""]
+        lines += [f"  {n}" for n in self.notes()]
+        exceeded = [s for s in self.steps if s.within_tolerance is False]
+        lines.append(_verdict(exceeded))
+        lines += self._unchecked()
+        lines += self._saved_lines(save_asked and bool(exceeded))
+        return "\n".join(lines)
+
+    def _heading(self, model_name: str, steps: Sequence[str], data_name: str | None) -> list[str]:
+        """What ran where, and on which inputs the outputs were compared."""
         compared = self.compared_on or describe_inputs(self.example_inputs)
         lines = [f"{model_name}: {','.join(steps)} on {self.device}, {self.threads} thread(s); outputs compared on "
                  f"{compared}" + (f" from {data_name} (validation)" if data_name else " (random)")]
         if self.measured:
             lines.append(f"latency: median ms of {self.repeats} calls after {self.warmup} warm-up, "
                          "bsN x = speed-up over the original")
-        lines += [self.format_table(), ""]
-        lines += [f"  {n}" for n in self.notes()]
-        exceeded = [s for s in self.steps if s.within_tolerance is False]
-        if exceeded:
-            lines.append("NOT verified: " + "; ".join(f"{s.step} exceeds {s.tolerance}" for s in exceeded))
-        else:
-            lines.append("verified: every step within its tolerance against the model before it")
+        return lines
+
+    def _unchecked(self) -> list[str]:
+        """A line naming the steps that were not held to a tolerance, if any."""
         unchecked = [s.step for s in self.steps if s.within_tolerance is None]
-        if unchecked:
-            lines.append(f"  not held to a tolerance: {', '.join(unchecked)} (changes the outputs by design, "
-                         "or they could not be compared: see the notes)")
+        if not unchecked:
+            return []
+        return [f"  not held to a tolerance: {', '.join(unchecked)} (changes the outputs by design, "
+                "or they could not be compared: see the notes)"]
+
+    def _saved_lines(self, held_back: bool) -> list[str]:
+        """What :meth:`save` wrote, or that a save asked for was held back by a step outside its tolerance."""
         if self.saved is not None:
-            lines.append(self.saved.to_text())
-        elif save_asked and exceeded:
-            lines.append("nothing written: a step exceeded its tolerance (--force writes it anyway)")
-        return "\n".join(lines)
+            return [self.saved.to_text()]
+        if held_back:
+            return ["nothing written: a step exceeded its tolerance (--force writes it anyway)"]
+        return []
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -383,6 +402,27 @@ class OptimizeResult:
             self._workdir = None
 
 
+def _agreement_cells(a: Any) -> list[str]:
+    """The max abs diff and top-1 agreement cells ("-" where not measured)."""
+    if not a:
+        return ["-", "-"]
+    return [f"{a.max_abs_diff:.2e}", f"{a.top1_agreement:.1%}" if a.top1_agreement is not None else "-"]
+
+
+def _latency_cells(t: float | None, s: float | None) -> list[str]:
+    return [f"{t * 1e3:.2f}" if t is not None else "-", f"{s:.2f}" if s is not None else "-"]
+
+
+def _tolerance_cell(within: bool | None) -> str:
+    if within is None:
+        return "-"
+    return "ok" if within else "EXCEEDED"
+
+
+def _verdict(exceeded: list[StepResult]) -> str:
+    if exceeded:
+        return "NOT verified: " + "; ".join(f"{s.step} exceeds {s.tolerance}" for s in exceeded)
+    return "verified: every step within its tolerance against the model before it"
 
 
 # -- optimize -----------------------------------------------------------------------------------
@@ -429,40 +469,60 @@ def optimize(
     _check_plan_can_run(plan, dev)
     report = progress or (lambda _msg: None)
     reference = _reference_copy(model, dev)
-    example = map_tensors(as_input_tuple(example_inputs), lambda t: t.to(dev))
-    check = map_tensors(as_input_tuple(check_inputs), lambda t: t.to(dev)) if check_inputs is not None else example
+    example = _inputs_on(example_inputs, dev)
+    check = _inputs_on(check_inputs, dev) if check_inputs is not None else example
     _check_inputs_match(example, check)
     _check_runs(reference, example)
 
     needs_calib = any(p.step.calibrates(p.mode) for p in plan)
     calib_batches, calib_text = (_calibration(calib, example, dev) if needs_calib else (None, None))
-    workdir = tempfile.TemporaryDirectory(prefix="torch_tricks_optimize_") if any(
-        p.step.needs_workdir for p in plan) else None
+    workdir = _workdir(plan)
     original = StepResult(step="original", name="original", backend="eager", changed=False, model=reference)
     _measure_static(original, reference, reference, check)
-    results: list[StepResult] = []
-    current: Any = reference
-    for i, p in enumerate(plan, 1):
-        report(f"[{i}/{len(plan)}] {p.text}")
-        ctx = StepContext(example=example, calib=calib_batches, device=dev, workdir=workdir, index=i,
-                          text=p.text, name=p.name, arg=p.arg, mode=p.mode,
-                          for_vnni={"auto": None, "vnni": True, "no-vnni": False}[p.int8_for])
-        res = _apply(p, current, ctx)
-        _measure_static(res, reference, res.model, check, previous=current)
-        if p.step.final:  # a conversion keeps the weights: count them in the model before it
-            res.params = results[-1].params if results else original.params
-        _hold_to_tolerance(res, p.step.tolerance, check)
-        results.append(res)
-        current = res.model
+    base = StepContext(example=example, calib=calib_batches, device=dev, workdir=workdir)
+    results = _run_chain(plan, reference, original, check, base, report)
 
     if measure:
         _measure_latency([original, *results], example, batches, warmup, repeats, report)
     return OptimizeResult(
-        model=current, original=original, steps=results, device=str(dev), batches=tuple(batches),
+        model=results[-1].model, original=original, steps=results, device=str(dev), batches=tuple(batches),
         threads=torch.get_num_threads(), measured=measure, example_inputs=example,
         calibration=calib_text, warmup=warmup, repeats=repeats, compared_on=describe_inputs(check),
         _workdir=workdir,
     )
+
+
+def _inputs_on(inputs: Any, dev: torch.device) -> tuple[Any, ...]:
+    return map_tensors(as_input_tuple(inputs), lambda t: t.to(dev))
+
+
+def _workdir(plan: list[_Planned]) -> tempfile.TemporaryDirectory[str] | None:
+    """A temporary folder for the steps that write files (ONNX), None if no step does."""
+    if any(p.step.needs_workdir for p in plan):
+        return tempfile.TemporaryDirectory(prefix="torch_tricks_optimize_")
+    return None
+
+
+_FOR_VNNI = {"auto": None, "vnni": True, "no-vnni": False}
+
+
+def _run_chain(plan: list[_Planned], reference: nn.Module, original: StepResult, check: tuple[Any, ...],
+               base: StepContext, report: Callable[[str], None]) -> list[StepResult]:
+    """Apply the steps in turn, each measured against the original and held to its own tolerance."""
+    results: list[StepResult] = []
+    current: Any = reference
+    for i, p in enumerate(plan, 1):
+        report(f"[{i}/{len(plan)}] {p.text}")
+        ctx = dataclasses.replace(base, index=i, text=p.text, name=p.name, arg=p.arg, mode=p.mode,
+                                  for_vnni=_FOR_VNNI[p.int8_for])
+        res = _apply(p, current, ctx)
+        _measure_static(res, reference, res.model, check, previous=current)
+        if p.step.final:  # a conversion keeps the weights: count them in the model before it
+            res.params = (results[-1] if results else original).params
+        _hold_to_tolerance(res, p.step.tolerance, check)
+        results.append(res)
+        current = res.model
+    return results
 
 
 def _apply(p: _Planned, model: Any, ctx: StepContext) -> StepResult:
@@ -534,25 +594,36 @@ def _measure_latency(results: list[StepResult], example: tuple[Any, ...], batche
     for b in batches:
         report(f"timing batch {b}")
         inputs = _at_batch(example, b)
-        runnable: dict[str, Any] = {}
-        for r in results:
-            try:
-                with torch.inference_mode(), quiet_torch():
-                    r.model(*inputs)  # also compiles a PT2E model for this batch size
-                runnable[r.step] = r.model
-            except Exception as exc:
-                r.latency_s[b] = r.latency_iqr_s[b] = r.speedup[b] = None
-                r.notes.append(f"not timed at batch {b}: {plain_line(exc, with_type=False)}")
+        runnable = _runnable(results, inputs, b)
         with quiet_torch():
             timings = compare_latency(runnable, inputs, warmup=warmup, repeats=repeats)
-        base = timings.get("original")
-        for r in results:
-            t = timings.get(r.step)
-            if t is None:
-                continue
-            r.latency_s[b] = t.median_s
-            r.latency_iqr_s[b] = t.iqr_s
-            r.speedup[b] = base.median_s / t.median_s if base is not None and t.median_s > 0 else None
+        _record_timings(results, timings, b)
+
+
+def _runnable(results: list[StepResult], inputs: tuple[Any, ...], b: int) -> dict[str, Any]:
+    """The models that run at batch ``b`` (a failure is noted in the step's result and leaves it untimed)."""
+    runnable: dict[str, Any] = {}
+    for r in results:
+        try:
+            with torch.inference_mode(), quiet_torch():
+                r.model(*inputs)  # also compiles a PT2E model for this batch size
+            runnable[r.step] = r.model
+        except Exception as exc:
+            r.latency_s[b] = r.latency_iqr_s[b] = r.speedup[b] = None
+            r.notes.append(f"not timed at batch {b}: {plain_line(exc, with_type=False)}")
+    return runnable
+
+
+def _record_timings(results: list[StepResult], timings: dict[str, Any], b: int) -> None:
+    """Each timed step's median, spread and speed-up over the original at batch ``b``."""
+    base = timings.get("original")
+    for r in results:
+        t = timings.get(r.step)
+        if t is None:
+            continue
+        r.latency_s[b] = t.median_s
+        r.latency_iqr_s[b] = t.iqr_s
+        r.speedup[b] = base.median_s / t.median_s if base is not None and t.median_s > 0 else None
 
 
 def _at_batch(example: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
@@ -560,14 +631,16 @@ def _at_batch(example: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
     n = batch_rows(example)
     if n is None:
         return example
-    out = []
-    for a in example:
-        if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n:
-            if batch > n:
-                a = a.repeat(math.ceil(batch / n), *([1] * (a.dim() - 1)))
-            a = a[:batch].contiguous()
-        out.append(a)
-    return tuple(out)
+    return tuple(_rows(a, n, batch) for a in example)
+
+
+def _rows(a: Any, n: int, batch: int) -> Any:
+    """A batched input of ``n`` rows cut, or repeated, to ``batch`` rows (anything else as it is)."""
+    if not (isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n):
+        return a
+    if batch > n:
+        a = a.repeat(math.ceil(batch / n), *([1] * (a.dim() - 1)))
+    return a[:batch].contiguous()
 
 
 # -- calibration --------------------------------------------------------------------------------
@@ -577,23 +650,30 @@ _RANDOM_CALIB_BATCHES = 8
 
 def _calibration(calib: Iterable[Any] | None, example: tuple[Any, ...],
                  dev: torch.device) -> tuple[list[tuple[Any, ...]], str]:
-    if calib is not None:
-        if isinstance(calib, torch.Tensor):
-            raise UserError("calib must be an iterable of batches (a list of tensors, a DataLoader), not one tensor: "
-                            "wrap it as [tensor]")
-        batches = []
-        for b in calib:
-            args = as_input_tuple(b)
-            if len(example) == 1 and len(args) == 2 and all(isinstance(a, torch.Tensor) for a in args):
-                args = args[:1]  # (inputs, target) pairs from a DataLoader
-            if len(args) != len(example):
-                raise UserError(f"a calib batch has {len(args)} inputs, the example inputs {len(example)}: "
-                                "give batches shaped like example_inputs")
-            batches.append(map_tensors(args, lambda t: t.to(dev)))
-        if not batches:
-            raise UserError("calib is empty: give a few batches of real inputs")
-        rows = sum(batch_rows(b) or 1 for b in batches)
-        return batches, f"{len(batches)} batches ({rows} samples) given in calib"
+    if calib is None:
+        return _random_calibration(example)
+    if isinstance(calib, torch.Tensor):
+        raise UserError("calib must be an iterable of batches (a list of tensors, a DataLoader), not one tensor: "
+                        "wrap it as [tensor]")
+    batches = [map_tensors(_calib_args(b, example), lambda t: t.to(dev)) for b in calib]
+    if not batches:
+        raise UserError("calib is empty: give a few batches of real inputs")
+    rows = sum(batch_rows(b) or 1 for b in batches)
+    return batches, f"{len(batches)} batches ({rows} samples) given in calib"
+
+
+def _calib_args(batch: Any, example: tuple[Any, ...]) -> tuple[Any, ...]:
+    """One calib batch as positional inputs like ``example``'s (the inputs of an ``(inputs, target)`` pair)."""
+    args = as_input_tuple(batch)
+    if len(example) == 1 and len(args) == 2 and all(isinstance(a, torch.Tensor) for a in args):
+        args = args[:1]  # (inputs, target) pairs from a DataLoader
+    if len(args) != len(example):
+        raise UserError(f"a calib batch has {len(args)} inputs, the example inputs {len(example)}: "
+                        "give batches shaped like example_inputs")
+    return args
+
+
+def _random_calibration(example: tuple[Any, ...]) -> tuple[list[tuple[Any, ...]], str]:
     gen = torch.Generator().manual_seed(0)
     batches = [example] + [tuple(_like(a, gen) for a in example) for _ in range(_RANDOM_CALIB_BATCHES - 1)]
     return batches, (
@@ -608,16 +688,20 @@ def _like(a: Any, gen: torch.Generator) -> Any:
     if not isinstance(a, torch.Tensor):
         return a
     if a.is_floating_point():
-        x = a.float()
-        dims = [d for d in range(x.dim()) if d != 1] if x.dim() >= 2 else list(range(x.dim()))
-        mean = x.mean(dim=dims, keepdim=True) if dims else x
-        std = x.std(dim=dims, keepdim=True).nan_to_num(0.0) if dims and x.numel() > 1 else torch.zeros_like(mean)
-        noise = torch.randn(a.shape, generator=gen).to(a.device)
-        return (noise * std + mean).to(a.dtype)
+        return _like_float(a, gen)
     if a.dtype == torch.bool:
         return torch.randint(0, 2, a.shape, generator=gen).bool().to(a.device)
     lo, hi = int(a.min()), int(a.max())
     return torch.randint(lo, hi + 1, a.shape, generator=gen).to(a.dtype).to(a.device)
+
+
+def _like_float(a: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    x = a.float()
+    dims = [d for d in range(x.dim()) if d != 1] if x.dim() >= 2 else list(range(x.dim()))
+    mean = x.mean(dim=dims, keepdim=True) if dims else x
+    std = x.std(dim=dims, keepdim=True).nan_to_num(0.0) if dims and x.numel() > 1 else torch.zeros_like(mean)
+    noise = torch.randn(a.shape, generator=gen).to(a.device)
+    return (noise * std + mean).to(a.dtype)
 
 
 # -- checks -------------------------------------------------------------------------------------
@@ -644,23 +728,32 @@ def _batches(batches: Sequence[int], measure: bool) -> tuple[int, ...]:
 
 def _check_counts(warmup: Any, repeats: Any) -> None:
     """The latency's counts, checked before any work (also with ``measure=False``: a bad count is a mistake)."""
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+    if not _is_count(warmup, 0):
         raise UserError(f"warmup must be an integer >= 0, got {warmup!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    if not _is_count(repeats, 1):
         raise UserError(f"repeats must be an integer >= 1, got {repeats!r}")
+
+
+def _is_count(n: Any, least: int) -> bool:
+    """An int (not a bool) of at least ``least``."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= least
 
 
 def _check_plan_can_run(plan: list[_Planned], dev: torch.device) -> None:
     """Every step's device, then every step's dependencies (before any work)."""
     for p in plan:
-        if p.step.cpu_only and dev.type != "cpu":
-            raise UserError(f"step {p.name!r} runs on CPU kernels (int8 / ONNX Runtime CPU): use device='cpu', "
-                            "or fp16/bf16 on the GPU")
-        if p.step.check_device is not None:
-            p.step.check_device(dev)
+        _check_device_for(p, dev)
     for p in plan:
         if p.step.check_needs is not None:
             p.step.check_needs(p.mode)
+
+
+def _check_device_for(p: _Planned, dev: torch.device) -> None:
+    if p.step.cpu_only and dev.type != "cpu":
+        raise UserError(f"step {p.name!r} runs on CPU kernels (int8 / ONNX Runtime CPU): use device='cpu', "
+                        "or fp16/bf16 on the GPU")
+    if p.step.check_device is not None:
+        p.step.check_device(dev)
 
 
 def _check_inputs_match(example: tuple[Any, ...], check: tuple[Any, ...]) -> None:

@@ -35,7 +35,7 @@ import copy
 import math
 import operator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Collection, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -104,35 +104,50 @@ def prune_unstructured_with_report(
 ) -> tuple[nn.Module, UnstructuredReport]:
     """:func:`prune_unstructured`, returning ``(model, UnstructuredReport)``."""
     _check_model(model, "prune_unstructured")
-    if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0.0 <= amount < 1.0:
+    if not _is_fraction(amount):
         raise UserError(f"prune amount must be a fraction in [0, 1), got {amount!r}")
     out = copy.deepcopy(model)
-    targets = [(n, m) for n, m in out.named_modules()
-               if isinstance(m, (nn.modules.conv._ConvNd, nn.Linear))
-               and isinstance(getattr(m, "weight", None), nn.Parameter) and not tprune.is_pruned(m)]
+    targets = _weight_layers(out)
     if not targets:
         raise UserError("prune_unstructured: the model has no Conv/Linear weights to prune")
-    if global_:
-        tprune.global_unstructured([(m, "weight") for _, m in targets],
-                                   pruning_method=tprune.L1Unstructured, amount=float(amount))
-    else:
-        for _, m in targets:
-            tprune.l1_unstructured(m, "weight", amount=float(amount))
+    _zero_smallest(targets, float(amount), global_)
     if make_permanent:
         for _, m in targets:
             tprune.remove(m, "weight")
+    return out, _unstructured_report(targets, float(amount), global_, make_permanent)
+
+
+def _weight_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The conv/linear layers with a weight parameter not already pruned."""
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, (nn.modules.conv._ConvNd, nn.Linear))
+            and isinstance(getattr(m, "weight", None), nn.Parameter) and not tprune.is_pruned(m)]
+
+
+def _zero_smallest(targets: list[tuple[str, nn.Module]], amount: float, global_: bool) -> None:
+    """Mask the ``amount`` smallest weights, ranked over all ``targets`` or within each."""
+    if global_:
+        tprune.global_unstructured([(m, "weight") for _, m in targets],
+                                   pruning_method=tprune.L1Unstructured, amount=amount)
+    else:
+        for _, m in targets:
+            tprune.l1_unstructured(m, "weight", amount=amount)
+
+
+def _unstructured_report(targets: list[tuple[str, nn.Module]], amount: float, global_: bool,
+                         permanent: bool) -> UnstructuredReport:
     per_layer = {n: float((m.weight == 0).float().mean()) for n, m in targets}
     total = sum(m.weight.numel() for _, m in targets)
     zeros = sum(int((m.weight == 0).sum()) for _, m in targets)
     rep = UnstructuredReport(
-        amount=float(amount), global_=global_, sparsity=zeros / total, per_layer=per_layer,
-        permanent=make_permanent,
+        amount=amount, global_=global_, sparsity=zeros / total, per_layer=per_layer,
+        permanent=permanent,
         notes=["dense kernels do the same work on zeros: expect no speed-up and the same size on disk "
                "(the zeros compress, and sparse kernels or structured pruning can use them)"],
     )
-    if not make_permanent:
+    if not permanent:
         rep.notes.append("masks kept (weight_orig + weight_mask): the state dict is about twice as large")
-    return out, rep
+    return rep
 
 
 # -- structured (channels) ---------------------------------------------------------------
@@ -215,15 +230,14 @@ def prune_channels_with_report(
     work.eval()  # tracing and shape propagation must not update BN statistics or drop out
     gm, ref_out = _trace(work, args)
     base_macs = summary(work, args, depth=0).totals["macs"]
-    params_before = sum(p.numel() for p in work.parameters())
+    params_before = _n_params(work)
 
     deps = _Deps(gm, dict(work.named_modules()))
     deps.walk()
     groups = deps.prunable_groups()
     skipped = deps.skipped()
     if not groups:
-        why = "; ".join(f"{', '.join(s['layers'])}: {s['reason']}" for s in skipped[:3]) or "it has no convolutions"
-        raise UserError(f"prune_channels: no conv channels can be pruned in this model ({why})"[:400])
+        raise _nothing_to_prune(skipped)
 
     scores = {r: deps.scores(r, importance) for r in groups}
     if target_macs is not None:
@@ -238,36 +252,53 @@ def prune_channels_with_report(
     macs_after = fixed + deps.macs({r: int(k.numel()) for r, k in kept.items()})
     rep = ChannelPruneReport(
         amount=float(amount), importance=importance, macs_before=base_macs, macs_after=macs_after,
-        params_before=params_before, params_after=sum(p.numel() for p in work.parameters()),
+        params_before=params_before, params_after=_n_params(work),
         target_macs=target_macs,
-        groups=[
-            {"layers": deps.members(r), "channels": deps.size(r), "kept": int(kept[r].numel()),
-             "residual": len(deps.members(r)) > 1}
-            for r in groups if kept[r].numel() < deps.size(r)
-        ],
+        groups=_pruned_groups(deps, groups, kept),
         skipped=skipped,
     )
     rep.notes.extend(_prune_notes(rep, work))
     return work, rep
 
 
+def _n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _nothing_to_prune(skipped: list[dict[str, Any]]) -> UserError:
+    why = "; ".join(f"{', '.join(s['layers'])}: {s['reason']}" for s in skipped[:3]) or "it has no convolutions"
+    return UserError(f"prune_channels: no conv channels can be pruned in this model ({why})"[:400])
+
+
+def _pruned_groups(deps: _Deps, groups: list[int], kept: dict[int, torch.Tensor]) -> list[dict[str, Any]]:
+    """The report's entry for each group that lost channels."""
+    return [
+        {"layers": deps.members(r), "channels": deps.size(r), "kept": int(kept[r].numel()),
+         "residual": len(deps.members(r)) > 1}
+        for r in groups if kept[r].numel() < deps.size(r)
+    ]
+
+
 def _checked_amount(amount: float | None, target_macs: float | None, importance: str, round_to: int) -> float | None:
     """Check :func:`prune_channels_with_report`'s options; the amount (0.5 when neither it nor target_macs is given)."""
     if amount is not None and target_macs is not None:
         raise UserError("prune_channels: give amount (share of channels) or target_macs (share of MACs), not both")
-    if target_macs is not None and (isinstance(target_macs, bool) or not isinstance(target_macs, (int, float))
-                                    or not 0.0 < target_macs <= 1.0):
+    if target_macs is not None and not _is_share(target_macs):
         raise UserError(f"target_macs must be the share of MACs to keep, in (0, 1], got {target_macs!r}")
     if amount is None and target_macs is None:
         amount = 0.5
-    if amount is not None and (isinstance(amount, bool) or not isinstance(amount, (int, float))
-                               or not 0.0 <= amount < 1.0):
+    if amount is not None and not _is_fraction(amount):
         raise UserError(f"prune amount must be a fraction of channels in [0, 1), got {amount!r}")
+    _check_ranking(importance, round_to)
+    return amount
+
+
+def _check_ranking(importance: str, round_to: int) -> None:
+    """How channels are ranked and how their kept counts are rounded."""
     if importance not in ("l1", "l2"):
         raise UserError(f"importance must be 'l1' or 'l2', got {importance!r}")
     if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
         raise UserError(f"round_to must be a positive int, got {round_to!r}")
-    return amount
 
 
 def _trace(work: nn.Module, args: tuple[Any, ...]) -> tuple[fx.GraphModule, Any]:
@@ -408,6 +439,10 @@ class _Layout:
     def width(self) -> int:
         return sum(w for _, w in self.segs) * self.factor
 
+    def aligned_with(self, other: _Layout) -> bool:
+        """The same segment widths and flattening factor: channel i of one lines up with channel i of the other."""
+        return tuple(w for _, w in self.segs) == tuple(w for _, w in other.segs) and self.factor == other.factor
+
 
 class _Deps:
     """Channel spaces of a traced model and the layers that read or write them.
@@ -469,6 +504,10 @@ class _Deps:
         for e, _ in lay.segs:
             self.frozen.setdefault(self.find(e), why)
 
+    def _freeze_all(self, lays: Iterable[_Layout | None], why: str) -> None:
+        for lay in lays:
+            self._freeze(lay, why)
+
     def _freeze_nodes(self, objs: Iterable[Any], why: str) -> None:
         for n in _nodes_in(objs):
             self._freeze(self.layout.get(n), why)
@@ -491,14 +530,12 @@ class _Deps:
 
     def _visit_op(self, node: fx.Node) -> _Layout | None:
         """A function or method call: where the channels of its tracked inputs go."""
-        x = node.args[0] if node.args else None
-        lx = self.layout.get(x) if isinstance(x, fx.Node) else None
-        tracked = [n for n in _nodes_in((node.args, node.kwargs)) if self.layout.get(n) is not None]
+        x, lx = self._input(node)
+        tracked = self._tracked((node.args, node.kwargs))
         if not tracked:
             return None
         name = _op_name(node)
-        if node.op == "call_method" and node.target in _HARMLESS_METHODS or \
-                node.op == "call_function" and node.target is getattr:
+        if _is_method(node, _HARMLESS_METHODS) or _is_function(node, (getattr,)):
             return None  # x.size(), x.shape: no channel data flows
         if _is_binary(node):
             return self._binary(node)
@@ -506,55 +543,68 @@ class _Deps:
             handled, out = self._channel_op(node, x, lx, tracked, name)
             if handled:
                 return out
-        if node.op == "call_function" and node.target is torch.cat:
+        if _is_function(node, (torch.cat,)):
             return self._cat(node)
         self._freeze_nodes(tracked, f"feeds {name}, which may mix channels")
         return None
 
+    def _input(self, node: fx.Node) -> tuple[Any, _Layout | None]:
+        """A call's first argument and its channel layout (None where it is untracked)."""
+        x = node.args[0] if node.args else None
+        return x, self._layout_of(x)
+
+    def _layout_of(self, obj: Any) -> _Layout | None:
+        return self.layout.get(obj) if isinstance(obj, fx.Node) else None
+
+    def _tracked(self, obj: Any) -> list[fx.Node]:
+        """The nodes in ``obj`` (args, kwargs) whose channels are tracked."""
+        return [n for n in _nodes_in(obj) if self.layout.get(n) is not None]
+
     def _channel_op(self, node: fx.Node, x: fx.Node, lx: _Layout, tracked: list[fx.Node],
                     name: str) -> tuple[bool, _Layout | None]:
         """An op on a tracked tensor that keeps or reshapes its channels: (it is one, the layout out)."""
-        op, target = node.op, node.target
-        if op == "call_function" and target in _ELEMENTWISE_FUNCTIONS or \
-                op == "call_method" and target in _ELEMENTWISE_METHODS:
+        if _is_function(node, _ELEMENTWISE_FUNCTIONS) or _is_method(node, _ELEMENTWISE_METHODS):
             others = [n for n in tracked if n is not x]
             self._freeze_nodes(others, f"used as an argument of {name}")
             return True, lx
-        if op == "call_function" and target is F.pad:
-            pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad", ())
-            nd = _ndim(x)
-            if nd is not None and isinstance(pad, (tuple, list)) and len(pad) // 2 <= nd - 2:
-                return True, lx  # pads spatial dims only
-            self._freeze(lx, "padded along the channel dim")
-            return True, None
+        if _is_function(node, (F.pad,)):
+            return True, self._pad(node, x, lx)
         if _is_flatten(node):
             return True, self._flatten(node, lx)
         if name in _REDUCTIONS:
             return True, self._reduce(node, lx)
         return False, None
 
+    def _pad(self, node: fx.Node, x: fx.Node, lx: _Layout) -> _Layout | None:
+        """``F.pad`` keeps the channels where it pads the spatial dims only."""
+        pad = _arg(node, 1, "pad", ())
+        nd = _ndim(x)
+        if nd is not None and isinstance(pad, (tuple, list)) and len(pad) // 2 <= nd - 2:
+            return lx
+        self._freeze(lx, "padded along the channel dim")
+        return None
+
     def _visit_module(self, node: fx.Node) -> _Layout | None:
         name = node.target
         mod = self.modules.get(name)
-        x = node.args[0] if node.args else None
-        lx = self.layout.get(x) if isinstance(x, fx.Node) else None
-        extra = [n for n in _nodes_in((node.args[1:], node.kwargs)) if self.layout.get(n) is not None]
-        self._freeze_nodes(extra, f"extra input of {name}")
+        x, lx = self._input(node)
+        self._freeze_nodes(self._tracked((node.args[1:], node.kwargs)), f"extra input of {name}")
         shared = self.calls.get(name, 0) > 1
         if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             self.out_numel[name] = (_numel(node), mod.out_channels, mod.in_channels, mod.groups,
                                     math.prod(mod.kernel_size))
             return self._conv(name, mod, lx, shared)
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm) or (
-            isinstance(mod, nn.PReLU) and mod.num_parameters > 1
-        ):
+        if _is_channel_norm(mod):
             return self._norm(name, mod, lx, shared)
         if isinstance(mod, nn.Linear):
             self.out_numel[name] = (_numel(node), mod.out_features, mod.in_features, 1, 1)
-            if lx is not None:
-                self._linear(name, mod, x, lx, shared)
+            self._linear(name, mod, x, lx, shared)
             return None
-        if isinstance(mod, _ELEMENTWISE_MODULES) or isinstance(mod, nn.PReLU):
+        return self._other_module(node, name, mod, lx)
+
+    def _other_module(self, node: fx.Node, name: str, mod: nn.Module | None, lx: _Layout | None) -> _Layout | None:
+        """A module that is no conv, norm or linear: it keeps, flattens or (not understood) freezes the channels."""
+        if isinstance(mod, (*_ELEMENTWISE_MODULES, nn.PReLU)):
             return lx
         if isinstance(mod, nn.Flatten) and lx is not None:
             return self._flatten(node, lx, start=mod.start_dim, end=mod.end_dim)
@@ -569,13 +619,7 @@ class _Deps:
             return None
         g, cin, cout = mod.groups, mod.in_channels, mod.out_channels
         if g > 1 and g == cin == cout:
-            if lx is None:
-                return None
-            if lx.factor != 1:
-                self._freeze(lx, f"flattened before {name}")
-                return None
-            self.depthwise[name] = lx
-            return lx
+            return self._depthwise(name, lx)
         if lx is not None:
             self._conv_input(name, lx, g, cin)
         e = self._new(cout)
@@ -584,6 +628,16 @@ class _Deps:
             self.group_div[e] = g
         self.conv_out[name] = e
         return _Layout(((e, cout),))
+
+    def _depthwise(self, name: str, lx: _Layout | None) -> _Layout | None:
+        """A depthwise conv keeps exactly its input's channels (unless they were flattened)."""
+        if lx is None:
+            return None
+        if lx.factor != 1:
+            self._freeze(lx, f"flattened before {name}")
+            return None
+        self.depthwise[name] = lx
+        return lx
 
     def _conv_input(self, name: str, lx: _Layout, g: int, cin: int) -> None:
         """Track the input channels of a (grouped) conv, or freeze them where the layout does not fit."""
@@ -607,8 +661,10 @@ class _Deps:
         self.norm_in[name] = lx
         return lx
 
-    def _linear(self, name: str, mod: nn.Linear, x: Any, lx: _Layout, shared: bool) -> None:
+    def _linear(self, name: str, mod: nn.Linear, x: Any, lx: _Layout | None, shared: bool) -> None:
         """A linear layer reads the channels (its inputs follow the pruning; its outputs are not pruned)."""
+        if lx is None:
+            return
         if shared or _ndim(x) != 2 or lx.width != mod.in_features:
             self._freeze(lx, f"{name} is called more than once" if shared
                          else f"{name} reads it in a shape other than (N, features)")
@@ -624,19 +680,21 @@ class _Deps:
         if not lays:
             return None
         first = lays[0]
-        if not ok or any(tuple(w for _, w in la.segs) != tuple(w for _, w in first.segs)
-                         or la.factor != first.factor for la in lays):
-            for la in lays:
-                self._freeze(la, f"combined with other channels in {_op_name(node)}")
+        if not ok or not all(la.aligned_with(first) for la in lays):
+            self._freeze_all(lays, f"combined with other channels in {_op_name(node)}")
             return None
         for la in lays[1:]:
-            for (a, _), (b, _) in zip(first.segs, la.segs):
-                self._union(a, b)
+            self._unite(first, la)
         return first
+
+    def _unite(self, a: _Layout, b: _Layout) -> None:
+        """Operands of an add (or mul...) keep the same channels: merge their spaces segment by segment."""
+        for (ea, _), (eb, _) in zip(a.segs, b.segs):
+            self._union(ea, eb)
 
     def _operands(self, node: fx.Node) -> tuple[list[_Layout], bool]:
         """The layouts of a binary op's tracked operands, and whether the op keeps channels apart."""
-        operands = list(node.args[:2]) + [v for k, v in node.kwargs.items() if k == "other"]
+        operands = list(node.args[:2]) + ([node.kwargs["other"]] if "other" in node.kwargs else [])
         out_nd = _ndim(node)
         lays: list[_Layout] = []
         ok = True
@@ -646,15 +704,8 @@ class _Deps:
             la = self.layout.get(a)
             if la is not None:
                 lays.append(la)
-                if _ndim(a) != out_nd:
-                    ok = False
-                continue
-            shape = _shape(a)
-            if shape is None:
-                continue  # not a tensor (an int from x.size())
-            idx = 1 - (out_nd - len(shape)) if out_nd is not None else 1
-            if 0 <= idx < len(shape) and shape[idx] != 1:
-                ok = False  # an untracked tensor with its own channels: it would no longer broadcast
+            if not _operand_fits(a, la, out_nd):
+                ok = False
         return lays, ok
 
     def _flatten(self, node: fx.Node, lx: _Layout, start: int | None = None, end: int | None = None) -> _Layout | None:
@@ -665,41 +716,42 @@ class _Deps:
             return None
         if start is None:
             start, end = _flatten_dims(node)
-        nd = len(shape)
-        end = end % nd if end is not None else nd - 1
-        if start is None or start % nd != 1 or end != nd - 1 or len(out) != 2:
+        if not _flattens_from_channels(start, end, len(shape)) or len(out) != 2:
             self._freeze(lx, f"reshaped by {_op_name(node)} in a way that mixes the channel dim")
             return None
         return _Layout(lx.segs, lx.factor * math.prod(shape[2:]))
 
     def _reduce(self, node: fx.Node, lx: _Layout) -> _Layout | None:
         shape = _shape(node.args[0])
-        dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        dims = _arg(node, 1, "dim", None)
         if shape is None or dims is None or lx.factor != 1:
             self._freeze(lx, f"reduced by {_op_name(node)}")
             return None
-        dims = [dims] if isinstance(dims, int) else list(dims)
-        if not all(isinstance(d, int) for d in dims) or any(d % len(shape) in (0, 1) for d in dims):
+        if not _spatial_dims_only(dims, len(shape)):
             self._freeze(lx, f"reduced over the batch or channel dim by {_op_name(node)}")
             return None
         return lx
 
     def _cat(self, node: fx.Node) -> _Layout | None:
-        tensors = node.args[0] if node.args else node.kwargs.get("tensors", ())
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+        tensors = _arg(node, 0, "tensors", ())
+        dim = _arg(node, 1, "dim", 0)
         shape = _shape(node)
-        lays = [self.layout.get(t) if isinstance(t, fx.Node) else None for t in tensors]
+        lays = [self._layout_of(t) for t in tensors]
         if shape is None or not isinstance(dim, int) or dim % len(shape) != 1:
-            for la in lays:
-                self._freeze(la, "concatenated along a dim other than the channels")
+            self._freeze_all(lays, "concatenated along a dim other than the channels")
             return None
+        return self._cat_layout(tensors, lays)
+
+    def _cat_layout(self, tensors: Iterable[Any], lays: list[_Layout | None]) -> _Layout | None:
+        """The inputs' segments one after the other; an untracked (or flattened) input's channels
+        become a new frozen space. None where an input's channel count is unknown."""
         segs: list[tuple[int, int]] = []
         for t, la in zip(tensors, lays):
             if la is not None and la.factor == 1:
                 segs.extend(la.segs)
                 continue
             self._freeze(la, "concatenated after flattening")
-            s = _shape(t) if isinstance(t, fx.Node) else None
+            s = _shape(t)
             if s is None or len(s) < 2:
                 return None
             segs.append((self._new(s[1], frozen="concatenated with untracked channels"), s[1]))
@@ -893,6 +945,21 @@ def _check_model(model: Any, what: str) -> None:
         raise UserError(f"{what} needs an nn.Module, got {type(model).__name__}")
 
 
+def _is_real(x: Any) -> bool:
+    """An int or float, not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_fraction(x: Any) -> bool:
+    """A number in [0, 1): a share to remove."""
+    return _is_real(x) and 0.0 <= x < 1.0
+
+
+def _is_share(x: Any) -> bool:
+    """A number in (0, 1]: a share to keep."""
+    return _is_real(x) and 0.0 < x <= 1.0
+
+
 def _set_param(mod: nn.Module, name: str, value: torch.Tensor) -> None:
     old = getattr(mod, name)
     # ``value`` comes from advanced indexing, which already copies: no clone needed
@@ -929,32 +996,74 @@ def _op_name(node: fx.Node) -> str:
     return t if isinstance(t, str) else getattr(t, "__name__", str(t))
 
 
+def _is_function(node: fx.Node, targets: Collection[Any]) -> bool:
+    return node.op == "call_function" and node.target in targets
+
+
+def _is_method(node: fx.Node, names: Collection[str]) -> bool:
+    return node.op == "call_method" and node.target in names
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
+    """A call's argument given by position ``index`` or by keyword ``name``."""
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
 def _is_binary(node: fx.Node) -> bool:
-    if node.op == "call_function":
-        return node.target in _BINARY
-    return node.op == "call_method" and node.target in _BINARY_METHODS
+    return _is_function(node, _BINARY) or _is_method(node, _BINARY_METHODS)
+
+
+def _is_channel_norm(mod: nn.Module | None) -> bool:
+    """A BatchNorm or a PReLU with one weight per channel."""
+    return isinstance(mod, nn.modules.batchnorm._BatchNorm) or (isinstance(mod, nn.PReLU) and mod.num_parameters > 1)
+
+
+def _operand_fits(a: fx.Node, la: _Layout | None, out_nd: int | None) -> bool:
+    """Whether an operand of a binary op keeps its channels apart: a tracked one has the output's
+    rank, an untracked tensor has no channels of its own (it still broadcasts after pruning)."""
+    if la is not None:
+        return _ndim(a) == out_nd
+    shape = _shape(a)
+    if shape is None:
+        return True  # not a tensor (an int from x.size())
+    idx = 1 - (out_nd - len(shape)) if out_nd is not None else 1
+    return not (0 <= idx < len(shape) and shape[idx] != 1)
 
 
 def _is_flatten(node: fx.Node) -> bool:
-    if node.op == "call_function" and node.target is torch.flatten:
+    if _is_function(node, (torch.flatten,)) or _is_method(node, ("flatten",)):
         return True
-    if node.op == "call_method" and node.target == "flatten":
-        return True
-    if node.op == "call_method" and node.target in ("view", "reshape"):
-        shape = node.args[1:]
-        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-            shape = tuple(shape[0])
-        # (N, -1) only: a literal channel count (x.view(-1, 512)) would be wrong after pruning
-        return len(shape) == 2 and shape[1] == -1 and not (isinstance(shape[0], int) and shape[0] < 0)
+    if _is_method(node, ("view", "reshape")):
+        return _is_batch_by_rest(node.args[1:])
     return False
+
+
+def _is_batch_by_rest(shape: tuple[Any, ...]) -> bool:
+    """Whether ``view``/``reshape`` arguments are ``(N, -1)``."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    # (N, -1) only: a literal channel count (x.view(-1, 512)) would be wrong after pruning
+    return len(shape) == 2 and shape[1] == -1 and not (isinstance(shape[0], int) and shape[0] < 0)
 
 
 def _flatten_dims(node: fx.Node) -> tuple[int | None, int | None]:
     if node.target in ("view", "reshape"):
         return 1, -1
-    start = node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0)
-    end = node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1)
+    start = _arg(node, 1, "start_dim", 0)
+    end = _arg(node, 2, "end_dim", -1)
     return (start if isinstance(start, int) else None), (end if isinstance(end, int) else None)
+
+
+def _flattens_from_channels(start: int | None, end: int | None, nd: int) -> bool:
+    """Whether flattening dims ``start..end`` of an ``nd``-dim tensor merges the channel dim and all after it."""
+    end = end % nd if end is not None else nd - 1
+    return start is not None and start % nd == 1 and end == nd - 1
+
+
+def _spatial_dims_only(dims: Any, nd: int) -> bool:
+    """Whether a reduction's ``dim`` argument names int dims, none of them the batch or channel dim."""
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return all(isinstance(d, int) for d in dims) and not any(d % nd in (0, 1) for d in dims)
 
 
 def _shapes(out: Any) -> Any:

@@ -231,16 +231,23 @@ class _SelfAttention(nn.Module):
         b, n, e = x.shape
         h = self.num_heads
         q, k, v = self.in_proj(x).view(b, n, 3, h, e // h).permute(2, 0, 3, 1, 4).unbind(0)
-        mask = _additive_mask(attn_mask, x.dtype)
-        pad = _additive_mask(key_padding_mask, x.dtype)
-        if pad is not None:
-            pad = pad.view(b, 1, 1, n)
-            mask = pad if mask is None else mask + pad
+        mask = _sdpa_mask(attn_mask, key_padding_mask, x.dtype, b, n)
         causal = bool(is_causal) and mask is None
         p = self.dropout if self.training else 0.0
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
         o = self.out_proj(o.transpose(1, 2).reshape(b, n, e))
         return o if self.batch_first else o.transpose(0, 1)
+
+
+def _sdpa_mask(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, dtype: torch.dtype,
+               b: int, n: int) -> torch.Tensor | None:
+    """MHA's attention mask and key padding mask as one additive mask for SDPA (None without either)."""
+    mask = _additive_mask(attn_mask, dtype)
+    pad = _additive_mask(key_padding_mask, dtype)
+    if pad is None:
+        return mask
+    pad = pad.view(b, 1, 1, n)
+    return pad if mask is None else mask + pad
 
 
 def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -351,12 +358,7 @@ def quantize_static_int8(
     """
     _check_module(model, "quantize_static_int8")
     _check_cpu(model, "int8 static quantization")
-    if backend not in ("auto", "pt2e", "fx"):
-        raise UserError(f"int8 static: backend must be auto, pt2e or fx, not {backend!r}")
-    _check_reduce_range(reduce_range)
-    if backend == "fx" and reduce_range is False:
-        raise UserError("int8 static (fx): torch.ao's x86 qconfig always quantizes activations to 7 bits; "
-                        "the full range is PT2E's (backend='pt2e')")
+    _check_static_options(backend, reduce_range)
     example = as_input_tuple(example_inputs)
     batches = [_calibration_args(b, len(example)) for b in calibration_batches]
     if not batches:
@@ -364,17 +366,44 @@ def quantize_static_int8(
     notes: list[str] = []
     t0 = time.perf_counter()
     if backend in ("auto", "pt2e"):
-        try:
-            setting = int8_setting("torch", None if reduce_range is None else not reduce_range)
-            qmodel, quantized, pt2e_notes = _static_pt2e(model, batches, example, cpp_wrapper, setting.reduce_range)
-        except _PT2EFailed as exc:
-            if backend == "pt2e":
-                raise UserError(f"int8 static (pt2e): {exc}; try backend='fx'") from None
-            notes.append(f"pt2e not used: {exc}")
-        else:
-            notes.extend(pt2e_notes)
-            notes.append(f"int8 setting: {setting.describe()}")
-            return qmodel, _static_report(model, qmodel, "pt2e", quantized, example, t0, notes, setting)
+        done = _try_pt2e(model, batches, example, backend, cpp_wrapper, reduce_range, notes, t0)
+        if done is not None:
+            return done
+    return _fx_int8(model, batches, example, reduce_range, notes, t0)
+
+
+def _check_static_options(backend: str, reduce_range: Any) -> None:
+    if backend not in ("auto", "pt2e", "fx"):
+        raise UserError(f"int8 static: backend must be auto, pt2e or fx, not {backend!r}")
+    _check_reduce_range(reduce_range)
+    if backend == "fx" and reduce_range is False:
+        raise UserError("int8 static (fx): torch.ao's x86 qconfig always quantizes activations to 7 bits; "
+                        "the full range is PT2E's (backend='pt2e')")
+
+
+def _try_pt2e(
+    model: nn.Module, batches: list[tuple[Any, ...]], example: tuple[Any, ...], backend: str, cpp_wrapper: bool,
+    reduce_range: bool | None, notes: list[str], t0: float,
+) -> tuple[nn.Module, QuantReport] | None:
+    """The PT2E int8 model and its report; None (and a note why) where PT2E failed and FX may run instead."""
+    try:
+        setting = int8_setting("torch", None if reduce_range is None else not reduce_range)
+        qmodel, quantized, pt2e_notes = _static_pt2e(model, batches, example, cpp_wrapper, setting.reduce_range)
+    except _PT2EFailed as exc:
+        if backend == "pt2e":
+            raise UserError(f"int8 static (pt2e): {exc}; try backend='fx'") from None
+        notes.append(f"pt2e not used: {exc}")
+        return None
+    notes.extend(pt2e_notes)
+    notes.append(f"int8 setting: {setting.describe()}")
+    return qmodel, _static_report(model, qmodel, "pt2e", quantized, example, t0, notes, setting)
+
+
+def _fx_int8(
+    model: nn.Module, batches: list[tuple[Any, ...]], example: tuple[Any, ...], reduce_range: bool | None,
+    notes: list[str], t0: float,
+) -> tuple[nn.Module, QuantReport]:
+    """The FX int8 model and its report (``notes`` says why PT2E did not run, if it was tried)."""
     try:
         qmodel, quantized, setting = _static_fx(model, batches, example)
     except _FXFailed as exc:
@@ -473,13 +502,16 @@ class PT2EInt8Model(nn.Module):
     def _check(self, args: tuple[Any, ...]) -> None:
         got = [_arg_spec(a) for a in args]
         batch_ok = self.dynamic_batch or _batch_of(args) == self._batch
-        if len(got) != len(self._spec) or got != self._spec or not batch_ok:
-            want = ", ".join(_describe(s, self._batch, self.dynamic_batch) for s in self._spec)
-            have = ", ".join(_describe(s, _batch_of(args), False) for s in got)
-            raise UserError(
-                f"this int8 PT2E model was exported for inputs {want}, got {have}: "
-                "quantize again with example_inputs of that shape, or use backend='fx' (any shape)"
-            )
+        if got != self._spec or not batch_ok:
+            raise self._mismatch(args, got)
+
+    def _mismatch(self, args: tuple[Any, ...], got: list[Any]) -> UserError:
+        want = ", ".join(_describe(s, self._batch, self.dynamic_batch) for s in self._spec)
+        have = ", ".join(_describe(s, _batch_of(args), False) for s in got)
+        return UserError(
+            f"this int8 PT2E model was exported for inputs {want}, got {have}: "
+            "quantize again with example_inputs of that shape, or use backend='fx' (any shape)"
+        )
 
 
 class _PT2EFailed(Exception):
@@ -497,23 +529,12 @@ def _static_pt2e(
     ao = _import_torchao_pt2e()
     if ao is None:
         raise _PT2EFailed(f"torchao is not installed ({install_hint('deploy')})")
-    prepare_pt2e, convert_pt2e, xiq = ao
     notes = []
     exported, dynamic_batch, why = _export_for_pt2e(copy.deepcopy(model).eval(), example)
     if not dynamic_batch:
         notes.append(f"exported at a fixed batch size {_batch_of(example)} (a dynamic batch dimension failed: {why})")
     try:
-        quantizer = xiq.X86InductorQuantizer()
-        quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(reduce_range=reduce_range))
-        with quiet_torch():
-            prepared = prepare_pt2e(exported, quantizer)
-            used = [a for a in batches if dynamic_batch or _batch_of(a) == _batch_of(example)]
-            if not used:
-                raise _PT2EFailed(f"fixed-shape export: no calibration batch has batch size {_batch_of(example)}")
-            with torch.no_grad():
-                for args in used:
-                    prepared(*args)
-            converted = convert_pt2e(prepared)
+        converted = _calibrate_pt2e(ao, exported, batches, example, dynamic_batch, reduce_range)
         _drop_unused_attributes(converted)
         qmodel = PT2EInt8Model(converted, example, dynamic_batch, cpp_wrapper=cpp_wrapper)
         with torch.inference_mode():
@@ -525,13 +546,36 @@ def _static_pt2e(
     int8 = sum(1 for t in converted.state_dict().values() if t.dtype == torch.int8)
     if int8 == 0:
         raise _PT2EFailed("the X86InductorQuantizer found no conv/linear to quantize")
-    notes.append(
+    notes.append(_pt2e_ran(cpp_wrapper, dynamic_batch))
+    return qmodel, {"int8 weight tensors": int8}, notes
+
+
+def _calibrate_pt2e(
+    ao: tuple[Callable[..., Any], Callable[..., Any], Any], exported: nn.Module, batches: list[tuple[Any, ...]],
+    example: tuple[Any, ...], dynamic_batch: bool, reduce_range: bool,
+) -> nn.Module:
+    """Insert the X86InductorQuantizer's observers, run the calibration batches, convert."""
+    prepare_pt2e, convert_pt2e, xiq = ao
+    quantizer = xiq.X86InductorQuantizer()
+    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(reduce_range=reduce_range))
+    with quiet_torch():
+        prepared = prepare_pt2e(exported, quantizer)
+        used = [a for a in batches if dynamic_batch or _batch_of(a) == _batch_of(example)]
+        if not used:
+            raise _PT2EFailed(f"fixed-shape export: no calibration batch has batch size {_batch_of(example)}")
+        with torch.no_grad():
+            for args in used:
+                prepared(*args)
+        return convert_pt2e(prepared)
+
+
+def _pt2e_ran(cpp_wrapper: bool, dynamic_batch: bool) -> str:
+    return (
         "pt2e ran: torchao X86InductorQuantizer, torch.export (strict), torch.compile with freezing"
         + (" and the C++ wrapper; " if cpp_wrapper else "; ")
         + ("dynamic batch, one compiled graph per batch size" if dynamic_batch else "fixed input shape")
         + f"; compiled for {torch.get_num_threads()} threads (run it with the same torch.set_num_threads)"
     )
-    return qmodel, {"int8 weight tensors": int8}, notes
 
 
 def _export_for_pt2e(work: nn.Module, example: tuple[Any, ...]) -> tuple[nn.Module, bool, str]:
@@ -539,11 +583,7 @@ def _export_for_pt2e(work: nn.Module, example: tuple[Any, ...]) -> tuple[nn.Modu
     # strict (dynamo) export: torch 2.13's default non-strict export leaves no
     # source_fn_stack, and torchao 0.18 then groups every call of a reused module (one
     # nn.ReLU called twice, as in ResNet blocks) into one partition and fails.
-    # A batch of 1 would be specialised (export treats size-1 dims as constants), so the
-    # dynamic-batch export traces a batch of 2 made of the example repeated.
-    doubled = example
-    if _batch_of(example) == 1:
-        doubled = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) and a.dim() else a for a in example)
+    doubled = _at_least_two_rows(example)
     why = ""
     for dynamic in (True, False):
         try:
@@ -554,6 +594,14 @@ def _export_for_pt2e(work: nn.Module, example: tuple[Any, ...]) -> tuple[nn.Modu
         except Exception as exc:  # torch.export raises many kinds; all mean "not exportable"
             why = one_line(exc, with_type=True)
     raise _PT2EFailed(f"torch.export failed: {why}")
+
+
+def _at_least_two_rows(example: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A batch of 1 would be specialised (export treats size-1 dims as constants), so the
+    dynamic-batch export traces a batch of 2 made of the example repeated."""
+    if _batch_of(example) != 1:
+        return example
+    return tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) and a.dim() else a for a in example)
 
 
 def _static_fx(
@@ -646,14 +694,22 @@ def _drop_unused_attributes(gm: nn.Module) -> None:
     used = {n.target for n in graph.nodes if n.op == "get_attr"}
     names = [n for n, _ in gm.named_parameters()] + [n for n, _ in gm.named_buffers()]
     for name in names:
-        if name in used or any(u.startswith(name + ".") or name.startswith(u + ".") for u in used):
-            continue
-        owner_name, _, attr = name.rpartition(".")
-        owner = gm.get_submodule(owner_name) if owner_name else gm
-        owner._parameters.pop(attr, None)
-        owner._buffers.pop(attr, None)
+        if not _is_read(name, used):
+            _drop_attribute(gm, name)
     with contextlib.suppress(Exception):
         gm.delete_all_unused_submodules()
+
+
+def _is_read(name: str, used: set[str]) -> bool:
+    """Whether the graph reads the attribute ``name``, itself, inside it or around it."""
+    return name in used or any(u.startswith(name + ".") or name.startswith(u + ".") for u in used)
+
+
+def _drop_attribute(gm: nn.Module, name: str) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = gm.get_submodule(owner_name) if owner_name else gm
+    owner._parameters.pop(attr, None)
+    owner._buffers.pop(attr, None)
 
 
 def _batch_dynamic_shapes(example: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -796,24 +852,7 @@ def cast_half(
     if dtype not in (torch.bfloat16, torch.float16):
         raise UserError(f"cast_half: dtype must be torch.bfloat16 or torch.float16, not {dtype}")
     dev = torch.device(device) if device is not None else module_device(model)
-    notes = []
-    if dev.type == "cpu" and dtype == torch.float16:
-        if not _cpu_flag("_is_amx_fp16_supported"):
-            raise UserError(
-                "fp16 inference on CPU is slower than fp32 (no native fp16 matmul/conv kernels without "
-                "AMX-FP16, they are emulated through fp32): use dtype=torch.bfloat16, int8, or a GPU"
-            )
-        notes.append("fp16 on CPU: this CPU has AMX-FP16")
-    if dev.type == "cpu" and dtype == torch.bfloat16:
-        native = _cpu_flag("_is_avx512_bf16_supported") or _cpu_flag("_is_amx_tile_supported")
-        notes.append(
-            "bf16 on CPU: "
-            + ("this CPU has AVX512-BF16/AMX, so oneDNN runs native bf16 convs and matmuls; "
-               if native else "this CPU has no AVX512-BF16/AMX, so bf16 is emulated and likely slower than fp32; ")
-            + "measure it with report() before keeping it"
-        )
-    if dev.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise UserError("this GPU has no native bf16 (needs compute capability >= 8.0): use dtype=torch.float16")
+    notes = _fp16_notes(dev) if dtype == torch.float16 else _bf16_notes(dev)
     t0 = time.perf_counter()
     work = copy.deepcopy(model).eval().to(device=dev, dtype=dtype)
     work.register_forward_pre_hook(functools.partial(_cast_inputs, dtype=dtype))
@@ -830,6 +869,33 @@ def cast_half(
         seconds=time.perf_counter() - t0,
         notes=notes,
     )
+
+
+def _fp16_notes(dev: torch.device) -> list[str]:
+    """fp16 is refused on a CPU without AMX-FP16 (no native kernels)."""
+    if dev.type != "cpu":
+        return []
+    if not _cpu_flag("_is_amx_fp16_supported"):
+        raise UserError(
+            "fp16 inference on CPU is slower than fp32 (no native fp16 matmul/conv kernels without "
+            "AMX-FP16, they are emulated through fp32): use dtype=torch.bfloat16, int8, or a GPU"
+        )
+    return ["fp16 on CPU: this CPU has AMX-FP16"]
+
+
+def _bf16_notes(dev: torch.device) -> list[str]:
+    """bf16 is refused on a GPU without it; on a CPU, whether it has native bf16 kernels."""
+    if dev.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError("this GPU has no native bf16 (needs compute capability >= 8.0): use dtype=torch.float16")
+    if dev.type != "cpu":
+        return []
+    native = _cpu_flag("_is_avx512_bf16_supported") or _cpu_flag("_is_amx_tile_supported")
+    return [
+        "bf16 on CPU: "
+        + ("this CPU has AVX512-BF16/AMX, so oneDNN runs native bf16 convs and matmuls; "
+           if native else "this CPU has no AVX512-BF16/AMX, so bf16 is emulated and likely slower than fp32; ")
+        + "measure it with report() before keeping it"
+    ]
 
 
 def _cast_inputs(module: nn.Module, args: tuple[Any, ...], *, dtype: torch.dtype) -> tuple[Any, ...]:

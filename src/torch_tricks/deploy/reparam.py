@@ -72,12 +72,7 @@ class ACBlock(nn.Module):
         groups: int = 1,
     ) -> None:
         super().__init__()
-        if kernel_size < 1 or kernel_size % 2 == 0:
-            raise UserError(f"ACBlock needs an odd kernel_size (the 1xk/kx1 kernels sit on the centre), got {kernel_size}")
-        if padding < 0 or stride < 1 or groups < 1 or in_ch % groups or out_ch % groups:
-            raise UserError(
-                f"ACBlock: bad stride={stride}, padding={padding} or groups={groups} for {in_ch}->{out_ch} channels"
-            )
+        _check_acblock_args(in_ch, out_ch, kernel_size, stride, padding, groups)
         self.in_ch, self.out_ch, self.kernel_size = in_ch, out_ch, kernel_size
         self.stride, self.padding, self.groups = stride, padding, groups
         k, p = kernel_size, padding
@@ -126,6 +121,15 @@ class ACBlock(nn.Module):
         del self.square, self.hor, self.ver
 
 
+def _check_acblock_args(in_ch: int, out_ch: int, kernel_size: int, stride: int, padding: int, groups: int) -> None:
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise UserError(f"ACBlock needs an odd kernel_size (the 1xk/kx1 kernels sit on the centre), got {kernel_size}")
+    if padding < 0 or stride < 1 or groups < 1 or in_ch % groups or out_ch % groups:
+        raise UserError(
+            f"ACBlock: bad stride={stride}, padding={padding} or groups={groups} for {in_ch}->{out_ch} channels"
+        )
+
+
 def reparameterize_model(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     """``model`` in eval mode with every block that has a ``reparameterize()`` method folded.
 
@@ -151,9 +155,20 @@ def reparameterize_with_report(model: nn.Module, *, inplace: bool = False) -> tu
     target = model if inplace else copy.deepcopy(model)
     target.eval()  # the folds use BN running statistics, which only eval mode uses
     rep = ReparamReport()
+    _fold_blocks(target, rep)
+    if not rep.folded:
+        rep.notes.append(
+            "all blocks were already folded" if rep.already_folded
+            else "the model has no block with a reparameterize() method (RepVGGBlock, ACBlock)"
+        )
+    return target, rep
+
+
+def _fold_blocks(target: nn.Module, rep: ReparamReport) -> None:
+    """Call every block's ``reparameterize()``, outermost first (a folded block's insides are skipped)."""
     done: list[str] = []
     for name, m in list(target.named_modules()):
-        if any(name.startswith(d + ".") or not d for d in done):
+        if _inside_any(name, done):
             continue  # inside a block already folded: its fold took care of it
         fold = getattr(m, "reparameterize", None)
         if not _takes_no_arguments(fold):
@@ -164,12 +179,11 @@ def reparameterize_with_report(model: nn.Module, *, inplace: bool = False) -> tu
         fold()
         rep.folded[name] = type(m).__name__
         done.append(name)
-    if not rep.folded:
-        rep.notes.append(
-            "all blocks were already folded" if rep.already_folded
-            else "the model has no block with a reparameterize() method (RepVGGBlock, ACBlock)"
-        )
-    return target, rep
+
+
+def _inside_any(name: str, blocks: list[str]) -> bool:
+    """Whether the module ``name`` is inside one of ``blocks`` (everything is inside the root, ``""``)."""
+    return any(name.startswith(d + ".") or not d for d in blocks)
 
 
 # -- the deploy step --------------------------------------------------------------------------

@@ -118,24 +118,32 @@ def report(
     """
     models: dict[str, Callable[..., Any]] = {"reference": reference, **candidates}
     agree_on = agreement_inputs if agreement_inputs is not None else inputs_by_batch[max(inputs_by_batch)]
-    out: dict[str, StepReport] = {}
-    for name, m in models.items():
-        is_module = isinstance(m, nn.Module)
-        size = (sizes or {}).get(name, model_size_bytes(m) if is_module else 0)
-        out[name] = StepReport(
-            name=name,
-            agreement=None if name == "reference" else agreement(reference, m, agree_on),
-            params=param_count(m) if is_module else 0,
-            size_bytes=size,
-        )
+    out = {name: _unmeasured(name, m, reference, agree_on, sizes or {}) for name, m in models.items()}
     for batch, inputs in inputs_by_batch.items():
         timings = compare_latency(models, inputs, warmup=warmup, repeats=repeats)
-        base = timings["reference"].median_s
-        for name, t in timings.items():
-            out[name].latency_s[batch] = t.median_s
-            out[name].latency_iqr_s[batch] = t.iqr_s
-            out[name].speedup[batch] = base / t.median_s if t.median_s > 0 else float("inf")
+        _record_latency(out, timings, batch)
     return out
+
+
+def _unmeasured(name: str, m: Callable[..., Any], reference: nn.Module, agree_on: Any,
+                sizes: Mapping[str, int]) -> StepReport:
+    """The report of one model before timing: its agreement with the reference, parameters and size."""
+    is_module = isinstance(m, nn.Module)
+    return StepReport(
+        name=name,
+        agreement=None if name == "reference" else agreement(reference, m, agree_on),
+        params=param_count(m) if is_module else 0,
+        size_bytes=sizes.get(name, model_size_bytes(m) if is_module else 0),
+    )
+
+
+def _record_latency(out: dict[str, StepReport], timings: Mapping[str, Any], batch: int) -> None:
+    """Each model's median, spread and speed-up over the reference at ``batch``."""
+    base = timings["reference"].median_s
+    for name, t in timings.items():
+        out[name].latency_s[batch] = t.median_s
+        out[name].latency_iqr_s[batch] = t.iqr_s
+        out[name].speedup[batch] = base / t.median_s if t.median_s > 0 else float("inf")
 
 
 def _first_tensor(out: Any) -> torch.Tensor:

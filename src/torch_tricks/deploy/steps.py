@@ -70,14 +70,23 @@ class Tolerance:
         return " and ".join(parts)
 
     def holds(self, a: Agreement) -> bool:
-        ok = True
-        if self.max_rel_diff is not None or self.max_abs_diff is not None:
-            ok = (self.max_rel_diff is not None and a.max_rel_diff <= self.max_rel_diff) or (
-                self.max_abs_diff is not None and a.max_abs_diff <= self.max_abs_diff
-            )
-        if self.min_top1 is not None and a.top1_agreement is not None:
-            ok = ok and a.top1_agreement >= self.min_top1
-        return bool(ok)
+        if not self._diff_holds(a):
+            return False
+        return bool(self._top1_holds(a))
+
+    def _diff_holds(self, a: Agreement) -> bool:
+        """The rel or the abs diff within its bound (either passes; no bound given passes)."""
+        if self.max_rel_diff is None and self.max_abs_diff is None:
+            return True
+        return bool(_within(a.max_rel_diff, self.max_rel_diff) or _within(a.max_abs_diff, self.max_abs_diff))
+
+    def _top1_holds(self, a: Agreement) -> bool:
+        """Top-1 agreement within its bound (passes when either the bound or the measure is missing)."""
+        return self.min_top1 is None or a.top1_agreement is None or a.top1_agreement >= self.min_top1
+
+
+def _within(value: float, bound: float | None) -> bool:
+    return bound is not None and value <= bound
 
 
 EXACT = Tolerance(max_rel_diff=1e-4)
@@ -318,10 +327,7 @@ def quiet_torch() -> Iterator[None]:
     ``sys.stderr`` (not through logging), which would bury a one-line error: both streams
     are redirected to a discarded buffer for the duration.
     """
-    names = ["torch", "torchao"] + [
-        n for n in list(logging.Logger.manager.loggerDict) if n.startswith(("torch.", "torchao."))
-    ]
-    loggers = [logging.getLogger(n) for n in names]
+    loggers = _torch_loggers()
     levels = [lg.level for lg in loggers]
     sink = io.StringIO()
     with warnings.catch_warnings(), contextlib.redirect_stderr(sink), contextlib.redirect_stdout(sink):
@@ -333,6 +339,14 @@ def quiet_torch() -> Iterator[None]:
         finally:
             for lg, lv in zip(loggers, levels):
                 lg.setLevel(lv)
+
+
+def _torch_loggers() -> list[logging.Logger]:
+    """The loggers of torch, torchao and every module of theirs that has one."""
+    names = ["torch", "torchao"] + [
+        n for n in list(logging.Logger.manager.loggerDict) if n.startswith(("torch.", "torchao."))
+    ]
+    return [logging.getLogger(n) for n in names]
 
 
 def report_details(rep: Any) -> dict[str, Any]:
