@@ -72,11 +72,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         raise UserError("give PATH... to lint code or --model to check a running model, not both")
     if args.model:
         return _doctor_model(args, fmt, select, ignore)
-    if args.input:
-        raise UserError("--input goes with --model: name the model to run")
-    if not args.paths:
-        raise UserError("nothing to check: give PATH... (files or folders) to lint, --model NAME to check a "
-                        "running model, or --list / --explain ID")
     return _doctor_paths(args, fmt, select, ignore)
 
 
@@ -88,13 +83,18 @@ def _format(args: argparse.Namespace) -> str:
     if args.json and args.fmt == "sarif":
         raise UserError("--json and --format sarif: choose one")
     if args.fix or args.diff:
-        flag = "--fix" if args.fix else "--diff"
-        if args.fix and args.diff:
-            raise UserError("--fix and --diff: choose one (--diff shows what --fix would write)")
-        if args.model or fmt == "sarif":
-            raise UserError(f"{flag} works on the files given as PATH...: not with "
-                            f"{'--model' if args.model else '--format sarif'}")
+        _check_fix_options(args, fmt)
     return fmt
+
+
+def _check_fix_options(args: argparse.Namespace, fmt: str) -> None:
+    """--fix or --diff (not both) goes with PATH... and a format other than sarif."""
+    flag = "--fix" if args.fix else "--diff"
+    if args.fix and args.diff:
+        raise UserError("--fix and --diff: choose one (--diff shows what --fix would write)")
+    if args.model or fmt == "sarif":
+        raise UserError(f"{flag} works on the files given as PATH...: not with "
+                        f"{'--model' if args.model else '--format sarif'}")
 
 
 def _rule_codes(values: list[str] | None, flag: str) -> tuple[str, ...] | None:
@@ -103,33 +103,47 @@ def _rule_codes(values: list[str] | None, flag: str) -> tuple[str, ...] | None:
 
     if values is None:
         return None
-    codes = [c.strip() for v in values for c in v.split(",") if c.strip()]
+    codes = _split_codes(values)
     if not codes:
         raise UserError(f"{flag} needs rule ids or prefixes, e.g. {flag} TT101,TT2")
     return check_rule_codes(codes, flag)
 
 
+def _split_codes(values: list[str]) -> list[str]:
+    """The codes of comma-separated lists, blanks dropped."""
+    return [c.strip() for v in values for c in v.split(",") if c.strip()]
+
+
 # -- --list and --explain ------------------------------------------------------------------------------
 
 def _rules(args: argparse.Namespace, fmt: str) -> int:
-    from torch_tricks._format import table
     from torch_tricks.doctor import get_rule, list_rules
-    from torch_tricks.doctor.fix import FIXABLE
 
-    if args.paths or args.model or (args.list and args.explain):
-        raise UserError("--list and --explain ID stand alone: run them without PATH or --model")
-    if fmt == "sarif":
-        raise UserError("--format sarif is for findings: use --json with --list / --explain")
+    _check_rules_options(args, fmt)
     rules = [get_rule(args.explain)] if args.explain else list_rules()
     if fmt == "json":
         print(json.dumps({"rules": [_rule_dict(r) for r in rules]}, indent=2, ensure_ascii=False))
     elif args.explain:
         print(_explain_text(rules[0]))
     else:
-        print(table(["id", "kind", "severity", "fix", "name", "message"],
-                    [[r.id, r.kind, r.severity, "yes" if r.id in FIXABLE else "", r.name, r.message]
-                     for r in rules], "llllll"))
+        print(_rules_table(rules))
     return 0
+
+
+def _check_rules_options(args: argparse.Namespace, fmt: str) -> None:
+    if args.paths or args.model or (args.list and args.explain):
+        raise UserError("--list and --explain ID stand alone: run them without PATH or --model")
+    if fmt == "sarif":
+        raise UserError("--format sarif is for findings: use --json with --list / --explain")
+
+
+def _rules_table(rules: list[Any]) -> str:
+    from torch_tricks._format import table
+    from torch_tricks.doctor.fix import FIXABLE
+
+    return table(["id", "kind", "severity", "fix", "name", "message"],
+                 [[r.id, r.kind, r.severity, "yes" if r.id in FIXABLE else "", r.name, r.message] for r in rules],
+                 "llllll")
 
 
 def _rule_dict(rule: Any) -> dict[str, Any]:
@@ -147,16 +161,29 @@ def _rule_source(rule: Any) -> str:
 
     from torch_tricks._docs import doc_link
 
-    parts = [p.strip() for p in rule.source.split(";") if p.strip() and not p.strip().startswith("seeds/")]
+    parts = _public_sources(rule.source)
     ids = dict.fromkeys(re.findall(r"\b([TDIP]\d+)\b", "; ".join(parts)))
     links = [link for link in map(doc_link, ids) if link]
     text = f"Source: {'; '.join(parts) or rule.source.split(';')[0]}."
     return text + (f" See {', '.join(links)}." if links else "")
 
 
+def _public_sources(source: str) -> list[str]:
+    """The parts of a rule's ``source`` (``;``-separated) that are not internal ``seeds/...`` notes."""
+    return [p.strip() for p in source.split(";") if p.strip() and not p.strip().startswith("seeds/")]
+
+
 def _explain_text(rule: Any) -> str:
     import textwrap
 
+    silence = _silence_text(rule)
+    return "\n".join([f"{rule.id} {rule.name} ({rule.kind}, {rule.severity})", "", rule.message, "",
+                      textwrap.fill(rule.explanation, 88), "", textwrap.fill(_rule_source(rule), 88), "",
+                      textwrap.fill(silence[0].upper() + silence[1:], 88)])
+
+
+def _silence_text(rule: Any) -> str:
+    """How to fix the rule's findings automatically (when --fix can), or leave them out."""
     from torch_tricks.doctor.fix import FIXABLE
 
     silence = (f"Silence one line with `# noqa: {rule.id}`; " if rule.kind == "static" else "")
@@ -165,14 +192,13 @@ def _explain_text(rule: Any) -> str:
     if rule.id in FIXABLE:
         silence = "`torch-tricks doctor --fix` rewrites it where the file shows the fix is safe (--diff to preview). " \
                   + silence
-    return "\n".join([f"{rule.id} {rule.name} ({rule.kind}, {rule.severity})", "", rule.message, "",
-                      textwrap.fill(rule.explanation, 88), "", textwrap.fill(_rule_source(rule), 88), "",
-                      textwrap.fill(silence[0].upper() + silence[1:], 88)])
+    return silence
 
 
 # -- PATH...: the static lint ----------------------------------------------------------------------------
 
 def _doctor_paths(args: argparse.Namespace, fmt: str, select: Any, ignore: Any) -> int:
+    _check_paths_options(args)
     groups = _project_groups(args.paths)
     failed: list[Any] = []  # files --fix could not write
     if args.fix or args.diff:
@@ -184,6 +210,14 @@ def _doctor_paths(args: argparse.Namespace, fmt: str, select: Any, ignore: Any) 
     lint["exit_code"] = max(lint["exit_code"], int(bool(failed)))
     _print_lint(lint, groups, fmt)
     return lint["exit_code"]
+
+
+def _check_paths_options(args: argparse.Namespace) -> None:
+    if args.input:
+        raise UserError("--input goes with --model: name the model to run")
+    if not args.paths:
+        raise UserError("nothing to check: give PATH... (files or folders) to lint, --model NAME to check a "
+                        "running model, or --list / --explain ID")
 
 
 def _project_groups(paths: list[str]) -> dict[Any, tuple[Any, list[str]]]:
@@ -212,19 +246,35 @@ def _report_fixes(fixed: list[Any]) -> list[Any]:
     parsed is reported by the lint that follows)."""
     failed = [ff for ff in fixed if ff.error and not ff.unreadable]
     for ff in fixed:
-        if ff in failed:
-            print(f"{ff.path}: not fixed: {ff.error}", file=sys.stderr)
-        elif ff.fixed or ff.unfixed:
-            print(f"{ff.path}: {_fixes_count(ff.fixed)} applied"
-                  + (f", {len(ff.unfixed)} not fixable there" if ff.unfixed else ""), file=sys.stderr)
-    print(f"{_fixes_count(sum(ff.fixed for ff in fixed if ff.written))} applied to "
-          f"{sum(ff.written for ff in fixed)} file(s)", file=sys.stderr)
+        line = _fix_report_line(ff, failed)
+        if line is not None:
+            print(line, file=sys.stderr)
+    print(_written_summary(fixed), file=sys.stderr)
     return failed
+
+
+def _written_summary(fixed: list[Any]) -> str:
+    return (f"{_fixes_count(sum(ff.fixed for ff in fixed if ff.written))} applied to "
+            f"{sum(ff.written for ff in fixed)} file(s)")
+
+
+def _fix_report_line(ff: Any, failed: list[Any]) -> str | None:
+    """What --fix did to one file; None when it had nothing to fix."""
+    if ff in failed:
+        return _not_fixed(ff)
+    if ff.fixed or ff.unfixed:
+        return f"{ff.path}: {_fixes_count(ff.fixed)} applied" + (
+            f", {len(ff.unfixed)} not fixable there" if ff.unfixed else "")
+    return None
+
+
+def _not_fixed(ff: Any) -> str:
+    return f"{ff.path}: not fixed: {ff.error}"
 
 
 def _lint(args: argparse.Namespace, groups: dict[Any, Any], select: Any, ignore: Any) -> dict[str, Any]:
     """Every group linted under its own settings: findings, unreadable files, counts, the exit code."""
-    from torch_tricks.doctor.static import exit_code, lint_paths
+    from torch_tricks.doctor.static import lint_paths
 
     out: dict[str, Any] = {"findings": [], "unreadable": [], "files": 0, "seconds": 0.0, "exit_code": 0}
     for config, paths in groups.values():
@@ -233,35 +283,52 @@ def _lint(args: argparse.Namespace, groups: dict[Any, Any], select: Any, ignore:
         out["unreadable"] += result.errors
         out["files"] += result.files
         out["seconds"] += result.seconds
-        code = exit_code(result.findings, args.fail_on or config.fail_on)
-        if result.errors:  # a file that cannot be read or parsed was not checked: an error under any --fail-on
-            code = 1
-        out["exit_code"] = max(out["exit_code"], code)
+        out["exit_code"] = max(out["exit_code"], _group_exit_code(result, args.fail_on or config.fail_on))
     out["fail_on"] = sorted({args.fail_on or c.fail_on for c, _ in groups.values()})
     return out
 
 
+def _group_exit_code(result: Any, fail_on: str) -> int:
+    from torch_tricks.doctor.static import exit_code
+
+    code = exit_code(result.findings, fail_on)
+    if result.errors:  # a file that cannot be read or parsed was not checked: an error under any --fail-on
+        code = 1
+    return code
+
+
 def _print_lint(lint: dict[str, Any], groups: dict[Any, Any], fmt: str) -> None:
-    from torch_tricks.doctor.registry import findings_count
-    from torch_tricks.doctor.static import format_text, static_rules, to_sarif
+    from torch_tricks.doctor.static import static_rules, to_sarif
 
     findings, unreadable = lint["findings"], lint["unreadable"]
     if fmt == "sarif":
         print(json.dumps(to_sarif(findings, static_rules(), unreadable), indent=2, ensure_ascii=False))
     elif fmt == "json":
-        fail_on = lint["fail_on"]
-        print(json.dumps({"findings": [f.to_dict() for f in findings], "files": lint["files"],
-                          "unreadable": [{"path": p, "reason": r} for p, r in unreadable],
-                          "seconds": round(lint["seconds"], 3), "fail_on": fail_on[0] if len(fail_on) == 1 else fail_on,
-                          "config": [str(c.path) for c, _ in groups.values() if c.path is not None],
-                          "exit_code": lint["exit_code"]}, indent=2, ensure_ascii=False))
+        print(json.dumps(_lint_json(lint, groups), indent=2, ensure_ascii=False))
     else:
-        for line in format_text(findings):
-            print(line)
-        for path, reason in unreadable:
-            print(f"{path}: not linted: {reason}", file=sys.stderr)
-        print(f"{findings_count(findings)} in {lint['files']} file(s), {lint['seconds']:.2f} s"
-              + (f"; {len(unreadable)} file(s) could not be read or parsed" if unreadable else ""), file=sys.stderr)
+        _print_lint_text(findings, unreadable, lint)
+
+
+def _print_lint_text(findings: list[Any], unreadable: list[tuple[str, str]], lint: dict[str, Any]) -> None:
+    """The findings on stdout, one a line; the unreadable files and a count on stderr."""
+    from torch_tricks.doctor.registry import findings_count
+    from torch_tricks.doctor.static import format_text
+
+    for line in format_text(findings):
+        print(line)
+    for path, reason in unreadable:
+        print(f"{path}: not linted: {reason}", file=sys.stderr)
+    print(f"{findings_count(findings)} in {lint['files']} file(s), {lint['seconds']:.2f} s"
+          + (f"; {len(unreadable)} file(s) could not be read or parsed" if unreadable else ""), file=sys.stderr)
+
+
+def _lint_json(lint: dict[str, Any], groups: dict[Any, Any]) -> dict[str, Any]:
+    fail_on = lint["fail_on"]
+    return {"findings": [f.to_dict() for f in lint["findings"]], "files": lint["files"],
+            "unreadable": [{"path": p, "reason": r} for p, r in lint["unreadable"]],
+            "seconds": round(lint["seconds"], 3), "fail_on": fail_on[0] if len(fail_on) == 1 else fail_on,
+            "config": [str(c.path) for c, _ in groups.values() if c.path is not None],
+            "exit_code": lint["exit_code"]}
 
 
 def _fixes_count(n: int) -> str:
@@ -273,18 +340,31 @@ def _doctor_diff(fixed: list[Any], fmt: str) -> int:
     could not be fixed (read, parsed), else 0."""
     code = int(any(ff.diff or ff.error for ff in fixed))
     if fmt == "json":
-        print(json.dumps({"files": [ff.to_dict() for ff in fixed], "fixes": sum(ff.fixed for ff in fixed),
-                          "exit_code": code}, indent=2, ensure_ascii=False))
-        return code
+        print(json.dumps(_diff_json(fixed, code), indent=2, ensure_ascii=False))
+    else:
+        _print_diff(fixed)
+    return code
+
+
+def _diff_json(fixed: list[Any], code: int) -> dict[str, Any]:
+    return {"files": [ff.to_dict() for ff in fixed], "fixes": sum(ff.fixed for ff in fixed), "exit_code": code}
+
+
+def _print_diff(fixed: list[Any]) -> None:
+    """The diffs on stdout; the files that could not be fixed and a count on stderr."""
     for ff in fixed:
         sys.stdout.write(ff.diff)
     for ff in fixed:
         if ff.error:
-            print(f"{ff.path}: not fixed: {ff.error}", file=sys.stderr)
+            print(_not_fixed(ff), file=sys.stderr)
+    print(_diff_summary(fixed), file=sys.stderr)
+
+
+def _diff_summary(fixed: list[Any]) -> str:
     changed = sum(bool(ff.diff) for ff in fixed)
-    print(f"{_fixes_count(sum(ff.fixed for ff in fixed))} would be applied to {changed} file(s)"
-          if changed else "nothing to fix", file=sys.stderr)
-    return code
+    if not changed:
+        return "nothing to fix"
+    return f"{_fixes_count(sum(ff.fixed for ff in fixed))} would be applied to {changed} file(s)"
 
 
 # -- --model: the runtime check -------------------------------------------------------------------------
@@ -294,17 +374,10 @@ def _doctor_model(args: argparse.Namespace, fmt: str, select: Any, ignore: Any) 
     from torch_tricks.doctor.runtime import check_model
     from torch_tricks.doctor.static import exit_code, filter_findings, load_config, to_sarif
 
-    if args.steps < 1 or args.batch < 1:
-        raise UserError("--steps and --batch must be >= 1")
-    if args.weight_decay is not None and not args.optimizer:
-        raise UserError("--weight-decay goes with --optimizer NAME")
+    _check_model_options(args)
     config = load_config(Path.cwd())
     model, inputs = load(args)
-    optimizer = None
-    if args.optimizer:
-        from torch_tricks.train.optim import build_optimizer
-
-        optimizer = build_optimizer(model, args.optimizer, weight_decay=args.weight_decay)
+    optimizer = _optimizer(args, model)
     report = check_model(model, inputs, args.loss, optimizer, steps=args.steps, device=args.device)
     findings = filter_findings(report.findings, config.select if select is None else select,
                                config.ignore if ignore is None else ignore)
@@ -312,11 +385,37 @@ def _doctor_model(args: argparse.Namespace, fmt: str, select: Any, ignore: Any) 
     if fmt == "sarif":
         print(json.dumps(to_sarif(findings, list_rules("runtime")), indent=2, ensure_ascii=False))
         return code
-    data = {"model": args.model, "optimizer": args.optimizer, **report.to_dict()}  # loss_fn: the loss it used
-    data["findings"] = [f.to_dict() for f in findings]  # after --select/--ignore and the config
-    data["counts"] = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
-    data["ok"] = not (data["counts"]["error"] or data["counts"]["warning"])
-    data["exit_code"] = code
+    data = _model_data(args, report, findings, code)
     emit(argparse.Namespace(json=fmt == "json"), data, report.to_text(args.model, args.optimizer, findings))
     return code
+
+
+def _model_data(args: argparse.Namespace, report: Any, findings: list[Any], code: int) -> dict[str, Any]:
+    """The report of --model as JSON data, with the findings kept by --select/--ignore and the config."""
+    data = {"model": args.model, "optimizer": args.optimizer, **report.to_dict()}  # loss_fn: the loss it used
+    data["findings"] = [f.to_dict() for f in findings]  # after --select/--ignore and the config
+    data["counts"] = _severity_counts(findings)
+    data["ok"] = not (data["counts"]["error"] or data["counts"]["warning"])
+    data["exit_code"] = code
+    return data
+
+
+def _check_model_options(args: argparse.Namespace) -> None:
+    if args.steps < 1 or args.batch < 1:
+        raise UserError("--steps and --batch must be >= 1")
+    if args.weight_decay is not None and not args.optimizer:
+        raise UserError("--weight-decay goes with --optimizer NAME")
+
+
+def _optimizer(args: argparse.Namespace, model: Any) -> Any:
+    """The optimizer --optimizer names, built for ``model`` as torch-tricks train builds it; None without it."""
+    if not args.optimizer:
+        return None
+    from torch_tricks.train.optim import build_optimizer
+
+    return build_optimizer(model, args.optimizer, weight_decay=args.weight_decay)
+
+
+def _severity_counts(findings: list[Any]) -> dict[str, int]:
+    return {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
 

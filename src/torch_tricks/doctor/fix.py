@@ -169,30 +169,46 @@ def fix_source(source: str, path: str = "<string>", select: Iterable[str] | None
         result.unfixed = [Unfixed(f, "the file has lone \\r line endings")
                           for f in lint_source(source, path, select=rules, ignore=ignore)]
         return result
-    current, to_original = source, (lambda n: n)
+    _fix_in_rounds(result, path, rules, ignore)
+    return result
+
+
+def _fix_in_rounds(result: FixResult, path: str, rules: list[str], ignore) -> None:
+    """Fill ``result``: lint, fix what does not overlap, and again, until nothing is left to fix."""
+    current, to_original = result.source, (lambda n: n)
     for _round in range(_MAX_ROUNDS + 1):
         findings = lint_source(current, path, select=rules, ignore=ignore)
         if not findings:
             break
         doc = _Doc(current, _parse(current, path))
-        planned, reasons = _plan(doc, findings)
-        chosen = _non_overlapping(planned) if _round < _MAX_ROUNDS else []
+        chosen, reasons = _round_fixes(doc, findings, _round == _MAX_ROUNDS)
         if not chosen:
-            result.unfixed = [Unfixed(f, reasons.get(id(f), "not fixed: other fixes touch the same text"))
-                              for f in findings]
+            result.unfixed = _unfixed(findings, reasons)
             break
         new = _apply(current, [e for fix in chosen for e in fix.edits])
         _verify(doc, chosen, new, path)
-        for fix in chosen:
-            first = doc.line_of(min(s for s, _, _ in fix.edits))
-            last = doc.line_of(max(max(s, e - 1) for s, e, _ in fix.edits))
-            result.edits.append(Edit(fix.rules, to_original(fix.line), fix.description,
-                                     (to_original(first), to_original(last))))
+        result.edits += [_edit_made(doc, fix, to_original) for fix in chosen]
         to_original = _compose(to_original, _line_mapper(doc, chosen))
         current = new
     result.source = current
     result.edits.sort(key=lambda e: e.line)
-    return result
+
+
+def _round_fixes(doc: "_Doc", findings: list[Finding], last: bool) -> tuple[list["_Fix"], dict[int, str]]:
+    """The fixes to apply in this round (none in the ``last``), and why findings cannot be fixed."""
+    planned, reasons = _plan(doc, findings)
+    return ([] if last else _non_overlapping(planned)), reasons
+
+
+def _unfixed(findings: list[Finding], reasons: dict[int, str]) -> list[Unfixed]:
+    return [Unfixed(f, reasons.get(id(f), "not fixed: other fixes touch the same text")) for f in findings]
+
+
+def _edit_made(doc: "_Doc", fix: "_Fix", to_original: Callable[[int], int]) -> Edit:
+    """What ``fix`` did, with the lines of the original source (``to_original`` maps them back)."""
+    first = doc.line_of(_first_offset(fix))
+    last = doc.line_of(max(max(s, e - 1) for s, e, _ in fix.edits))
+    return Edit(fix.rules, to_original(fix.line), fix.description, (to_original(first), to_original(last)))
 
 
 def fix_paths(paths: Iterable[str | Path], select: Iterable[str] | None = None,
@@ -211,15 +227,20 @@ def fix_paths(paths: Iterable[str | Path], select: Iterable[str] | None = None,
     ignore = config.ignore if ignore is None else ignore
     rules = _fixable(select, ignore)
     linted = lint_paths(paths, select=rules, ignore=ignore, config=config)
+    return _fix_linted(linted, rules, ignore, write)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _fix_linted(linted, rules: list[str], ignore, write: bool) -> list[FileFix]:
+    """A :class:`FileFix` for each file of the lint ``linted`` that has findings or could not be read, by path."""
     out: dict[str, FileFix] = {}
     for name, reason in linted.errors:
         out[name] = FileFix(path=name, error=reason, unreadable=True)
     for name in dict.fromkeys(f.path for f in linted.findings):
         out[name] = _fix_file(name, rules, ignore, write)
     return [out[k] for k in sorted(out)]
-
-
-# --------------------------------------------------------------------------- files
 
 
 def _fix_file(name: str, rules: list[str], ignore, write: bool) -> FileFix:
@@ -229,7 +250,7 @@ def _fix_file(name: str, rules: list[str], ignore, write: bool) -> FileFix:
         source, encoding = _decode(data)
         result = fix_source(source, name, select=rules, ignore=ignore)
     except (OSError, UnicodeError) as exc:
-        ff.error, ff.unreadable = f"cannot read: {getattr(exc, 'strerror', None) or exc}", True
+        ff.error, ff.unreadable = f"cannot read: {_strerror(exc)}", True
         return ff
     except SyntaxError as exc:
         ff.error, ff.unreadable = f"does not parse: {exc.msg} (line {exc.lineno})", True
@@ -242,13 +263,23 @@ def _fix_file(name: str, rules: list[str], ignore, write: bool) -> FileFix:
         return ff
     ff.diff = unified_diff(source, result.source, name)
     if write:
-        try:
-            _write_atomic(Path(name), result.source.encode(encoding), data)
-        except (OSError, FixError) as exc:
-            ff.error = f"not written: {getattr(exc, 'strerror', None) or exc}"
-        else:
-            ff.written = True
+        _write_fixed(ff, result.source.encode(encoding), data)
     return ff
+
+
+def _write_fixed(ff: FileFix, data: bytes, original: bytes) -> None:
+    """Write ``data`` over the file ``ff`` is about (which must still hold ``original``), and say so in ``ff``."""
+    try:
+        _write_atomic(Path(ff.path), data, original)
+    except (OSError, FixError) as exc:
+        ff.error = f"not written: {_strerror(exc)}"
+    else:
+        ff.written = True
+
+
+def _strerror(exc: Exception) -> object:
+    """The OS's message for ``exc`` without the errno and file name, else ``exc`` itself."""
+    return getattr(exc, "strerror", None) or exc
 
 
 def _keepends(text: str) -> list[str]:
@@ -297,10 +328,15 @@ def unified_diff(old: str, new: str, path: str) -> str:
 def _fixable(select, ignore) -> list[str]:
     """The fixable rule ids ``select`` keeps (ids or prefixes); the codes are checked by the lint."""
     lint_source("", select=select, ignore=ignore)  # an unknown code is a UserError, as for linting
+    sel = _codes(select)
+    return sorted(r for r in FIXABLE if sel is None or any(r.startswith(c) for c in sel))
+
+
+def _codes(select) -> list[str] | None:
+    """The codes of ``select`` (a list, or one code as a string), upper-cased; None for every rule."""
     if isinstance(select, str):
         select = [select]
-    sel = None if select is None else [s.strip().upper() for s in select]
-    return sorted(r for r in FIXABLE if sel is None or any(r.startswith(c) for c in sel))
+    return None if select is None else [s.strip().upper() for s in select]
 
 
 def _parse(source: str, path: str) -> ast.Module:
@@ -319,27 +355,49 @@ class _Fix:
 
 
 def _plan(doc: "_Doc", findings: list[Finding]) -> tuple[list[_Fix], dict[int, str]]:
-    fixes, reasons = [], {}
-    loads: dict[int, tuple[ast.Call, list[Finding]]] = {}
+    """The fixes for ``findings``, and why the others cannot be fixed (by ``id`` of the finding)."""
+    loads, reasons = _group_loads(doc, findings)
+    fixes = []
     for f in findings:
-        if f.rule in ("TT110", "TT111"):
-            call = doc.call_at(f)
-            if call is None:
-                reasons[id(f)] = "not fixable here: no call to rewrite at this position"
-            else:
-                loads.setdefault(id(call), (call, []))[1].append(f)
+        if f.rule in _LOAD_RULES:
             continue
         try:
             fixes.append(_PLANNERS[f.rule](doc, f))
         except _NotFixable as exc:
             reasons[id(f)] = f"not fixable here: {exc}"
+    load_fixes, load_reasons = _plan_loads(doc, loads)
+    reasons.update(load_reasons)
+    return fixes + load_fixes, reasons
+
+
+_LOAD_RULES = ("TT110", "TT111")
+
+
+def _group_loads(doc: "_Doc", findings: list[Finding]) -> tuple[dict[int, tuple[ast.Call, list[Finding]]],
+                                                                   dict[int, str]]:
+    """The ``torch.load`` findings grouped by the call they are about (one edit fixes both), and
+    the reasons of those with no call at their position."""
+    loads: dict[int, tuple[ast.Call, list[Finding]]] = {}
+    reasons = {}
+    for f in findings:
+        if f.rule not in _LOAD_RULES:
+            continue
+        call = doc.call_at(f)
+        if call is None:
+            reasons[id(f)] = "not fixable here: no call to rewrite at this position"
+        else:
+            loads.setdefault(id(call), (call, []))[1].append(f)
+    return loads, reasons
+
+
+def _plan_loads(doc: "_Doc", loads: dict[int, tuple[ast.Call, list[Finding]]]) -> tuple[list[_Fix], dict[int, str]]:
+    """The fix of each ``torch.load`` call, and why its findings that are not fixed are not."""
+    fixes, reasons = [], {}
     for call, group in loads.values():
         fix, why = _fix_load(doc, call, group)
         if fix is not None:
             fixes.append(fix)
-        for f in group:
-            if f.rule in why:
-                reasons[id(f)] = f"not fixable here: {why[f.rule]}"
+        reasons.update({id(f): f"not fixable here: {why[f.rule]}" for f in group if f.rule in why})
     return fixes, reasons
 
 
@@ -347,11 +405,17 @@ def _non_overlapping(fixes: list[_Fix]) -> list[_Fix]:
     """The fixes whose edits touch no text another (earlier) fix edits; the rest wait a round."""
     taken: list[tuple[int, int]] = []
     chosen = []
-    for fix in sorted(fixes, key=lambda x: min(e[0] for e in x.edits)):
-        if all(not _clash(a, b) for a in [(s, e) for s, e, _ in fix.edits] for b in taken):
+    for fix in sorted(fixes, key=_first_offset):
+        spans = [(s, e) for s, e, _ in fix.edits]
+        if not any(_clash(a, b) for a in spans for b in taken):
             chosen.append(fix)
-            taken += [(s, e) for s, e, _ in fix.edits]
+            taken += spans
     return chosen
+
+
+def _first_offset(fix: _Fix) -> int:
+    """Where the first edit of ``fix`` starts."""
+    return min(s for s, _, _ in fix.edits)
 
 
 def _clash(a: tuple[int, int], b: tuple[int, int]) -> bool:
@@ -360,7 +424,7 @@ def _clash(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 def _apply(source: str, edits: list[tuple[int, int, str]]) -> str:
     for start, end, text in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
-        assert "\n" not in text and "\r" not in text
+        assert not _multiline(text)
         source = source[:start] + text + source[end:]
     return source
 
@@ -428,9 +492,7 @@ class _Doc:
     def __init__(self, source: str, tree: ast.Module):
         self.source, self.tree = source, tree
         self.lines = source.split("\n")
-        self.starts = [0]
-        for line in self.lines[:-1]:
-            self.starts.append(self.starts[-1] + len(line) + 1)
+        self.starts = _line_starts(self.lines)
         self.parent: dict[int, ast.AST] = {}
         self.at: dict[int, list[ast.AST]] = {}
         for node in ast.walk(tree):
@@ -489,13 +551,16 @@ class _Doc:
             toks, comments = [], []
             for t in tokenize.generate_tokens(io.StringIO(self.source).readline):
                 if t.type == tokenize.COMMENT:
-                    comments.append(self.starts[t.start[0] - 1] + t.start[1])
+                    comments.append(self._point_offset(t.start))
                 elif t.type not in _TRIVIA:
-                    toks.append(_Tok(t.string, self.starts[t.start[0] - 1] + t.start[1],
-                                     self.starts[t.end[0] - 1] + t.end[1]))
+                    toks.append(_Tok(t.string, self._point_offset(t.start), self._point_offset(t.end)))
             self._tokens, self._comments = toks, comments
             self._tok_starts = [t.start for t in toks]
         return self._tokens
+
+    def _point_offset(self, point: tuple[int, int]) -> int:
+        """The offset of a tokenize (row, column) point; tokenize counts characters."""
+        return self.starts[point[0] - 1] + point[1]
 
     def prev_token(self, offset: int) -> _Tok:
         """The last significant token that starts before ``offset``."""
@@ -518,16 +583,9 @@ class _Doc:
         """Name -> the module/object it was imported as (None when bound to different ones)."""
         if self._imports is None:
             out: dict[str, str | None] = {}
-
-            def bind(name: str, target: str) -> None:
-                out[name] = target if out.get(name, target) == target else None
             for node in ast.walk(self.tree):
-                if isinstance(node, ast.Import):
-                    for a in node.names:
-                        bind(a.asname, a.name) if a.asname else bind(a.name.split(".")[0], a.name.split(".")[0])
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    for a in node.names:
-                        bind(a.asname or a.name, f"{node.module}.{a.name}")
+                for name, target in _imported(node):
+                    out[name] = target if out.get(name, target) == target else None
             self._imports = out
         return self._imports
 
@@ -543,16 +601,50 @@ class _Doc:
         return f"{base}.{rest}" if rest else base
 
 
+def _line_starts(lines: list[str]) -> list[int]:
+    """The offset where each of ``lines`` (split on ``\\n``) starts."""
+    starts = [0]
+    for line in lines[:-1]:
+        starts.append(starts[-1] + len(line) + 1)
+    return starts
+
+
+def _imported(node: ast.AST) -> list[tuple[str, str]]:
+    """(local name, what it is imported as) for each name the import ``node`` binds; [] for other nodes
+    and relative imports."""
+    if isinstance(node, ast.Import):
+        return [_import_binding(a) for a in node.names]
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        return [(a.asname or a.name, f"{node.module}.{a.name}") for a in node.names]
+    return []
+
+
+def _import_binding(a: ast.alias) -> tuple[str, str]:
+    """``import a.b as c`` binds c to a.b; ``import a.b`` binds a to a."""
+    local = _local_name(a)
+    return local, (a.name if a.asname else local)
+
+
+def _local_name(a: ast.alias) -> str:
+    """The name an import of ``a`` binds: its ``as`` name, else the first part of its name."""
+    return a.asname or a.name.split(".")[0]
+
+
 def _rebinds_anywhere(tree: ast.AST, name: str) -> bool:
     """``name`` is assigned (not imported) somewhere in the file: its import may not be what it is."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, (ast.Store, ast.Del)):
-            return True
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
-            return True
-        if isinstance(node, ast.arg) and node.arg == name:
-            return True
-    return False
+    return any(_bound_name(node) == name for node in ast.walk(tree))
+
+
+def _bound_name(node: ast.AST) -> str | None:
+    """The name ``node`` binds other than by an import: an assigned or deleted name, a def, a class,
+    a parameter; None for other nodes."""
+    if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        return node.id
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    if isinstance(node, ast.arg):
+        return node.arg
+    return None
 
 
 def _binds(scope: ast.AST, name: str) -> bool:
@@ -597,9 +689,15 @@ def _binds_here(node: ast.AST, name: str) -> bool:
     if isinstance(node, (ast.Global, ast.Nonlocal)):
         return name in node.names
     if isinstance(node, (ast.Import, ast.ImportFrom)):
-        return any((a.asname or a.name.split(".")[0]) == name for a in node.names)
-    if isinstance(node, (ast.ExceptHandler, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.MatchAs,
-                         ast.MatchStar)):
+        return any(_local_name(a) == name for a in node.names)
+    if isinstance(node, (ast.ExceptHandler, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    return _pattern_binds(node, name)
+
+
+def _pattern_binds(node: ast.AST, name: str) -> bool:
+    """The ``case`` pattern ``node`` binds ``name``: ``case name``, ``case [*name]``, ``case {**name}``."""
+    if isinstance(node, (ast.MatchAs, ast.MatchStar)):
         return node.name == name
     return isinstance(node, ast.MatchMapping) and node.rest == name
 
@@ -610,6 +708,15 @@ def _kw(call: ast.Call, name: str) -> ast.keyword | None:
 
 def _starred(call: ast.Call) -> bool:
     return any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords)
+
+
+def _is_method(call: ast.Call, name: str) -> bool:
+    """``call`` is ``<something>.name(...)``."""
+    return isinstance(call.func, ast.Attribute) and call.func.attr == name
+
+
+def _multiline(text: str) -> bool:
+    return "\n" in text or "\r" in text
 
 
 def _value(text: str) -> ast.expr:
@@ -639,19 +746,7 @@ def _fix_load(doc: _Doc, call: ast.Call, group: list[Finding]) -> tuple[_Fix | N
     """One edit adding what ``call`` lacks (``map_location``, ``weights_only`` or both), and the
     rules it cannot fix there, with why."""
     rules = {f.rule for f in group}
-    add, why = [], {}
-    if "TT110" in rules:
-        blocker = _map_location_blocker(call)
-        if blocker is not None:
-            why["TT110"] = blocker
-        else:
-            add.append(("TT110", "map_location", '"cpu"'))
-    if "TT111" in rules:
-        blocker = _weights_only_blocker(call)
-        if blocker is not None:
-            why["TT111"] = blocker
-        else:
-            add.append(("TT111", "weights_only", "True"))
+    add, why = _load_additions(call, rules)
     if not add:
         return None, why
     text = ", ".join(f"{k}={v}" for _, k, v in add)
@@ -666,6 +761,21 @@ def _fix_load(doc: _Doc, call: ast.Call, group: list[Finding]) -> tuple[_Fix | N
                 mutate), why
 
 
+def _load_additions(call: ast.Call, rules: set[str]) -> tuple[list[tuple[str, str, str]], dict[str, str]]:
+    """(rule, keyword, value) to add to the ``torch.load`` ``call`` for each of ``rules`` it can fix, and
+    why it cannot fix the others."""
+    add, why = [], {}
+    for rule, keyword, value, blocker in _LOAD_FIXES:
+        if rule not in rules:
+            continue
+        reason = blocker(call)
+        if reason is not None:
+            why[rule] = reason
+        else:
+            add.append((rule, keyword, value))
+    return add, why
+
+
 def _map_location_blocker(call: ast.Call) -> str | None:
     """Why ``map_location`` cannot be added to this ``torch.load`` call; None if it can."""
     if any(isinstance(a, ast.Starred) for a in call.args) or _kw(call, "map_location") or len(call.args) > 1:
@@ -675,47 +785,89 @@ def _map_location_blocker(call: ast.Call) -> str | None:
 
 def _weights_only_blocker(call: ast.Call) -> str | None:
     """Why ``weights_only=True`` cannot be added to this ``torch.load`` call; None if it can."""
-    pickle = _kw(call, "pickle_module")
-    pickle = pickle.value if pickle is not None else call.args[2] if len(call.args) > 2 else None
-    if pickle is not None and not (isinstance(pickle, ast.Constant) and pickle.value is None):
+    if _custom_pickle(call):
         return "a pickle_module is given, which weights_only=True refuses"
     if _kw(call, "weights_only") or any(k.arg is None for k in call.keywords):
         return "**kwargs may already pass weights_only"
     return None
 
 
+def _custom_pickle(call: ast.Call) -> bool:
+    """The ``torch.load`` ``call`` passes a ``pickle_module`` (other than None)."""
+    pickle = _pickle_module(call)
+    return pickle is not None and not (isinstance(pickle, ast.Constant) and pickle.value is None)
+
+
+def _pickle_module(call: ast.Call) -> ast.AST | None:
+    """The ``pickle_module`` argument of a ``torch.load`` call (the third positional one)."""
+    pickle = _kw(call, "pickle_module")
+    if pickle is not None:
+        return pickle.value
+    return call.args[2] if len(call.args) > 2 else None
+
+
+#: (rule, the keyword its fix adds to torch.load, the value, why it may not be added there)
+_LOAD_FIXES = (("TT110", "map_location", '"cpu"', _map_location_blocker),
+               ("TT111", "weights_only", "True", _weights_only_blocker))
+
+
 def _fix_dropout(doc: _Doc, f: Finding) -> _Fix:
-    call = doc.call_at(f)
-    if call is None:
-        raise _NotFixable("no call to rewrite at this position")
+    call = _call_at(doc, f)
     if _kw(call, "training") or _starred(call) or len(call.args) > 2:
         raise _NotFixable("training may already be passed")
-    inner, method = [], None
-    for anc in doc.ancestors(call):
-        if isinstance(anc, (ast.FunctionDef, ast.AsyncFunctionDef)) and isinstance(doc.parent_of(anc), ast.ClassDef):
-            method = anc
-            break
-        if isinstance(anc, (ast.ClassDef, ast.Module)):
-            break
-        if isinstance(anc, _SCOPES):
-            inner.append(anc)
+    method, inner = _enclosing_method(doc, call)
     if method is None:
         raise _NotFixable("not inside a method, so there is no self.training to pass")
-    decorators = [(dotted(d.func if isinstance(d, ast.Call) else d) or "").rsplit(".", 1)[-1]
-                  for d in method.decorator_list]
-    if {"staticmethod", "classmethod"} & set(decorators):
-        raise _NotFixable("in a static or class method, which has no instance")
-    params = method.args.posonlyargs + method.args.args
-    if not params:
-        raise _NotFixable("the method has no instance parameter")
-    me = params[0].arg
-    if _binds_in_body(method, me) or any(_binds(s, me) for s in inner):
+    me = _instance_parameter(method)
+    if _rebound(method, inner, me):
         raise _NotFixable(f"`{me}` is rebound before the call")
     text = f"training={me}.training"
 
     def mutate(m: dict) -> None:
         m[id(call)].keywords.append(ast.keyword(arg="training", value=_value(f"{me}.training")))
     return _Fix(("TT102",), f.line, f"{dotted(call.func)}(...): added {text}", [_insertion(doc, call, text)], mutate)
+
+
+def _call_at(doc: _Doc, f: Finding) -> ast.Call:
+    """The call reported at ``f``; not fixable when there is none."""
+    call = doc.call_at(f)
+    if call is None:
+        raise _NotFixable("no call to rewrite at this position")
+    return call
+
+
+def _enclosing_method(doc: _Doc, node: ast.AST) -> tuple[ast.AST | None, list[ast.AST]]:
+    """The method whose code holds ``node`` (None if not in one), and the scopes between them
+    (functions nested in the method, lambdas, comprehensions)."""
+    inner = []
+    for anc in doc.ancestors(node):
+        if isinstance(anc, (ast.FunctionDef, ast.AsyncFunctionDef)) and isinstance(doc.parent_of(anc), ast.ClassDef):
+            return anc, inner
+        if isinstance(anc, (ast.ClassDef, ast.Module)):
+            break
+        if isinstance(anc, _SCOPES):
+            inner.append(anc)
+    return None, inner
+
+
+def _instance_parameter(method: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """The name of the method's instance parameter (``self``); not fixable when it has none."""
+    if {"staticmethod", "classmethod"} & set(_decorator_names(method)):
+        raise _NotFixable("in a static or class method, which has no instance")
+    params = method.args.posonlyargs + method.args.args
+    if not params:
+        raise _NotFixable("the method has no instance parameter")
+    return params[0].arg
+
+
+def _decorator_names(func: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """The last part of each decorator's name: ``functools.wraps(f)`` -> ``wraps``."""
+    return [(dotted(d.func if isinstance(d, ast.Call) else d) or "").rsplit(".", 1)[-1] for d in func.decorator_list]
+
+
+def _rebound(method: ast.AST, inner: list[ast.AST], me: str) -> bool:
+    """The instance parameter ``me`` is bound again in ``method``'s body or in one of the ``inner`` scopes."""
+    return _binds_in_body(method, me) or any(_binds(s, me) for s in inner)
 
 
 def _binds_in_body(func: ast.AST, name: str) -> bool:
@@ -748,20 +900,12 @@ def _legacy_reduction(size_average: bool | None, reduce: bool | None) -> str:
 
 
 def _fix_legacy_reduction(doc: _Doc, f: Finding) -> _Fix:
-    call = doc.call_at(f)
-    if call is None:
-        raise _NotFixable("no call to rewrite at this position")
+    call = _call_at(doc, f)
     name = dotted(call.func).rsplit(".", 1)[-1]
     if name not in _LEGACY_SLOT:
         raise _NotFixable(f"the signature of {name} is not known here")
-    legacy = [k for k in call.keywords if k.arg in ("size_average", "reduce")]
-    if not legacy or _starred(call) or _kw(call, "reduction") or len(call.args) > _LEGACY_SLOT[name]:
-        raise _NotFixable("reduction= or more arguments are passed too")
-    values = {}
-    for k in legacy:
-        if not (isinstance(k.value, ast.Constant) and (k.value.value is None or isinstance(k.value.value, bool))):
-            raise _NotFixable(f"{k.arg}= is not a True/False/None constant")
-        values[k.arg] = k.value.value
+    legacy = _legacy_keywords(call, _LEGACY_SLOT[name])
+    values = _legacy_values(legacy)
     reduction = _legacy_reduction(values.get("size_average"), values.get("reduce"))
     first, rest = legacy[0], legacy[1:]
     edits = [(doc.start(first), doc.end(first), f'reduction="{reduction}"')]
@@ -776,6 +920,25 @@ def _fix_legacy_reduction(doc: _Doc, f: Finding) -> _Fix:
     return _Fix(("TT109",), f.line, f'{name}(...): {old} -> reduction="{reduction}"', edits, mutate)
 
 
+def _legacy_keywords(call: ast.Call, slot: int) -> list[ast.keyword]:
+    """The ``size_average=`` / ``reduce=`` of ``call`` (``slot`` parameters come before them); not
+    fixable when ``reduction=`` or arguments that may reach them are passed too."""
+    legacy = [k for k in call.keywords if k.arg in ("size_average", "reduce")]
+    if not legacy or _starred(call) or _kw(call, "reduction") or len(call.args) > slot:
+        raise _NotFixable("reduction= or more arguments are passed too")
+    return legacy
+
+
+def _legacy_values(legacy: list[ast.keyword]) -> dict[str, bool | None]:
+    """``size_average`` / ``reduce`` -> the constant given; not fixable when one is not a constant."""
+    values = {}
+    for k in legacy:
+        if not (isinstance(k.value, ast.Constant) and (k.value.value is None or isinstance(k.value.value, bool))):
+            raise _NotFixable(f"{k.arg}= is not a True/False/None constant")
+        values[k.arg] = k.value.value
+    return values
+
+
 def _deletion(doc: _Doc, call: ast.Call, arg: ast.AST) -> tuple[int, int, str]:
     """Remove one argument and its comma; its line too when nothing else is left on it."""
     s, e = doc.start(arg), doc.end(arg)
@@ -783,21 +946,37 @@ def _deletion(doc: _Doc, call: ast.Call, arg: ast.AST) -> tuple[int, int, str]:
         raise _NotFixable("the call is inside an f-string")
     nxt = doc.next_token(e)
     if nxt.string == ",":
-        if doc.comment_between(e, nxt.start):
-            raise _NotFixable("a comment sits between an argument and its comma")
-        j = nxt.end
-        while j < len(doc.source) and doc.source[j] in " \t":
-            j += 1
-        line_start = doc.starts[doc.line_of(s) - 1]
-        if doc.source[line_start:s].strip(" \t") == "" and doc.source[j:j + 1] in ("\n", "\r"):
-            return (line_start, j + (2 if doc.source[j:j + 2] == "\r\n" else 1), "")
-        return (s, j, "")
+        return _deletion_with_comma(doc, s, e, nxt)
     if nxt.start == doc.end(call) - 1 and nxt.string == ")":
-        prev = doc.prev_token(s)
-        if prev.string != "," or doc.comment_between(prev.end, s):
-            raise _NotFixable("a comment sits between two arguments")
-        return (prev.start, e, "")
+        return _deletion_of_last(doc, s, e)
     raise _NotFixable("an argument is not followed by a comma or the closing parenthesis")
+
+
+def _deletion_with_comma(doc: _Doc, s: int, e: int, comma: _Tok) -> tuple[int, int, str]:
+    """Remove the argument at ``s:e``, the ``comma`` after it and the blanks after that; its line
+    too when nothing else is left on it."""
+    if doc.comment_between(e, comma.start):
+        raise _NotFixable("a comment sits between an argument and its comma")
+    j = _skip_blanks(doc.source, comma.end)
+    line_start = doc.starts[doc.line_of(s) - 1]
+    if doc.source[line_start:s].strip(" \t") == "" and doc.source[j:j + 1] in ("\n", "\r"):
+        return (line_start, j + (2 if doc.source[j:j + 2] == "\r\n" else 1), "")
+    return (s, j, "")
+
+
+def _skip_blanks(text: str, j: int) -> int:
+    """The first offset from ``j`` on that is not a space or a tab."""
+    while j < len(text) and text[j] in " \t":
+        j += 1
+    return j
+
+
+def _deletion_of_last(doc: _Doc, s: int, e: int) -> tuple[int, int, str]:
+    """Remove the last argument, at ``s:e``, and the comma before it."""
+    prev = doc.prev_token(s)
+    if prev.string != "," or doc.comment_between(prev.end, s):
+        raise _NotFixable("a comment sits between two arguments")
+    return (prev.start, e, "")
 
 
 _RENAMES = {"set_deterministic": "use_deterministic_algorithms",
@@ -808,11 +987,7 @@ def _fix_renamed(doc: _Doc, f: Finding) -> _Fix:
     imports = doc.nodes_at(f, ast.ImportFrom)
     if imports:
         return _fix_renamed_import(doc, f, imports[0])
-    attrs = [a for a in doc.nodes_at(f, ast.Attribute) if a.attr in _RENAMES
-             and not isinstance(doc.parent_of(a), ast.Attribute) and doc.resolve(a.value) == "torch"]
-    if len(attrs) != 1:
-        raise _NotFixable("no torch.set_deterministic / is_deterministic spelled through the torch import here")
-    node = attrs[0]
+    node = _removed_attribute(doc, f)
     parent = doc.parent_of(node)
     if isinstance(parent, ast.Call) and parent.func is node and parent.keywords:
         raise _NotFixable("the call passes keywords, and the new function names its parameters differently")
@@ -828,25 +1003,22 @@ def _fix_renamed(doc: _Doc, f: Finding) -> _Fix:
     return _Fix(("TT118",), f.line, f"{prefix}.{node.attr} -> {prefix}.{new}", [(start, end, new)], mutate)
 
 
+def _removed_attribute(doc: _Doc, f: Finding) -> ast.Attribute:
+    """The ``torch.set_deterministic`` / ``torch.is_deterministic`` reported at ``f``."""
+    attrs = [a for a in doc.nodes_at(f, ast.Attribute) if a.attr in _RENAMES
+             and not isinstance(doc.parent_of(a), ast.Attribute) and doc.resolve(a.value) == "torch"]
+    if len(attrs) != 1:
+        raise _NotFixable("no torch.set_deterministic / is_deterministic spelled through the torch import here")
+    return attrs[0]
+
+
 def _fix_renamed_import(doc: _Doc, f: Finding, node: ast.ImportFrom) -> _Fix:
-    if node.module != "torch" or node.level:
-        raise _NotFixable("not an import from torch")
-    aliases = [a for a in node.names if a.name in _RENAMES]
-    if not aliases or any(getattr(a, "lineno", None) is None for a in aliases):
-        raise _NotFixable("no removed name in the import")
+    aliases = _removed_aliases(node)
     edits, parts = [], []
     for a in aliases:
-        bound = a.asname or a.name
-        if any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == bound and c.keywords
-               for c in ast.walk(doc.tree)):
-            raise _NotFixable(f"a call of {bound} passes keywords, and the new function names its parameters "
-                              f"differently")
-        s = doc.start(a)
-        if doc.source[s:s + len(a.name)] != a.name:
-            raise _NotFixable("the imported name is not spelled where the tree says")
-        new = _RENAMES[a.name] + ("" if a.asname else f" as {a.name}")
-        edits.append((s, s + len(a.name), new))
-        parts.append(f"{a.name} -> {new}")
+        edit, part = _import_rename(doc, a)
+        edits.append(edit)
+        parts.append(part)
 
     def mutate(m: dict) -> None:
         for a in aliases:
@@ -855,15 +1027,40 @@ def _fix_renamed_import(doc: _Doc, f: Finding, node: ast.ImportFrom) -> _Fix:
     return _Fix(("TT118",), f.line, f"from torch import {', '.join(parts)}", edits, mutate)
 
 
+def _removed_aliases(node: ast.ImportFrom) -> list[ast.alias]:
+    """The removed names ``from torch import ...`` imports (with their positions: Python 3.10+)."""
+    if node.module != "torch" or node.level:
+        raise _NotFixable("not an import from torch")
+    aliases = [a for a in node.names if a.name in _RENAMES]
+    if not aliases or any(getattr(a, "lineno", None) is None for a in aliases):
+        raise _NotFixable("no removed name in the import")
+    return aliases
+
+
+def _import_rename(doc: _Doc, a: ast.alias) -> tuple[tuple[int, int, str], str]:
+    """The edit renaming the imported name ``a`` (still bound to its old name), and what it does."""
+    bound = a.asname or a.name
+    if _called_with_keywords(doc.tree, bound):
+        raise _NotFixable(f"a call of {bound} passes keywords, and the new function names its parameters "
+                          f"differently")
+    s = doc.start(a)
+    if doc.source[s:s + len(a.name)] != a.name:
+        raise _NotFixable("the imported name is not spelled where the tree says")
+    new = _RENAMES[a.name] + ("" if a.asname else f" as {a.name}")
+    return (s, s + len(a.name), new), f"{a.name} -> {new}"
+
+
+def _called_with_keywords(tree: ast.AST, name: str) -> bool:
+    """Some call of the plain name ``name`` passes keyword arguments."""
+    return any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == name and c.keywords
+               for c in ast.walk(tree))
+
+
 _MOVES = frozenset("cuda cpu to half float double bfloat16 long int short byte char bool pin_memory type".split())
 
 
 def _fix_discarded_move(doc: _Doc, f: Finding) -> _Fix:
-    calls = [c for c in doc.nodes_at(f, ast.Call) if isinstance(doc.parent_of(c), ast.Expr)
-             and isinstance(c.func, ast.Attribute) and c.func.attr in _MOVES]
-    if len(calls) != 1:
-        raise _NotFixable("not a bare `x.cuda()` statement")
-    call = calls[0]
+    call = _bare_move(doc, f)
     stmt = doc.parent_of(call)
     recv = call.func.value
     if stmt.lineno != stmt.end_lineno:
@@ -873,14 +1070,7 @@ def _fix_discarded_move(doc: _Doc, f: Finding) -> _Fix:
     scope = next((a for a in doc.ancestors(stmt) if isinstance(a, _SCOPES + (ast.Module,))), None)
     if isinstance(scope, ast.ClassDef):
         raise _NotFixable("in a class body")
-    if isinstance(recv, ast.Name):
-        if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _binds(scope, recv.id):
-            raise _NotFixable(f"`{recv.id}` is not local to the function: assigning it would make it local")
-    elif recv.attr in _TENSOR_ATTRS:
-        raise _NotFixable(f"assigning `.{recv.attr}` of a tensor is checked by torch (device, shape): "
-                          f"rewrite it by hand")
-    elif _is_parameter_attr(doc, recv.attr):
-        raise _NotFixable(f"`.{recv.attr}` holds an nn.Parameter, which a module does not let a tensor replace")
+    _check_assignable(doc, scope, recv)
     target = doc.text(recv)
 
     def mutate(m: dict) -> None:
@@ -898,21 +1088,61 @@ def _fix_discarded_move(doc: _Doc, f: Finding) -> _Fix:
                 [(s, s, f"{target} = ")], mutate)
 
 
+def _bare_move(doc: _Doc, f: Finding) -> ast.Call:
+    """The ``x.cuda()`` / ``x.to(...)`` ... call reported at ``f``, a statement of its own."""
+    calls = [c for c in doc.nodes_at(f, ast.Call) if isinstance(doc.parent_of(c), ast.Expr)
+             and isinstance(c.func, ast.Attribute) and c.func.attr in _MOVES]
+    if len(calls) != 1:
+        raise _NotFixable("not a bare `x.cuda()` statement")
+    return calls[0]
+
+
+def _check_assignable(doc: _Doc, scope: ast.AST | None, recv: ast.Name | ast.Attribute) -> None:
+    """Not fixable when ``recv = ...`` in ``scope`` would change what the code means or fail."""
+    if isinstance(recv, ast.Name):
+        if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _binds(scope, recv.id):
+            raise _NotFixable(f"`{recv.id}` is not local to the function: assigning it would make it local")
+    elif recv.attr in _TENSOR_ATTRS:
+        raise _NotFixable(f"assigning `.{recv.attr}` of a tensor is checked by torch (device, shape): "
+                          f"rewrite it by hand")
+    elif _is_parameter_attr(doc, recv.attr):
+        raise _NotFixable(f"`.{recv.attr}` holds an nn.Parameter, which a module does not let a tensor replace")
+
+
 _TENSOR_ATTRS = frozenset("data grad real imag T mT H mH".split())
 
 
 def _is_parameter_attr(doc: _Doc, attr: str) -> bool:
-    for node in ast.walk(doc.tree):
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Attribute) and t.attr == attr for t in targets) and any(
-                    isinstance(c, ast.Call) and (dotted(c.func) or "").endswith("Parameter")
-                    for c in ast.walk(node.value)):
-                return True
-        if isinstance(node, ast.Call) and (dotted(node.func) or "").endswith("register_parameter") and node.args \
-                and isinstance(node.args[0], ast.Constant) and node.args[0].value == attr:
-            return True
-    return False
+    """The file makes ``.attr`` an ``nn.Parameter``: assigns it one, or registers one under that name."""
+    return any(_assigns_parameter(node, attr) or _registers_parameter(node, attr) for node in ast.walk(doc.tree))
+
+
+def _assigns_parameter(node: ast.AST, attr: str) -> bool:
+    """``node`` is ``x.attr = ...Parameter(...)`` (or an annotated assignment)."""
+    if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+        return False
+    return any(isinstance(t, ast.Attribute) and t.attr == attr for t in _targets(node)) \
+        and _makes_parameter(node.value)
+
+
+def _targets(node: ast.Assign | ast.AnnAssign) -> list[ast.expr]:
+    return node.targets if isinstance(node, ast.Assign) else [node.target]
+
+
+def _makes_parameter(value: ast.AST) -> bool:
+    """``value`` calls something named ``...Parameter``."""
+    return any(isinstance(c, ast.Call) and _callee(c).endswith("Parameter") for c in ast.walk(value))
+
+
+def _registers_parameter(node: ast.AST, attr: str) -> bool:
+    """``node`` is ``x.register_parameter("attr", ...)``."""
+    return isinstance(node, ast.Call) and _callee(node).endswith("register_parameter") and bool(node.args) \
+        and isinstance(node.args[0], ast.Constant) and node.args[0].value == attr
+
+
+def _callee(call: ast.Call) -> str:
+    """The dotted name ``call`` calls, "" when it is not one."""
+    return dotted(call.func) or ""
 
 
 _SIGMOIDS = frozenset({"torch.sigmoid", "torch.nn.functional.sigmoid", "torch.special.expit"})
@@ -920,25 +1150,18 @@ _SIGMOIDS = frozenset({"torch.sigmoid", "torch.nn.functional.sigmoid", "torch.sp
 
 def _fix_sigmoid_bce(doc: _Doc, f: Finding) -> _Fix:
     call = doc.call_at(f)
-    if call is None or not isinstance(call.func, ast.Attribute) or call.func.attr != "binary_cross_entropy" \
-            or doc.resolve(call.func.value) != "torch.nn.functional":
+    if call is None or not _is_functional_bce(doc, call):
         raise _NotFixable("not a call of F.binary_cross_entropy (a BCELoss object needs its constructor changed)")
     if _starred(call):
         raise _NotFixable("*args / **kwargs")
-    slot = call.args[0] if call.args else getattr(_kw(call, "input"), "value", None)
-    inner = None
-    if isinstance(slot, ast.Call) and not slot.keywords and not _starred(slot):
-        if len(slot.args) == 1 and doc.resolve(slot.func) in _SIGMOIDS:
-            inner = slot.args[0]
-        elif not slot.args and isinstance(slot.func, ast.Attribute) and slot.func.attr == "sigmoid" \
-                and doc.resolve(slot.func.value) is None:
-            inner = slot.func.value
+    slot = _input_argument(call)
+    inner = _sigmoid_input(doc, slot)
     if inner is None or isinstance(inner, ast.GeneratorExp):
         raise _NotFixable("the sigmoid is not applied in the loss call itself (its output is a variable)")
     end = doc.end(call.func)
     new = "binary_cross_entropy_with_logits"
     edits = [(end - len(call.func.attr), end, new), (doc.start(slot), doc.end(slot), doc.text(inner))]
-    if "\n" in doc.text(inner) or "\r" in doc.text(inner):
+    if _multiline(doc.text(inner)):
         raise _NotFixable("the logits expression spans several lines")
 
     def mutate(m: dict) -> None:
@@ -951,6 +1174,32 @@ def _fix_sigmoid_bce(doc: _Doc, f: Finding) -> _Fix:
     prefix = doc.text(call.func.value)
     return _Fix(("TT108",), f.line, f"{prefix}.binary_cross_entropy(sigmoid(x), ...) -> {prefix}.{new}(x, ...)",
                 edits, mutate)
+
+
+def _input_argument(call: ast.Call) -> ast.AST | None:
+    """The ``input`` argument of a loss call: the first positional one, or ``input=``."""
+    return call.args[0] if call.args else getattr(_kw(call, "input"), "value", None)
+
+
+def _is_functional_bce(doc: _Doc, call: ast.Call) -> bool:
+    """``call`` is ``F.binary_cross_entropy(...)``, ``F`` an import of ``torch.nn.functional``."""
+    return _is_method(call, "binary_cross_entropy") and doc.resolve(call.func.value) == "torch.nn.functional"
+
+
+def _sigmoid_input(doc: _Doc, slot: ast.AST | None) -> ast.AST | None:
+    """``x`` when ``slot`` is ``torch.sigmoid(x)`` (or an alias of it) or ``x.sigmoid()``, else None."""
+    if not isinstance(slot, ast.Call) or slot.keywords or _starred(slot):
+        return None
+    if len(slot.args) == 1 and doc.resolve(slot.func) in _SIGMOIDS:
+        return slot.args[0]
+    if _is_sigmoid_method(doc, slot):
+        return slot.func.value
+    return None
+
+
+def _is_sigmoid_method(doc: _Doc, call: ast.Call) -> bool:
+    """``call`` is ``x.sigmoid()``, ``x`` not an import (``torch.sigmoid()`` needs an argument)."""
+    return not call.args and _is_method(call, "sigmoid") and doc.resolve(call.func.value) is None
 
 
 _PLANNERS: dict[str, Callable[[_Doc, Finding], _Fix]] = {

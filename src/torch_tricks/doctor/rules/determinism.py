@@ -24,18 +24,35 @@ class SetDeterministicRemoved(StaticRule):
                    "CUBLAS_WORKSPACE_CONFIG=:4096:8.")
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
-        removed = {"torch.set_deterministic": "torch.use_deterministic_algorithms",
-                   "torch.is_deterministic": "torch.are_deterministic_algorithms_enabled"}
-        for node in f.nodes[ast.Attribute]:
-            q = f.qualname(node)
-            if q in removed and not isinstance(f.parent.get(node), ast.Attribute) and not version_guarded(f, node):
-                yield node, f"{q} no longer exists (AttributeError): use {removed[q]}"
-        for node in f.nodes[ast.ImportFrom]:
-            if node.module == "torch" and node.level == 0 and not version_guarded(f, node):
-                for alias in node.names:
-                    if f"torch.{alias.name}" in removed:
-                        new = removed["torch." + alias.name]
-                        yield node, f"torch.{alias.name} no longer exists (ImportError): use {new}"
+        yield from _removed_attributes(f)
+        yield from _removed_imports(f)
+
+
+_REMOVED = {"torch.set_deterministic": "torch.use_deterministic_algorithms",
+            "torch.is_deterministic": "torch.are_deterministic_algorithms_enabled"}
+
+
+def _removed_attributes(f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
+    """``torch.set_deterministic`` / ``torch.is_deterministic`` read outside a version check."""
+    for node in f.nodes[ast.Attribute]:
+        q = f.qualname(node)
+        if q in _REMOVED and not isinstance(f.parent.get(node), ast.Attribute) and not version_guarded(f, node):
+            yield node, f"{q} no longer exists (AttributeError): use {_REMOVED[q]}"
+
+
+def _removed_imports(f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
+    """``from torch import set_deterministic`` (or ``is_deterministic``) outside a version check."""
+    for node in f.nodes[ast.ImportFrom]:
+        if not _unguarded_torch_import(f, node):
+            continue
+        for alias in node.names:
+            if f"torch.{alias.name}" in _REMOVED:
+                new = _REMOVED["torch." + alias.name]
+                yield node, f"torch.{alias.name} no longer exists (ImportError): use {new}"
+
+
+def _unguarded_torch_import(f: FileAnalysis, node: ast.ImportFrom) -> bool:
+    return node.module == "torch" and node.level == 0 and not version_guarded(f, node)
 
 
 _BENCHMARK = "torch.backends.cudnn.benchmark"
@@ -79,20 +96,37 @@ class CudnnBenchmarkWithDeterminism(StaticRule):
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         benchmarks = _flag_sets(f, _BENCHMARK)
-        switched_on = [a for a in benchmarks if _literal(a.value, True)]
+        switched_on = _set_true(benchmarks)
         if not switched_on:
             return
-        wants = [a for a in _flag_sets(f, "torch.backends.cudnn.deterministic") if _literal(a.value, True)]
-        wants += [c for c in f.nodes[ast.Call] if f.qualname(c.func) == "torch.use_deterministic_algorithms"
-                  and _literal(kwarg(c, "mode", 0), True)]
+        wants = _determinism_requests(f)
         for on in switched_on:
-            if _switched_off_after(f, on, benchmarks):
-                continue
-            want = next((w for w in wants if _in_one_run(f, on, w)), None)
+            want = _request_in_force(f, on, benchmarks, wants)
             if want is not None:
                 yield on, (f"cudnn.benchmark = True while line {want.lineno} asks for determinism: benchmarking "
                            f"picks algorithms by timing, so runs differ; set benchmark = False for reproducible "
                            f"runs")
+
+
+def _set_true(assigns: list[ast.Assign]) -> list[ast.Assign]:
+    return [a for a in assigns if _literal(a.value, True)]
+
+
+def _determinism_requests(f: FileAnalysis) -> list[ast.AST]:
+    """``cudnn.deterministic = True`` and ``torch.use_deterministic_algorithms(True)``."""
+    wants: list[ast.AST] = _set_true(_flag_sets(f, "torch.backends.cudnn.deterministic"))
+    wants += [c for c in f.nodes[ast.Call] if f.qualname(c.func) == "torch.use_deterministic_algorithms"
+              and _literal(kwarg(c, "mode", 0), True)]
+    return wants
+
+
+def _request_in_force(f: FileAnalysis, on: ast.Assign, benchmarks: list[ast.Assign],
+                      wants: list[ast.AST]) -> ast.AST | None:
+    """The first of ``wants`` that runs in one run with ``on`` (``benchmark = True``) while it holds;
+    None when there is none, or a later assignment switches benchmarking off again."""
+    if _switched_off_after(f, on, benchmarks):
+        return None
+    return next((w for w in wants if _in_one_run(f, on, w)), None)
 
 
 def _switched_off_after(f: FileAnalysis, on: ast.Assign, benchmarks: list[ast.Assign]) -> bool:

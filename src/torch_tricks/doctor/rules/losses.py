@@ -27,15 +27,21 @@ class SqrtOfSumOfSquares(StaticRule):
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for node, arg, torch_op in _square_roots(f):
-            if not _sum_of_squares(f, arg) or _detached(f, arg) or _constant_tensor(f, arg):
-                continue
-            if not torch_op and not _on_tensor(f, arg):
-                continue  # `** 0.5` also works on floats and numpy arrays: ask for a tensor
-            if _taken_as_number(f, node):
-                continue  # a number for a metric, not a value to differentiate
-            if f.no_grad(node):
-                continue
-            yield node, self.message
+            if _root_of_squares_with_gradient(f, arg, torch_op) and _differentiated(f, node):
+                yield node, self.message
+
+
+def _root_of_squares_with_gradient(f: FileAnalysis, arg: ast.AST, torch_op: bool) -> bool:
+    """``arg``, taken the square root of, is a sum of squares of a tensor a gradient flows through."""
+    if not _sum_of_squares(f, arg) or _detached(f, arg) or _constant_tensor(f, arg):
+        return False
+    # `** 0.5` also works on floats and numpy arrays: ask for a tensor
+    return torch_op or _on_tensor(f, arg)
+
+
+def _differentiated(f: FileAnalysis, node: ast.AST) -> bool:
+    """The square root ``node`` is not read as a number right away (a metric), nor computed under no_grad."""
+    return not _taken_as_number(f, node) and not f.no_grad(node)
 
 
 def _square_roots(f: FileAnalysis) -> list[tuple[ast.AST, ast.AST, bool]]:
@@ -46,25 +52,47 @@ def _square_roots(f: FileAnalysis) -> list[tuple[ast.AST, ast.AST, bool]]:
         taken = _square_root_call(f, call)
         if taken is not None:
             candidates.append((call, *taken))
-    for binop in f.nodes[ast.BinOp]:
-        if isinstance(binop.op, ast.Pow) and number(binop.right) == 0.5:
-            candidates.append((binop, binop.left, False))
-    return candidates
+    return candidates + [(binop, binop.left, False) for binop in _half_powers(f)]
+
+
+def _half_powers(f: FileAnalysis) -> list[ast.BinOp]:
+    """The ``x ** 0.5`` of the file."""
+    return [b for b in f.nodes[ast.BinOp] if isinstance(b.op, ast.Pow) and number(b.right) == 0.5]
 
 
 def _square_root_call(f: FileAnalysis, call: ast.Call) -> tuple[ast.AST, bool] | None:
     """(what ``call`` takes the square root of, whether it is a torch operation) for
     ``torch.sqrt(x)``, ``torch.pow(x, 0.5)``, ``x.sqrt()``, ``x.pow(0.5)``; None for other calls."""
     q = f.qualname(call.func)
+    method = _method_of(q, call)
+    if method is not None:
+        return _square_root_method(call, method)
+    return _square_root_function(call, q)
+
+
+def _square_root_function(call: ast.Call, q: str | None) -> tuple[ast.AST, bool] | None:
+    """As :func:`_square_root_call`, for ``torch.sqrt(x)`` and ``torch.pow(x, 0.5)``."""
     if q == "torch.sqrt" and len(call.args) == 1:
         return call.args[0], True
     if q == "torch.pow" and len(call.args) == 2 and number(call.args[1]) == 0.5:
         return call.args[0], True
+    return None
+
+
+def _square_root_method(call: ast.Call, method: str) -> tuple[ast.AST, bool] | None:
+    """As :func:`_square_root_call`, for ``x.sqrt()`` and ``x.pow(0.5)``."""
+    if method == "sqrt" and not call.args and not call.keywords:
+        return call.func.value, True
+    if method == "pow" and len(call.args) == 1 and number(call.args[0]) == 0.5:
+        return call.func.value, False
+    return None
+
+
+def _method_of(q: str | None, call: ast.Call) -> str | None:
+    """The name of the method ``call`` calls (``x.sum()``: "sum"), ``q`` its qualified name; None for
+    a function of an import or a plain name."""
     if q is None and isinstance(call.func, ast.Attribute):
-        if call.func.attr == "sqrt" and not call.args and not call.keywords:
-            return call.func.value, True
-        if call.func.attr == "pow" and len(call.args) == 1 and number(call.args[0]) == 0.5:
-            return call.func.value, False
+        return call.func.attr
     return None
 
 
@@ -78,8 +106,12 @@ def _on_tensor(f: FileAnalysis, arg: ast.AST) -> bool:
 def _taken_as_number(f: FileAnalysis, node: ast.AST) -> bool:
     """``node`` is read as a Python number right away: ``.item()``, ``.tolist()``, ``float(...)``."""
     parent = f.parent.get(node)
-    return (isinstance(parent, ast.Attribute) and parent.attr in ("item", "tolist")) or (
-        isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and parent.func.id == "float")
+    return (isinstance(parent, ast.Attribute) and parent.attr in ("item", "tolist")) or _is_float_call(parent)
+
+
+def _is_float_call(node: ast.AST | None) -> bool:
+    """``node`` is ``float(...)``."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float"
 
 
 def _followed(f: FileAnalysis, node: ast.Name, depth: int) -> ast.AST | None:
@@ -93,14 +125,19 @@ def _sum_of_squares(f: FileAnalysis, e: ast.AST, depth: int = 0) -> bool:
         value = _followed(f, e, depth)
         return value is not None and _sum_of_squares(f, value, depth + 1)
     if isinstance(e, ast.Call):
-        q = f.qualname(e.func)
-        if q in ("torch.sum", "torch.mean", "torch.nansum") and e.args:
-            return _square(f, e.args[0], depth)
-        if q is None and isinstance(e.func, ast.Attribute) and e.func.attr in ("sum", "mean", "nansum"):
-            return _square(f, e.func.value, depth)
-        return False
-    if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add):
+        return _reduced_square(f, e, depth)
+    if _is_addition(e):
         return all(_square(f, t, depth) for t in _added_terms(e))
+    return False
+
+
+def _reduced_square(f: FileAnalysis, e: ast.Call, depth: int) -> bool:
+    """``e`` is the sum or mean of a square: ``torch.sum(x ** 2)``, ``(x * x).mean()``."""
+    q = f.qualname(e.func)
+    if q in ("torch.sum", "torch.mean", "torch.nansum") and e.args:
+        return _square(f, e.args[0], depth)
+    if _method_of(q, e) in ("sum", "mean", "nansum"):
+        return _square(f, e.func.value, depth)
     return False
 
 
@@ -109,11 +146,15 @@ def _added_terms(e: ast.BinOp) -> list[ast.AST]:
     terms, stack = [], [e]
     while stack:
         t = stack.pop()
-        if isinstance(t, ast.BinOp) and isinstance(t.op, ast.Add):
+        if _is_addition(t):
             stack += [t.left, t.right]
         else:
             terms.append(t)
     return terms
+
+
+def _is_addition(e: ast.AST) -> bool:
+    return isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add)
 
 
 def _square(f: FileAnalysis, e: ast.AST, depth: int = 0) -> bool:
@@ -123,12 +164,17 @@ def _square(f: FileAnalysis, e: ast.AST, depth: int = 0) -> bool:
         value = _followed(f, e, depth)
         return value is not None and _square(f, value, depth + 1)
     if isinstance(e, ast.BinOp):
-        if isinstance(e.op, ast.Pow):
-            return number(e.right) == 2
-        if isinstance(e.op, ast.Mult):
-            return ast.dump(e.left) == ast.dump(e.right)
-        return False
+        return _square_operation(e)
     return isinstance(e, ast.Call) and _square_call(f, e)
+
+
+def _square_operation(e: ast.BinOp) -> bool:
+    """``x ** 2`` or ``x * x``."""
+    if isinstance(e.op, ast.Pow):
+        return number(e.right) == 2
+    if isinstance(e.op, ast.Mult):
+        return ast.dump(e.left) == ast.dump(e.right)
+    return False
 
 
 def _square_call(f: FileAnalysis, e: ast.Call) -> bool:
@@ -137,11 +183,14 @@ def _square_call(f: FileAnalysis, e: ast.Call) -> bool:
         return number(e.args[1]) == 2
     if q == "torch.square":
         return True
-    if isinstance(e.func, ast.Attribute) and q is None:
-        if e.func.attr == "pow" and len(e.args) == 1:
-            return number(e.args[0]) == 2
-        return e.func.attr == "square" and not e.args
-    return False
+    return _square_method(e, _method_of(q, e))
+
+
+def _square_method(e: ast.Call, method: str | None) -> bool:
+    """``x.pow(2)`` or ``x.square()`` (``method``: the method ``e`` calls)."""
+    if method == "pow" and len(e.args) == 1:
+        return number(e.args[0]) == 2
+    return method == "square" and not e.args
 
 
 _CONSTANT_MAKERS = frozenset(f"torch.{n}" for n in (
@@ -160,30 +209,54 @@ def _constant_tensor(f: FileAnalysis, expr: ast.AST, depth: int = 0) -> bool:
     if isinstance(expr, ast.Name):
         value = f.binding_value(expr)
         return value is not None and _constant_tensor(f, value, depth + 1)
+    if isinstance(expr, ast.Call):
+        return _constant_call(f, expr, depth)
+    return _constant_operation(f, expr, depth)
+
+
+def _constant_operation(f: FileAnalysis, expr: ast.AST, depth: int) -> bool:
+    """:func:`_constant_tensor` for an operator applied to constants, or an index into one."""
     if isinstance(expr, ast.BinOp):
         return _constant_tensor(f, expr.left, depth) and _constant_tensor(f, expr.right, depth)
     if isinstance(expr, ast.UnaryOp):
         return _constant_tensor(f, expr.operand, depth)
     if isinstance(expr, ast.Subscript):
         return _constant_tensor(f, expr.value, depth)
-    if isinstance(expr, ast.Call):
-        if any(kw.arg == "requires_grad" and not (isinstance(kw.value, ast.Constant) and kw.value.value is False)
-               for kw in expr.keywords):
-            return False
-        q = f.qualname(expr.func)
-        if q in _CONSTANT_MAKERS:
-            return True
-        if q is None and isinstance(expr.func, ast.Attribute):  # a method of a constant, with constant arguments
-            args = list(expr.args) + [kw.value for kw in expr.keywords]
-            shape_only = expr.func.attr in _SHAPE_METHODS  # sizes and dims: any argument that is not a tensor
-
-            def fine(a: ast.AST) -> bool:
-                if _constant_tensor(f, a, depth) or _harmless_arg(a):
-                    return True
-                k = f.kind(a)
-                return shape_only and (k is None or k.cat != "tensor")
-            return _constant_tensor(f, expr.func.value, depth) and all(fine(a) for a in args)
     return False
+
+
+def _constant_call(f: FileAnalysis, expr: ast.Call, depth: int) -> bool:
+    """:func:`_constant_tensor` for a call: a tensor constructor, or a method of a constant with
+    constant arguments."""
+    if _asks_for_grad(expr):
+        return False
+    q = f.qualname(expr.func)
+    if q in _CONSTANT_MAKERS:
+        return True
+    method = _method_of(q, expr)
+    return method is not None and _constant_method_call(f, expr, method, depth)
+
+
+def _asks_for_grad(call: ast.Call) -> bool:
+    """``call`` passes ``requires_grad=`` with a value other than False."""
+    return any(kw.arg == "requires_grad" and not _is_false(kw.value) for kw in call.keywords)
+
+
+def _constant_method_call(f: FileAnalysis, expr: ast.Call, method: str, depth: int) -> bool:
+    """``expr`` calls ``method`` of a constant, with constant arguments."""
+    args = list(expr.args) + [kw.value for kw in expr.keywords]
+    shape_only = method in _SHAPE_METHODS  # sizes and dims: any argument that is not a tensor
+
+    def fine(a: ast.AST) -> bool:
+        if _constant_tensor(f, a, depth) or _harmless_arg(a):
+            return True
+        k = f.kind(a)
+        return shape_only and (k is None or k.cat != "tensor")
+    return _constant_tensor(f, expr.func.value, depth) and all(fine(a) for a in args)
+
+
+def _is_false(node: ast.AST | None) -> bool:
+    return isinstance(node, ast.Constant) and node.value is False
 
 
 _SHAPE_METHODS = frozenset("""view reshape repeat repeat_interleave expand permute transpose flatten unsqueeze squeeze
@@ -194,23 +267,36 @@ def _harmless_arg(node: ast.AST) -> bool:
     """A method argument that carries no tensor: a dtype, a memory format, a string, a tuple of numbers."""
     if isinstance(node, ast.Constant):
         return True
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
+    if _is_torch_attribute(node):
         return True  # torch.float32, torch.channels_last ...
     if isinstance(node, (ast.Tuple, ast.List)):
         return all(_harmless_arg(e) for e in node.elts)
+    return _is_constant_name(node)
+
+
+def _is_constant_name(node: ast.AST) -> bool:
+    """A NAME IN CAPITALS: a module constant, by convention."""
     return isinstance(node, ast.Name) and node.id.isupper()
+
+
+def _is_torch_attribute(node: ast.AST) -> bool:
+    """``torch.<name>``."""
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch"
 
 
 def _detached(f: FileAnalysis, expr: ast.AST, depth: int = 0) -> bool:
     """``expr`` is computed from ``.detach()``/``.data``/numpy values: no gradient flows
     through it (also through the variables it reads, two assignments deep)."""
-    for n in ast.walk(expr):
-        if isinstance(n, ast.Attribute) and n.attr in ("detach", "data", "numpy", "item"):
-            return True
-        if isinstance(n, ast.Name) and depth < 2:
-            value = f.binding_value(n)
-            if value is not None and _detached(f, value, depth + 1):
-                return True
+    return any(_detaches(f, n, depth) for n in ast.walk(expr))
+
+
+def _detaches(f: FileAnalysis, n: ast.AST, depth: int) -> bool:
+    """``n`` is ``.detach``/``.data``/``.numpy``/``.item``, or a variable assigned a detached value."""
+    if isinstance(n, ast.Attribute):
+        return n.attr in ("detach", "data", "numpy", "item")
+    if isinstance(n, ast.Name) and depth < 2:
+        value = f.binding_value(n)
+        return value is not None and _detached(f, value, depth + 1)
     return False
 
 
@@ -219,29 +305,50 @@ def _activation_losses(f: FileAnalysis) -> list[tuple[ast.Call, str, str]]:
     whose input is known to be a softmax, log_softmax or sigmoid output."""
     if "act_losses" in f.memo:
         return f.memo["act_losses"]
-    types = {"torch.nn.functional.cross_entropy": "ce", "torch.nn.CrossEntropyLoss": "ce",
-             "torch.nn.functional.binary_cross_entropy": "bce", "torch.nn.BCELoss": "bce",
-             "torch.nn.functional.binary_cross_entropy_with_logits": "bce_logits",
-             "torch.nn.BCEWithLogitsLoss": "bce_logits",
-             "torch.nn.functional.nll_loss": "nll", "torch.nn.NLLLoss": "nll"}
     out = []
     for call in f.nodes[ast.Call]:
-        q = f.qualname(call.func)
-        if q is None:
-            k = f.kind(call.func)
-            q = k.detail if k is not None and k.cat == "lossfn" else None
-        loss = types.get(q)
+        loss = _ACTIVATION_LOSSES.get(_loss_called(f, call))
         if loss is None:
             continue
-        inp = kwarg(call, "input", 0)
-        k = f.kind(inp) if inp is not None else None
-        if k is not None and k.cat == "tensor" and k.detail in ACTS:
-            out.append((call, loss, k.detail))
+        act = _input_activation(f, call)
+        if act is not None:
+            out.append((call, loss, act))
     f.memo["act_losses"] = out
     return out
 
 
-_LOSS_NAMES = {"ce": "cross-entropy", "bce": "BCELoss", "bce_logits": "BCEWithLogitsLoss", "nll": "NLLLoss"}
+_ACTIVATION_LOSSES = {"torch.nn.functional.cross_entropy": "ce", "torch.nn.CrossEntropyLoss": "ce",
+                      "torch.nn.functional.binary_cross_entropy": "bce", "torch.nn.BCELoss": "bce",
+                      "torch.nn.functional.binary_cross_entropy_with_logits": "bce_logits",
+                      "torch.nn.BCEWithLogitsLoss": "bce_logits",
+                      "torch.nn.functional.nll_loss": "nll", "torch.nn.NLLLoss": "nll"}
+
+
+def _loss_called(f: FileAnalysis, call: ast.Call) -> str | None:
+    """The qualified name of the function ``call`` calls, or of the loss object it calls."""
+    q = f.qualname(call.func)
+    if q is None:
+        k = f.kind(call.func)
+        q = k.detail if k is not None and k.cat == "lossfn" else None
+    return q
+
+
+def _input_activation(f: FileAnalysis, call: ast.Call) -> str | None:
+    """The activation (softmax, log_softmax, sigmoid) whose output is the loss ``call``'s input."""
+    k = f.kind(kwarg(call, "input", 0))
+    if k is not None and k.cat == "tensor" and k.detail in ACTS:
+        return k.detail
+    return None
+
+
+#: (loss, activation of its input) -> the finding of :class:`ActivationAppliedTwice`
+_APPLIED_TWICE = {
+    ("ce", "softmax"): "softmax output fed to cross-entropy, which applies log_softmax itself: pass the logits",
+    ("bce_logits", "sigmoid"): ("sigmoid output fed to BCEWithLogitsLoss, which applies sigmoid itself: pass the "
+                                "logits"),
+    ("nll", "softmax"): ("softmax output fed to NLLLoss, which expects log-probabilities: use log_softmax, or "
+                         "cross-entropy on the logits"),
+}
 
 
 @static_rule
@@ -282,12 +389,9 @@ class ActivationAppliedTwice(StaticRule):
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for call, loss, act in _activation_losses(f):
-            if (loss, act) in (("ce", "softmax"), ("bce_logits", "sigmoid")):
-                yield call, (f"{act} output fed to {_LOSS_NAMES[loss]}, which applies "
-                             f"{'log_softmax' if loss == 'ce' else 'sigmoid'} itself: pass the logits")
-            elif (loss, act) == ("nll", "softmax"):
-                yield call, ("softmax output fed to NLLLoss, which expects log-probabilities: use log_softmax, or "
-                             "cross-entropy on the logits")
+            message = _APPLIED_TWICE.get((loss, act))
+            if message is not None:
+                yield call, message
 
 
 @static_rule
@@ -326,16 +430,26 @@ class LegacyLossReductionArgs(StaticRule):
             q = f.qualname(call.func)
             if not is_loss(q):
                 continue
-            given = {kw.arg: kw.value for kw in call.keywords if kw.arg in ("size_average", "reduce")
-                     and isinstance(kw.value, ast.Constant) and kw.value.value is not None}
+            given = _legacy_args(call)
             if not given:
                 continue  # none given, or a wrapper passing its caller's values through
-            reduce_, size_average = given.get("reduce"), given.get("size_average")
-            if isinstance(reduce_, ast.Constant) and reduce_.value is False:
-                suggestion = "reduction='none'"
-            elif isinstance(size_average, ast.Constant) and size_average.value is False:
-                suggestion = "reduction='sum'"
-            else:
-                suggestion = "reduction='mean'"
             names = " and ".join(f"{k}=" for k in given)
-            yield call, f"{names} deprecated in {q.rsplit('.', 1)[-1]}: use {suggestion}"
+            yield call, f"{names} deprecated in {q.rsplit('.', 1)[-1]}: use {_reduction_for(given)}"
+
+
+def _legacy_args(call: ast.Call) -> dict[str, ast.Constant]:
+    """The ``size_average=`` / ``reduce=`` arguments of ``call`` given as constants other than None."""
+    return {kw.arg: kw.value for kw in call.keywords if _is_legacy_flag(kw)}
+
+
+def _is_legacy_flag(kw: ast.keyword) -> bool:
+    return kw.arg in ("size_average", "reduce") and isinstance(kw.value, ast.Constant) and kw.value.value is not None
+
+
+def _reduction_for(given: dict[str, ast.Constant]) -> str:
+    """The ``reduction=`` that the legacy arguments ``given`` mean."""
+    if _is_false(given.get("reduce")):
+        return "reduction='none'"
+    if _is_false(given.get("size_average")):
+        return "reduction='sum'"
+    return "reduction='mean'"

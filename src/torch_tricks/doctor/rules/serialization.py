@@ -10,9 +10,10 @@ from torch_tricks.doctor.analysis import MODULE_ONLY_METHODS, FileAnalysis, kwar
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 
-def _torch_loads(f: FileAnalysis) -> Iterator[ast.Call]:
+def _calls_of(f: FileAnalysis, q: str) -> Iterator[ast.Call]:
+    """The calls of ``q`` in the file, except those passing ``**kwargs``."""
     for call in f.nodes[ast.Call]:
-        if f.qualname(call.func) == "torch.load" and not any(kw.arg is None for kw in call.keywords):
+        if f.qualname(call.func) == q and not any(kw.arg is None for kw in call.keywords):
             yield call
 
 
@@ -31,9 +32,15 @@ class TorchLoadWithoutMapLocation(StaticRule):
                    "load_state_dict / .to(device), or map_location=f'cuda:{local_rank}'.")
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
-        for call in _torch_loads(f):
-            if kwarg(call, "map_location", 1) is None and not _holds_numpy(f, call) and not _in_memory(f, call):
+        for call in _calls_of(f, "torch.load"):
+            if _device_mapping_matters(f, call):
                 yield call, self.message
+
+
+def _device_mapping_matters(f: FileAnalysis, call: ast.Call) -> bool:
+    """The ``torch.load`` ``call`` passes no map_location, and what it loads may hold device tensors
+    saved elsewhere."""
+    return kwarg(call, "map_location", 1) is None and not _holds_numpy(f, call) and not _in_memory(f, call)
 
 
 def _in_memory(f: FileAnalysis, call: ast.Call) -> bool:
@@ -48,16 +55,29 @@ def _in_memory(f: FileAnalysis, call: ast.Call) -> bool:
 def _holds_numpy(f: FileAnalysis, call: ast.Call) -> bool:
     """What ``call`` loads is used as a NumPy array (handed to ``torch.from_numpy`` or a ``numpy``
     function, whole or indexed): the file holds no device tensors, so there is no device to map."""
-    target = f.parent.get(call)
-    if not (isinstance(target, ast.Assign) and len(target.targets) == 1 and isinstance(target.targets[0], ast.Name)):
+    name = _assigned_name(f, call)
+    if name is None:
         return False
-    name = target.targets[0].id
-    for c in f.calls_in(f.function_scope(call)):
-        q = f.qualname(c.func) or ""
-        if pos(c) > pos(call) and (q == "torch.from_numpy" or q.startswith("numpy.")) and any(
-                isinstance(n, ast.Name) and n.id == name for a in c.args for n in ast.walk(a)):
-            return True
-    return False
+    return any(pos(c) > pos(call) and _hands_to_numpy(f, c, name) for c in f.calls_in(f.function_scope(call)))
+
+
+def _assigned_name(f: FileAnalysis, value: ast.AST) -> str | None:
+    """The name ``value`` is assigned to (``name = value``), else None."""
+    target = f.parent.get(value)
+    if isinstance(target, ast.Assign) and len(target.targets) == 1 and isinstance(target.targets[0], ast.Name):
+        return target.targets[0].id
+    return None
+
+
+def _hands_to_numpy(f: FileAnalysis, c: ast.Call, name: str) -> bool:
+    """``c`` is ``torch.from_numpy`` or a ``numpy`` function, and an argument reads the variable ``name``."""
+    q = f.qualname(c.func) or ""
+    return (q == "torch.from_numpy" or q.startswith("numpy.")) and _reads(c.args, name)
+
+
+def _reads(exprs: list[ast.AST], name: str) -> bool:
+    """One of ``exprs`` reads the variable ``name``."""
+    return any(isinstance(n, ast.Name) and n.id == name for e in exprs for n in ast.walk(e))
 
 
 @static_rule
@@ -78,10 +98,15 @@ class TorchLoadWithoutWeightsOnly(StaticRule):
                    "check).")
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
-        allowlist = any(f.qualname(c.func) == "torch.serialization.add_safe_globals" for c in f.nodes[ast.Call])
-        for call in _torch_loads(f):
+        allowlist = _adds_safe_globals(f)
+        for call in _calls_of(f, "torch.load"):
             if kwarg(call, "weights_only") is None and not allowlist and not _weights_only_meant(f, call):
                 yield call, self.message
+
+
+def _adds_safe_globals(f: FileAnalysis) -> bool:
+    """The file calls ``torch.serialization.add_safe_globals``: it loads with weights_only on purpose."""
+    return any(f.qualname(c.func) == "torch.serialization.add_safe_globals" for c in f.nodes[ast.Call])
 
 
 def _weights_only_meant(f: FileAnalysis, call: ast.Call) -> bool:
@@ -89,22 +114,40 @@ def _weights_only_meant(f: FileAnalysis, call: ast.Call) -> bool:
     torch.serialization.safe_globals(...)`` (which only serves weights_only=True, the default since torch
     2.6), or it is the fallback of one that passes weights_only (an ``except`` after a ``try`` that does, or
     the other branch of an ``if`` on the version): a shim for an older torch that has no such argument."""
-    def passes_it(nodes: list[ast.AST]) -> bool:
-        return any(isinstance(n, ast.Call) and f.qualname(n.func) == "torch.load" and kwarg(n, "weights_only")
-                   is not None for stmt in nodes for n in ast.walk(stmt))
-
     child: ast.AST = call
     for anc in f.local_ancestors(call):
-        if isinstance(anc, (ast.With, ast.AsyncWith)) and any(
-                isinstance(item.context_expr, ast.Call)
-                and f.qualname(item.context_expr.func) == "torch.serialization.safe_globals" for item in anc.items):
-            return True
-        if isinstance(anc, ast.Try) and child in anc.handlers and passes_it(anc.body):
-            return True
-        if isinstance(anc, ast.If) and child is not anc.test and passes_it(anc.orelse if child in anc.body else anc.body):
+        if _chooses_weights_only(f, anc, child):
             return True
         child = anc
     return False
+
+
+def _chooses_weights_only(f: FileAnalysis, anc: ast.AST, child: ast.AST) -> bool:
+    """The statement ``anc`` chooses weights_only loading for its part ``child``: a ``with safe_globals``,
+    a ``try`` whose body passes weights_only (``child`` a handler), an ``if`` whose other branch does."""
+    if isinstance(anc, (ast.With, ast.AsyncWith)):
+        return _in_safe_globals(f, anc)
+    if isinstance(anc, ast.Try):
+        return child in anc.handlers and _passes_weights_only(f, anc.body)
+    if isinstance(anc, ast.If):
+        return child is not anc.test and _passes_weights_only(f, _other_branch(anc, child))
+    return False
+
+
+def _in_safe_globals(f: FileAnalysis, block: ast.With | ast.AsyncWith) -> bool:
+    return any(isinstance(item.context_expr, ast.Call)
+               and f.qualname(item.context_expr.func) == "torch.serialization.safe_globals" for item in block.items)
+
+
+def _other_branch(test: ast.If, child: ast.AST) -> list[ast.stmt]:
+    """The branch of ``test`` that does not hold ``child``."""
+    return test.orelse if child in test.body else test.body
+
+
+def _passes_weights_only(f: FileAnalysis, nodes: list[ast.AST]) -> bool:
+    """Some ``torch.load`` in the statements ``nodes`` passes weights_only."""
+    return any(isinstance(n, ast.Call) and f.qualname(n.func) == "torch.load" and kwarg(n, "weights_only")
+               is not None for stmt in nodes for n in ast.walk(stmt))
 
 
 @static_rule
@@ -125,18 +168,21 @@ class SaveWholeModule(StaticRule):
                    "weights_only=True)); for a self-contained artefact use torch.export / torch.jit.save.")
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
-        for call in f.nodes[ast.Call]:
-            if f.qualname(call.func) != "torch.save" or any(kw.arg is None for kw in call.keywords):
-                continue
+        for call in _calls_of(f, "torch.save"):
             obj = kwarg(call, "obj", 0)
-            k = f.kind(obj)
-            if k is None and not _used_as_module(f, obj):
-                continue
-            if k is not None and not (k.cat == "module" or (k.cat == "self" and f.is_module_class(k.ref))):
+            if not _is_module(f, obj):
                 continue
             name = ast.unparse(obj)
             yield call, (f"torch.save({name}, ...) pickles the whole module (its class by reference): the checkpoint "
                          f"breaks when the code moves or changes; save {name}.state_dict()")
+
+
+def _is_module(f: FileAnalysis, obj: ast.AST | None) -> bool:
+    """``obj`` is an nn.Module: its kind says so, or (kind unknown) its variable is used as one."""
+    k = f.kind(obj)
+    if k is None:
+        return _used_as_module(f, obj)
+    return k.cat == "module" or (k.cat == "self" and f.is_module_class(k.ref))
 
 
 def _used_as_module(f: FileAnalysis, node: ast.AST) -> bool:
@@ -146,15 +192,32 @@ def _used_as_module(f: FileAnalysis, node: ast.AST) -> bool:
     if not isinstance(node, ast.Name):
         return False
     b = f.lookup(node)
-    if b is None or b[1] != "value" or any((f.qualname(n) or "").startswith("torch.")
-                                           for n in ast.walk(b[2]) if isinstance(n, (ast.Name, ast.Attribute))):
+    if not _assigned_without_torch(f, b):
         return False  # torch.jit.script(model), torch.load(...): not a plain module of this file's making
-    binds = next((names[node.id] for names in f.bindings.values() if b in names.get(node.id, ())), None)
+    binds = _same_variable(f, node.id, b)
     if not binds:
         return False
-    for call in f.nodes[ast.Call]:
-        func = call.func
-        if isinstance(func, ast.Attribute) and func.attr in MODULE_ONLY_METHODS and isinstance(func.value, ast.Name) \
-                and func.value.id == node.id and f.lookup(func.value) in binds:
-            return True
-    return False
+    return any(_calls_module_method(f, call, node.id, binds) for call in f.nodes[ast.Call])
+
+
+def _assigned_without_torch(f: FileAnalysis, b: tuple | None) -> bool:
+    """The binding ``b`` assigns a value that reads nothing of torch."""
+    return b is not None and b[1] == "value" and not _mentions_torch(f, b[2])
+
+
+def _same_variable(f: FileAnalysis, name: str, b: tuple) -> list | None:
+    """The bindings of ``name`` in the scope whose binding ``b`` is."""
+    return next((names[name] for names in f.bindings.values() if b in names.get(name, ())), None)
+
+
+def _mentions_torch(f: FileAnalysis, expr: ast.AST) -> bool:
+    """``expr`` reads something of torch."""
+    return any((f.qualname(n) or "").startswith("torch.")
+               for n in ast.walk(expr) if isinstance(n, (ast.Name, ast.Attribute)))
+
+
+def _calls_module_method(f: FileAnalysis, call: ast.Call, name: str, binds: list) -> bool:
+    """``call`` is ``name.eval()``, ``name.parameters()`` ... with ``name`` bound by one of ``binds``."""
+    func = call.func
+    return isinstance(func, ast.Attribute) and func.attr in MODULE_ONLY_METHODS and isinstance(func.value, ast.Name) \
+        and func.value.id == name and f.lookup(func.value) in binds
