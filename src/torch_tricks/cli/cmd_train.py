@@ -61,20 +61,15 @@ def add_commands(sub: Any) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from torch_tricks._io import atomic_path
     from torch_tricks.data import load_dataset
     from torch_tricks.models import load_model
     from torch_tricks.outputs import get_loss
     from torch_tricks.seed import seed_everything
-    from torch_tricks.train import TrainConfig, fit, load_config
+    from torch_tricks.train import fit
     from torch_tricks.train.distributed import cleanup, is_main_process
 
-    values = load_config(args.config) if args.config else {}
-    values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-                   if getattr(args, f.name) is not None})
-    config = TrainConfig.from_dict(values).validate()
+    config = _train_config(args)
     train_set, val_set = load_dataset(args.data)
     seed_everything(config.seed)  # the initial weights too come from the seed
     model, _ = load_model(args.model, hf_config=getattr(args, "hf_config", None))
@@ -123,6 +118,18 @@ def cmd_ckpt_export(args: argparse.Namespace) -> int:
 
 
 # -- internals -------------------------------------------------------------------------------------
+
+def _train_config(args: argparse.Namespace) -> Any:
+    """The TrainConfig of ``--config`` (if given) with the switches given as flags on top, validated."""
+    import dataclasses
+
+    from torch_tricks.train import TrainConfig, load_config
+
+    values = load_config(args.config) if args.config else {}
+    values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                   if getattr(args, f.name) is not None})
+    return TrainConfig.from_dict(values).validate()
+
 
 def _add_config_flags(sp: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field; defaults are None so the config file can fill them."""

@@ -43,7 +43,7 @@ import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -107,27 +107,41 @@ class LoadReport:
         parts = [f"Loaded {len(self.loaded)} model entries{src}."]
         if self.unreadable:
             parts.append(self.fallback_line() + ".")
+        parts.extend(self._mismatch_lines())
+        parts.extend(self._component_lines())
+        parts.extend(self.notes)
+        parts.append(self._position_line())
+        return " ".join(parts)
+
+    def _mismatch_lines(self) -> list[str]:
+        """The model keys skipped for their shape, missing and unexpected, each with the first few names."""
+        lines = []
         if self.skipped_shape:
-            shown = ", ".join(f"{k} (checkpoint {tuple(a)} vs model {tuple(b)})" for k, a, b in self.skipped_shape[:3])
-            more = f" and {len(self.skipped_shape) - 3} more" if len(self.skipped_shape) > 3 else ""
-            parts.append(f"Skipped {len(self.skipped_shape)} with a different shape: {shown}{more}.")
+            shown = _few([f"{k} (checkpoint {tuple(a)} vs model {tuple(b)})" for k, a, b in self.skipped_shape])
+            lines.append(f"Skipped {len(self.skipped_shape)} with a different shape: {shown}.")
         if self.missing:
             n = len(self.missing)
-            parts.append(f"{n} model entries not in the checkpoint (left as they were): {_few(self.missing)}.")
+            lines.append(f"{n} model entries not in the checkpoint (left as they were): {_few(self.missing)}.")
         if self.unexpected:
             n = len(self.unexpected)
-            parts.append(f"{n} checkpoint entries not in the model (ignored): {_few(self.unexpected)}.")
+            lines.append(f"{n} checkpoint entries not in the model (ignored): {_few(self.unexpected)}.")
+        return lines
+
+    def _component_lines(self) -> list[str]:
+        """What was restored besides the model, and what was asked for but is not in the file."""
+        lines = []
         others = [r for r in self.restored if r != "model"]
         if others:
-            parts.append(f"Restored {', '.join(others)}.")
+            lines.append(f"Restored {', '.join(others)}.")
         if self.not_in_checkpoint:
-            parts.append(f"Not in the checkpoint: {', '.join(self.not_in_checkpoint)}.")
-        parts.extend(self.notes)
+            lines.append(f"Not in the checkpoint: {', '.join(self.not_in_checkpoint)}.")
+        return lines
+
+    def _position_line(self) -> str:
         pos = f"Resume at epoch {self.epoch}, batch {self.batch_index}, step {self.step}"
         if self.sampler_epoch is not None:
             pos += f" (sampler epoch {self.sampler_epoch})"
-        parts.append(pos + ".")
-        return " ".join(parts)
+        return pos + "."
 
     def fallback_line(self) -> str:
         """One line saying which newer checkpoints did not load and which one did ("" when none was skipped)."""
@@ -188,48 +202,26 @@ def save_checkpoint(
     """
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be an nn.Module, not {type(model).__name__}")
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-        raise UserError(f"keep must be a whole number >= 0 (0 keeps every checkpoint), not {keep!r}")
+    _check_keep(keep)
     target = Path(path)
     if target.is_dir():
         example = str(target / "last.pt")
         raise UserError(f"{str(target)!r} is a directory: give a checkpoint file name such as {example!r}")
     components = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "ema": ema}
-    for name, obj in components.items():
-        if obj is not None and not callable(getattr(obj, "state_dict", None)):
-            raise UserError(f"{name} has no state_dict(): pass the {name} object itself (or None)")
+    _check_components(components)
 
     rng_states = _gather_rng_states() if rng else None  # collective under DDP: before the rank-0 branch
 
     error: BaseException | None = None
     if is_main_process():
         try:
-            ckpt: dict[str, Any] = {
-                "format": FORMAT,
-                "format_version": FORMAT_VERSION,
-                "torch_version": str(torch.__version__),  # TorchVersion is a str subclass weights_only refuses
-                "world_size": get_world_size(),
-                "model": _clean_state_dict(unwrap_model(model).state_dict()),
-                "step": int(step),
-                "epoch": int(epoch),
-                "batch_index": int(batch_index),
-                "sampler_epoch": None if sampler_epoch is None else int(sampler_epoch),
-            }
-            for name, obj in components.items():
-                if obj is not None:
-                    ckpt[name] = obj.state_dict()
-            if rng_states is not None:
-                ckpt["rng"] = {"per_rank": rng_states}
-            if extra is not None:
-                ckpt["extra"] = extra
+            ckpt = _checkpoint_dict(model, components, rng_states, extra, step=step, epoch=epoch,
+                                    batch_index=batch_index, sampler_epoch=sampler_epoch)
             _atomic_torch_save(ckpt, target, keep_previous=keep != 1, step=int(step))
             _prune_kept(target, keep)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
             error = exc
-    if any_rank(error is not None):  # every rank learns whether rank 0 succeeded; also the barrier
-        if error is not None:
-            raise error
-        raise UserError(f"rank 0 failed to write the checkpoint {str(target)!r}: see rank 0's error")
+    _raise_if_rank0_failed(error, target)
     return target
 
 
@@ -275,7 +267,8 @@ def load_checkpoint(
     report = LoadReport(path=str(p), unreadable=unreadable)
     if model is not None:
         _restore_model(model, ckpt, obj, p, strict, report)
-    for name, target in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler), ("ema", ema)):
+    components = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "ema": ema}
+    for name, target in components.items():
         if target is not None:
             _restore_component(name, target, ckpt, p, report)
     _read_position(ckpt, report)
@@ -297,10 +290,7 @@ def load_state_dict_flexible(model: nn.Module, state_dict: Mapping[str, Any], st
     """
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be an nn.Module, not {type(model).__name__}")
-    if isinstance(state_dict, nn.Module):
-        state_dict = state_dict.state_dict()
-    if not isinstance(state_dict, Mapping):
-        raise UserError(f"expected a state_dict (a mapping of names to tensors), got {type(state_dict).__name__}")
+    state_dict = _as_state_dict(state_dict)
 
     own = model.state_dict()
     report, to_load = _match_state_dict(own, state_dict)
@@ -329,17 +319,9 @@ def latest_checkpoint(directory: str | os.PathLike[str], pattern: str = "*.pt") 
         return None
     if not d.is_dir():
         raise UserError(f"{str(d)!r} is not a directory: give the directory holding the checkpoints")
-    best: tuple[tuple[int, bool, list[Any]], Path] | None = None
-    for p in d.glob(pattern):
-        if _is_temp(p) or not p.is_file():
-            continue
-        st = p.stat()
-        if st.st_size == 0:
-            continue
-        key = (st.st_mtime_ns, _KEPT.fullmatch(p.name) is None, _natural_key(p.name))
-        if best is None or key > best[0]:
-            best = (key, p)
-    return None if best is None else best[1]
+    found = [((st.st_mtime_ns, _KEPT.fullmatch(p.name) is None, _natural_key(p.name)), p)
+             for p, st in _nonempty_files(d.glob(pattern))]
+    return max(found, key=lambda kp: kp[0])[1] if found else None  # the first of equal keys, as found
 
 
 def previous_checkpoints(path: str | os.PathLike[str]) -> list[Path]:
@@ -354,12 +336,9 @@ def previous_checkpoints(path: str | os.PathLike[str]) -> list[Path]:
         return []
     name = re.compile(re.escape(target.stem) + r"\.step-(\d+)" + re.escape(target.suffix))
     found = []
-    for p in target.parent.glob(f"{glob.escape(target.stem)}.step-*{glob.escape(target.suffix)}"):
+    for p, st in _nonempty_files(target.parent.glob(f"{glob.escape(target.stem)}.step-*{glob.escape(target.suffix)}")):
         m = name.fullmatch(p.name)
-        if m is None or _is_temp(p) or not p.is_file():
-            continue
-        st = p.stat()
-        if st.st_size:
+        if m is not None:
             found.append(((st.st_mtime_ns, int(m.group(1))), p))
     return [p for _, p in sorted(found, key=lambda kp: kp[0], reverse=True)]
 
@@ -368,22 +347,11 @@ def capture_rng_state() -> dict[str, Any]:
     """This process's python / numpy / torch / CUDA generator states, in a weights_only-loadable form."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if available("numpy"):  # numpy is optional at runtime
-        import numpy as np
-
-        s = np.random.get_state(legacy=False)
-        if isinstance(s, dict) and isinstance(s.get("state"), dict) and "key" in s["state"]:  # MT19937
-            state["numpy"] = {
-                "bit_generator": str(s["bit_generator"]),
-                "key": torch.from_numpy(np.asarray(s["state"]["key"], dtype=np.int64)),
-                "pos": int(s["state"]["pos"]),
-                "has_gauss": int(s["has_gauss"]),
-                "gauss": float(s["gauss"]),
-            }
+        numpy_state = _numpy_rng_state()
+        if numpy_state is not None:
+            state["numpy"] = numpy_state
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        if is_dist():  # only this rank's own device: touching the others would allocate a context on each
-            devices = [torch.cuda.current_device()]
-        else:
-            devices = list(range(torch.cuda.device_count()))
+        devices = _rng_devices()
         state["cuda"] = [torch.cuda.get_rng_state(i) for i in devices]
         state["cuda_devices"] = devices
     return state
@@ -397,22 +365,101 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     if "torch" in state:
         torch.set_rng_state(state["torch"].cpu())
     if "numpy" in state:
-        import numpy as np
-
-        s = state["numpy"]
-        np.random.set_state(
-            {
-                "bit_generator": s["bit_generator"],
-                "state": {"key": s["key"].cpu().numpy().astype(np.uint32), "pos": int(s["pos"])},
-                "has_gauss": int(s["has_gauss"]),
-                "gauss": float(s["gauss"]),
-            }
-        )
+        _set_numpy_rng_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
-        devices = state.get("cuda_devices") or list(range(len(state["cuda"])))
-        for idx, s in zip(devices, state["cuda"]):
-            if idx < torch.cuda.device_count():
-                torch.cuda.set_rng_state(s.cpu(), idx)
+        _set_cuda_rng_states(state)
+
+
+def _numpy_rng_state() -> dict[str, Any] | None:
+    """numpy's global MT19937 state with the key as a tensor (weights_only loads it); None for another generator."""
+    import numpy as np
+
+    s = np.random.get_state(legacy=False)
+    if not (isinstance(s, dict) and isinstance(s.get("state"), dict) and "key" in s["state"]):  # MT19937
+        return None
+    return {
+        "bit_generator": str(s["bit_generator"]),
+        "key": torch.from_numpy(np.asarray(s["state"]["key"], dtype=np.int64)),
+        "pos": int(s["state"]["pos"]),
+        "has_gauss": int(s["has_gauss"]),
+        "gauss": float(s["gauss"]),
+    }
+
+
+def _rng_devices() -> list[int]:
+    """The CUDA devices whose generators to save: every one, but under DDP only this rank's own
+    (touching the others would allocate a context on each)."""
+    if is_dist():
+        return [torch.cuda.current_device()]
+    return list(range(torch.cuda.device_count()))
+
+
+def _set_numpy_rng_state(s: Mapping[str, Any]) -> None:
+    import numpy as np
+
+    np.random.set_state(
+        {
+            "bit_generator": s["bit_generator"],
+            "state": {"key": s["key"].cpu().numpy().astype(np.uint32), "pos": int(s["pos"])},
+            "has_gauss": int(s["has_gauss"]),
+            "gauss": float(s["gauss"]),
+        }
+    )
+
+
+def _set_cuda_rng_states(state: Mapping[str, Any]) -> None:
+    """The saved CUDA generators back on their devices; those of devices this machine lacks are skipped."""
+    devices = state.get("cuda_devices") or list(range(len(state["cuda"])))
+    for idx, s in zip(devices, state["cuda"]):
+        if idx < torch.cuda.device_count():
+            torch.cuda.set_rng_state(s.cpu(), idx)
+
+
+# --- saving, part by part ----------------------------------------------------------------
+
+
+def _check_keep(keep: Any) -> None:
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise UserError(f"keep must be a whole number >= 0 (0 keeps every checkpoint), not {keep!r}")
+
+
+def _check_components(components: Mapping[str, Any]) -> None:
+    for name, obj in components.items():
+        if obj is not None and not callable(getattr(obj, "state_dict", None)):
+            raise UserError(f"{name} has no state_dict(): pass the {name} object itself (or None)")
+
+
+def _checkpoint_dict(model: nn.Module, components: Mapping[str, Any], rng_states: list[dict[str, Any]] | None,
+                     extra: Any, *, step: int, epoch: int, batch_index: int,
+                     sampler_epoch: int | None) -> dict[str, Any]:
+    """What :func:`save_checkpoint` writes: format, counters, data position, and the state of what was given."""
+    ckpt: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "torch_version": str(torch.__version__),  # TorchVersion is a str subclass weights_only refuses
+        "world_size": get_world_size(),
+        "model": _clean_state_dict(unwrap_model(model).state_dict()),
+        "step": int(step),
+        "epoch": int(epoch),
+        "batch_index": int(batch_index),
+        "sampler_epoch": None if sampler_epoch is None else int(sampler_epoch),
+    }
+    for name, obj in components.items():
+        if obj is not None:
+            ckpt[name] = obj.state_dict()
+    if rng_states is not None:
+        ckpt["rng"] = {"per_rank": rng_states}
+    if extra is not None:
+        ckpt["extra"] = extra
+    return ckpt
+
+
+def _raise_if_rank0_failed(error: BaseException | None, target: Path) -> None:
+    """Every rank learns whether rank 0 wrote the checkpoint (also the barrier); rank 0 re-raises its error."""
+    if any_rank(error is not None):
+        if error is not None:
+            raise error
+        raise UserError(f"rank 0 failed to write the checkpoint {str(target)!r}: see rank 0's error")
 
 
 # --- loading, part by part ---------------------------------------------------------------
@@ -432,9 +479,13 @@ def _read_with_fallback(p: Path, read: dict[str, Any]) -> tuple[Any, Path, list[
     assert first is not None
     if not kept:
         raise first
-    n = len(kept)
-    raise UserError(f"{first}; the {n} earlier checkpoint{'s' if n > 1 else ''} kept beside it "
-                    f"do{'' if n > 1 else 'es'} not load either") from None
+    raise _none_loads(first, len(kept)) from None
+
+
+def _none_loads(first: UserError, n: int) -> UserError:
+    """``path``'s error, saying that the ``n`` kept checkpoints do not load either."""
+    return UserError(f"{first}; the {n} earlier checkpoint{'s' if n > 1 else ''} kept beside it "
+                     f"do{'' if n > 1 else 'es'} not load either")
 
 
 def _restore_model(model: nn.Module, ckpt: Mapping[str, Any], obj: Any, p: Path, strict: bool,
@@ -489,6 +540,15 @@ def _restore_rank_rng(rng: Mapping[str, Any], report: LoadReport) -> None:
         report.notes.append(f"RNG state not restored on rank {rank}: the checkpoint has {len(per_rank)} rank(s).")
 
 
+def _as_state_dict(state_dict: Any) -> Mapping[str, Any]:
+    """A model's state_dict, or the mapping given; anything else is a UserError."""
+    if isinstance(state_dict, nn.Module):
+        state_dict = state_dict.state_dict()
+    if not isinstance(state_dict, Mapping):
+        raise UserError(f"expected a state_dict (a mapping of names to tensors), got {type(state_dict).__name__}")
+    return state_dict
+
+
 def _match_state_dict(
     own: Mapping[str, Any], state_dict: Mapping[str, Any]
 ) -> tuple[LoadReport, OrderedDict[str, Any]]:
@@ -498,9 +558,7 @@ def _match_state_dict(
     report = LoadReport()
     to_load: OrderedDict[str, Any] = OrderedDict()
     used: set[str] = set()
-    keys = [k for k in state_dict if not isinstance(k, str) or k in own]  # exact matches first
-    keys += [k for k in state_dict if isinstance(k, str) and k not in own]
-    for k in keys:
+    for k in _exact_matches_first(state_dict, own):
         v = state_dict[k]
         if not isinstance(k, str):
             report.unexpected.append(repr(k))
@@ -511,15 +569,27 @@ def _match_state_dict(
             continue
         used.add(tgt)
         mine = own[tgt]
-        if isinstance(v, torch.Tensor) and isinstance(mine, torch.Tensor) and v.shape != mine.shape:
+        if _shapes_differ(v, mine):
             report.skipped_shape.append((_clean_key(k), tuple(v.shape), tuple(mine.shape)))
             continue
         to_load[tgt] = v
         report.loaded.append(_clean_key(tgt))
-    report.missing = [
-        _clean_key(k) for k in own if k not in used and not k.rsplit(".", 1)[-1] == "num_batches_tracked"
-    ]
+    report.missing = _missing_keys(own, used)
     return report, to_load
+
+
+def _exact_matches_first(state_dict: Mapping[Any, Any], own: Mapping[str, Any]) -> list[Any]:
+    """The keys of ``state_dict``, those that name a model key exactly (and non-strings) first."""
+    return sorted(state_dict, key=lambda k: isinstance(k, str) and k not in own)  # a stable sort: False first
+
+
+def _shapes_differ(v: Any, mine: Any) -> bool:
+    return isinstance(v, torch.Tensor) and isinstance(mine, torch.Tensor) and v.shape != mine.shape
+
+
+def _missing_keys(own: Mapping[str, Any], used: set[str]) -> list[str]:
+    """The model keys nothing loads into, cleaned, but for ``num_batches_tracked`` (old checkpoints lack it)."""
+    return [_clean_key(k) for k in own if k not in used and not k.rsplit(".", 1)[-1] == "num_batches_tracked"]
 
 
 def _by_clean_key(own: Mapping[str, Any]) -> dict[str, str | None]:
@@ -568,23 +638,39 @@ def _as_checkpoint(obj: Any) -> dict[str, Any]:
         return {}
     if obj.get("format") == FORMAT:
         return dict(obj)
-    out: dict[str, Any] = {}
+    return _from_other_layout(obj)
+
+
+def _from_other_layout(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """A common training checkpoint dict (``state_dict``, ``optimizer_state_dict``, ...) or a bare state_dict."""
+    model = _model_entry(obj)
+    if model is None and _looks_like_state_dict(obj):
+        return {"model": obj}
+    out: dict[str, Any] = {} if model is None else {"model": model}
+    for name, aliases in _ALIASES.items():
+        value = _first_given(obj, aliases)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _model_entry(obj: Mapping[str, Any]) -> Any:
+    """The model's state_dict under the first of the usual keys that holds one (or a model); None if none does."""
     for key in _MODEL_KEYS:
         v = obj.get(key)
         if isinstance(v, nn.Module):
             v = v.state_dict()
         if _looks_like_state_dict(v):
-            out["model"] = v
-            break
-    else:
-        if _looks_like_state_dict(obj):
-            return {"model": obj}
-    for name, aliases in _ALIASES.items():
-        for a in aliases:
-            if a in obj and obj[a] is not None:
-                out[name] = obj[a]
-                break
-    return out
+            return v
+    return None
+
+
+def _first_given(obj: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
+    """The value under the first of ``keys`` that ``obj`` holds and is not None; None if none."""
+    for key in keys:
+        if obj.get(key) is not None:
+            return obj[key]
+    return None
 
 
 def _looks_like_state_dict(v: Any) -> bool:
@@ -728,14 +814,7 @@ class _Unreadable(UserError):
 
 def _torch_load(path: Path, *, map_location: Any, weights_only: bool, encoding: str | None) -> Any:
     name = repr(str(path))
-    if not path.exists():
-        raise _Unreadable(f"checkpoint {name} does not exist: check the path (latest_checkpoint(dir) finds the newest)",
-                          "is missing")
-    if path.is_dir():
-        raise UserError(f"{name} is a directory: give a checkpoint file (latest_checkpoint(dir) finds the newest)")
-    if path.stat().st_size == 0:
-        raise _Unreadable(f"checkpoint {name} is empty (0 bytes): an interrupted save? use another checkpoint",
-                          "is empty (0 bytes)")
+    _check_checkpoint_file(path, name)
     kwargs: dict[str, Any] = {"map_location": map_location, "weights_only": weights_only}
     if encoding is not None:
         kwargs["encoding"] = encoding
@@ -751,30 +830,54 @@ def _torch_load(path: Path, *, map_location: Any, weights_only: bool, encoding: 
         why = one_line(exc, 160)
         raise UserError(f"checkpoint {name} refers to code not importable here ({why}): import it first") from None
     except pickle.UnpicklingError as exc:
-        text = str(exc)
-        if not weights_only or "Weights only load failed" not in text:
-            raise _Unreadable(_corrupt(name, exc), _corrupt_reason(exc)) from None
-        why = _weights_only_reason(text)
-        if "codec can't decode" in text:
-            raise UserError(_not_utf8(name, encoding, weights_only)) from None
-        if "Unsupported global" in text:
-            raise UserError(
-                f"checkpoint {name} holds more than tensors and plain containers ({why}), which weights_only=True "
-                "refuses: if you trust the file, pass weights_only=False"
-            ) from None
-        raise UserError(
-            f"checkpoint {name} is corrupt, or uses pickle features weights_only=True refuses ({why}): "
-            "if you trust the file, try weights_only=False"
-        ) from None
+        raise _unpickling_error(name, exc, encoding, weights_only) from None
     except RuntimeError as exc:
-        text = str(exc)
-        if "deserialize object on" in text or "torch.cuda.is_available() is False" in text:
-            raise UserError(
-                f"checkpoint {name} holds tensors of a device not available here: pass map_location='cpu'"
-            ) from None
-        raise _Unreadable(_corrupt(name, exc), _corrupt_reason(exc)) from None
+        raise _runtime_load_error(name, exc) from None
     except (EOFError, zipfile.BadZipFile, ValueError, OSError, IndexError, KeyError, TypeError, OverflowError) as exc:
-        raise _Unreadable(_corrupt(name, exc), _corrupt_reason(exc)) from None
+        raise _unreadable(name, exc) from None
+
+
+def _check_checkpoint_file(path: Path, name: str) -> None:
+    """Missing, a directory, or empty: said before torch.load would say it less clearly."""
+    if not path.exists():
+        raise _Unreadable(f"checkpoint {name} does not exist: check the path (latest_checkpoint(dir) finds the newest)",
+                          "is missing")
+    if path.is_dir():
+        raise UserError(f"{name} is a directory: give a checkpoint file (latest_checkpoint(dir) finds the newest)")
+    if path.stat().st_size == 0:
+        raise _Unreadable(f"checkpoint {name} is empty (0 bytes): an interrupted save? use another checkpoint",
+                          "is empty (0 bytes)")
+
+
+def _unpickling_error(name: str, exc: pickle.UnpicklingError, encoding: str | None, weights_only: bool) -> UserError:
+    """The error to raise for an unpickling failure: corrupt, or what weights_only=True refused and why."""
+    text = str(exc)
+    if not weights_only or "Weights only load failed" not in text:
+        return _unreadable(name, exc)
+    why = _weights_only_reason(text)
+    if "codec can't decode" in text:
+        return UserError(_not_utf8(name, encoding, weights_only))
+    if "Unsupported global" in text:
+        return UserError(
+            f"checkpoint {name} holds more than tensors and plain containers ({why}), which weights_only=True "
+            "refuses: if you trust the file, pass weights_only=False"
+        )
+    return UserError(
+        f"checkpoint {name} is corrupt, or uses pickle features weights_only=True refuses ({why}): "
+        "if you trust the file, try weights_only=False"
+    )
+
+
+def _runtime_load_error(name: str, exc: RuntimeError) -> UserError:
+    """Tensors of a device this machine lacks (map_location would fix it), or a corrupt file."""
+    text = str(exc)
+    if "deserialize object on" in text or "torch.cuda.is_available() is False" in text:
+        return UserError(f"checkpoint {name} holds tensors of a device not available here: pass map_location='cpu'")
+    return _unreadable(name, exc)
+
+
+def _unreadable(name: str, exc: BaseException) -> _Unreadable:
+    return _Unreadable(_corrupt(name, exc), _corrupt_reason(exc))
 
 
 def _not_utf8(name: str, encoding: str | None, weights_only: bool) -> str:
@@ -812,6 +915,16 @@ def _few(keys: list[str], n: int = 3) -> str:
 
 def _is_temp(p: Path) -> bool:
     return p.name.startswith(".") or p.name.endswith(".tmp")
+
+
+def _nonempty_files(paths: Iterable[Path]) -> Iterator[tuple[Path, os.stat_result]]:
+    """The candidate checkpoints among ``paths``, with their stat: files, not empty, not temp or hidden."""
+    for p in paths:
+        if _is_temp(p) or not p.is_file():
+            continue
+        st = p.stat()
+        if st.st_size:
+            yield p, st
 
 
 def _natural_key(name: str) -> list[Any]:

@@ -120,21 +120,11 @@ def load_config(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise UserError(f"config file {str(p)!r} not found")
     text = p.read_text()
+    parse = _PARSERS.get(p.suffix)
+    if parse is None:
+        raise UserError(f"config file {str(p)!r}: use a .toml, .yaml or .yml file")
     try:
-        if p.suffix == ".toml":
-            if sys.version_info >= (3, 11):
-                import tomllib
-            else:  # pragma: no cover
-                import tomli as tomllib
-            data = tomllib.loads(text)
-        elif p.suffix in (".yaml", ".yml"):
-            try:
-                import yaml
-            except ImportError:
-                raise UserError("YAML configs need PyYAML: pip install pyyaml (or use a .toml file)") from None
-            data = yaml.safe_load(text) or {}
-        else:
-            raise UserError(f"config file {str(p)!r}: use a .toml, .yaml or .yml file")
+        data = parse(text)
     except UserError:
         raise
     except Exception as exc:
@@ -149,6 +139,24 @@ def load_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _parse_toml(text: str) -> Any:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
+def _parse_yaml(text: str) -> Any:
+    try:
+        import yaml
+    except ImportError:
+        raise UserError("YAML configs need PyYAML: pip install pyyaml (or use a .toml file)") from None
+    return yaml.safe_load(text) or {}
+
+
+_PARSERS = {".toml": _parse_toml, ".yaml": _parse_yaml, ".yml": _parse_yaml}
+
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
 
 
@@ -159,30 +167,49 @@ def _coerce(changes: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in changes.items():
         key = key.replace("-", "_")
         if key not in _FIELDS:
-            close = [k for k in _FIELDS if k.startswith(key[:4])]
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise UserError(f"unknown training option {key!r}{hint}")
+            raise _unknown_option(key)
         typ = hints[key]
-        try:
-            if typ is bool:
-                if isinstance(value, str):
-                    if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-                        raise ValueError(value)
-                    value = value.lower() in ("true", "1", "yes", "on")
-                else:
-                    value = bool(value)
-            elif typ is int:
-                if isinstance(value, float) and not value.is_integer():
-                    raise ValueError(value)
-                value = int(value)
-            elif typ is float:
-                value = float(value)
-            elif typ is str:
-                value = "" if value is None or value is False else ("blocks" if value is True else str(value))
-        except (TypeError, ValueError):
-            raise UserError(f"option {key!r} must be {typ.__name__}, got {value!r}") from None
+        convert = _CONVERTERS.get(typ)
+        if convert is not None:
+            try:
+                value = convert(value)
+            except (TypeError, ValueError):
+                raise UserError(f"option {key!r} must be {typ.__name__}, got {value!r}") from None
         out[key] = value
     return out
+
+
+def _unknown_option(key: str) -> UserError:
+    """The error for a key that is no TrainConfig field, suggesting fields that start alike."""
+    close = [k for k in _FIELDS if k.startswith(key[:4])]
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return UserError(f"unknown training option {key!r}{hint}")
+
+
+def _to_bool(value: Any) -> bool:
+    """A bool, also from the words a config file or command line may use ("yes", "off", "1" ...)."""
+    if not isinstance(value, str):
+        return bool(value)
+    if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        raise ValueError(value)
+    return value.lower() in ("true", "1", "yes", "on")
+
+
+def _to_int(value: Any) -> int:
+    """An int, also from a whole float (TOML and YAML may give 1e3 for 1000), never by rounding."""
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(value)
+    return int(value)
+
+
+def _to_str(value: Any) -> str:
+    """A str; None and false are "", true is "blocks" (``checkpointing = true``)."""
+    if value is None or value is False:
+        return ""
+    return "blocks" if value is True else str(value)
+
+
+_CONVERTERS: dict[Any, Any] = {bool: _to_bool, int: _to_int, float: float, str: _to_str}
 
 
 

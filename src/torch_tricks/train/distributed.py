@@ -93,7 +93,7 @@ def init_distributed(
     then raises instead of hanging the others forever. Calling it again returns the
     existing group's info.
     """
-    if dist.is_available() and dist.is_initialized():
+    if is_dist():
         return _current_info()
     env = os.environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
@@ -103,29 +103,47 @@ def init_distributed(
     rank = _env_int("RANK")
     world_size = _env_int("WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK", default=rank)
+    _check_launch(rank, world_size)
+
+    cuda = resolve_device(device).type == "cuda"
+    if backend is None:
+        backend = _default_backend(cuda)
+    device = _own_cuda_device(local_rank) if cuda else torch.device("cpu")
+    kwargs: dict[str, Any] = {}
+    if timeout is not None:
+        kwargs["timeout"] = _as_timedelta(timeout)
+    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
+    return DistInfo(rank, world_size, local_rank, device, rank == 0, True, backend)
+
+
+def _check_launch(rank: int, world_size: int) -> None:
+    """What torchrun exports beside RANK and WORLD_SIZE is there, and the rank fits the world size."""
     for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if not env.get(name):
+        if not os.environ.get(name):
             raise UserError(f"{name} is not set: launch with torchrun, or export MASTER_ADDR and MASTER_PORT")
     if not 0 <= rank < world_size:
         raise UserError(f"RANK={rank} is outside WORLD_SIZE={world_size}: check the launcher's environment")
 
-    cuda = resolve_device(device).type == "cuda"
-    if backend is None:
-        backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
-    device = torch.device("cpu")
-    if cuda:
-        n = torch.cuda.device_count()
-        if local_rank >= n:
-            raise UserError(
-                f"LOCAL_RANK={local_rank} but only {n} CUDA device(s): start at most {n} processes per node"
-            )
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    kwargs: dict[str, Any] = {}
-    if timeout is not None:
-        kwargs["timeout"] = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
-    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
-    return DistInfo(rank, world_size, local_rank, device, rank == 0, True, backend)
+
+def _own_cuda_device(local_rank: int) -> torch.device:
+    """``cuda:LOCAL_RANK``, made current (so NCCL and ``.cuda()`` use it, not device 0)."""
+    n = torch.cuda.device_count()
+    if local_rank >= n:
+        raise UserError(
+            f"LOCAL_RANK={local_rank} but only {n} CUDA device(s): start at most {n} processes per node"
+        )
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def _default_backend(cuda: bool) -> str:
+    """NCCL for CUDA ranks where this build has it, else gloo."""
+    return "nccl" if cuda and dist.is_nccl_available() else "gloo"
+
+
+def _as_timedelta(timeout: float | datetime.timedelta) -> datetime.timedelta:
+    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
 
 
 def cleanup() -> None:
@@ -143,7 +161,7 @@ def cleanup() -> None:
     with a collection first). So the garbage is collected first; drop what you still hold
     (a model, a ``Tricks``) before calling this.
     """
-    if dist.is_available() and dist.is_initialized():
+    if is_dist():
         import gc
 
         gc.collect()
@@ -383,7 +401,7 @@ def watch_ranks(step: Any, last_good: Any = lambda: "", *, wait_s: float = 3.0) 
     (:func:`lost_ranks`). ``step`` and ``last_good`` are callables read at that moment.
     A no-op in one process.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_dist():
         yield
         return
     import signal
@@ -419,21 +437,26 @@ def watch_ranks(step: Any, last_good: Any = lambda: "", *, wait_s: float = 3.0) 
 
 def lost_ranks(wait_s: float = 3.0) -> list[int] | None:
     """The ranks that do not post "alive" in the job's store within ``wait_s`` (None: no store to ask)."""
-    import time
-
     try:
         store = dist.distributed_c10d._get_default_store()
         rank, world = dist.get_rank(), dist.get_world_size()
         key = f"torch_tricks/alive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         store.set(f"{key}/{rank}", "1")
-        deadline = time.monotonic() + wait_s
-        while True:
-            missing = [r for r in range(world) if r != rank and not store.check([f"{key}/{r}"])]
-            if not missing or time.monotonic() > deadline:
-                return missing
-            time.sleep(0.1)
+        return _unposted(store, key, rank, world, wait_s)
     except Exception:  # the store went with the lost rank (it lived in rank 0's process)
         return None
+
+
+def _unposted(store: Any, key: str, rank: int, world: int, wait_s: float) -> list[int]:
+    """The other ranks whose post under ``key`` is still missing once all are in or ``wait_s`` has passed."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        missing = [r for r in range(world) if r != rank and not store.check([f"{key}/{r}"])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.1)
 
 
 def _lost_message(lost: list[int] | None, step: int, last_good: str, why: str) -> str:

@@ -28,6 +28,7 @@ from torch.optim.swa_utils import update_bn as _torch_update_bn
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 from torch_tricks.train.distributed import unwrap_model
+from torch_tricks.train.speed import _is_namedtuple
 
 __all__ = ["EMA", "SWA", "update_bn", "first_element"]
 
@@ -80,9 +81,7 @@ class EMA:
         inner = unwrap_model(model)
         self._model_type = type(inner)
         self.averaged = AveragedModel(inner, device=device, multi_avg_fn=self._multi_avg, use_buffers=True)
-        for p in self.averaged.module.parameters():
-            p.requires_grad_(False)
-            p.grad = None
+        _freeze(self.averaged.module)
         self.averaged.module.eval()
 
     @property
@@ -182,18 +181,10 @@ class SWA:
         inner = unwrap_model(model)
         self._model_type = type(inner)
         self.averaged = AveragedModel(inner, device=device)  # equal average; buffers copied
-        for p in self.averaged.module.parameters():
-            p.requires_grad_(False)
-            p.grad = None
+        _freeze(self.averaged.module)
         self.scheduler: SWALR | None = None
         if optimizer is not None and swa_lr is not None:
-            if anneal_strategy not in ("cos", "linear"):
-                raise UserError(f"anneal_strategy must be 'cos' or 'linear', got {anneal_strategy!r}")
-            if isinstance(anneal_epochs, bool) or not isinstance(anneal_epochs, int) or anneal_epochs < 0:
-                raise UserError(f"anneal_epochs must be an integer >= 0, got {anneal_epochs!r}")
-            self.scheduler = SWALR(
-                optimizer, swa_lr=swa_lr, anneal_epochs=anneal_epochs, anneal_strategy=anneal_strategy
-            )
+            self.scheduler = _swa_scheduler(optimizer, swa_lr, anneal_epochs, anneal_strategy)
 
     @property
     def module(self) -> nn.Module:
@@ -255,6 +246,22 @@ class SWA:
         self.averaged.load_state_dict(averaged)
         if sched is not None and self.scheduler is not None:
             self.scheduler.load_state_dict(sched)
+
+
+def _freeze(module: nn.Module) -> None:
+    """The average is not trained: no gradients for its parameters."""
+    for p in module.parameters():
+        p.requires_grad_(False)
+        p.grad = None
+
+
+def _swa_scheduler(optimizer: torch.optim.Optimizer, swa_lr: float, anneal_epochs: Any,
+                   anneal_strategy: Any) -> SWALR:
+    if anneal_strategy not in ("cos", "linear"):
+        raise UserError(f"anneal_strategy must be 'cos' or 'linear', got {anneal_strategy!r}")
+    if isinstance(anneal_epochs, bool) or not isinstance(anneal_epochs, int) or anneal_epochs < 0:
+        raise UserError(f"anneal_epochs must be an integer >= 0, got {anneal_epochs!r}")
+    return SWALR(optimizer, swa_lr=swa_lr, anneal_epochs=anneal_epochs, anneal_strategy=anneal_strategy)
 
 
 def first_element(batch: Any) -> Any:
@@ -324,7 +331,7 @@ def _to(x: Any, device: torch.device) -> Any:
         return x.to(device, non_blocking=True)
     if isinstance(x, dict):
         return {k: _to(v, device) for k, v in x.items()}
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+    if _is_namedtuple(x):
         return type(x)(*(_to(v, device) for v in x))
     if isinstance(x, (list, tuple)):
         return type(x)(_to(v, device) for v in x)

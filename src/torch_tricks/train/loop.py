@@ -89,14 +89,9 @@ class History:
         """What ``torch-tricks train`` prints: the run's length and switches, the final losses, skipped
         steps, compile time and checkpoint. ``model`` and ``data`` name the run in its first line (the
         history does not know them; the CLI passes ``--model`` and ``--data``)."""
-        final = self.final
         lines = [f"{model} on {data}: {self.steps} steps, {self.epochs} epochs in {self.wall_s:.1f} s"
                  + (f" (switches: {', '.join(self.applied)})" if self.applied else "")]
-        if "train_loss" in final:
-            lines.append(f"final training loss: {final['train_loss']:.4f} (mean of the last logged steps)")
-        valid = {k: v for k, v in final.items() if k != "train_loss"}
-        if valid:
-            lines.append("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in valid.items()))
+        lines.extend(self._final_lines())
         if self.skipped_steps:
             lines.append(f"fp16 steps skipped by the grad scaler: {self.skipped_steps}")
         if self.compile_s:
@@ -104,6 +99,17 @@ class History:
         if self.checkpoint:
             lines.append(f"checkpoint: {self.checkpoint}")
         return "\n".join(lines)
+
+    def _final_lines(self) -> list[str]:
+        """The final training loss and validation metrics, as far as the run has them."""
+        final = self.final
+        lines = []
+        if "train_loss" in final:
+            lines.append(f"final training loss: {final['train_loss']:.4f} (mean of the last logged steps)")
+        valid = {k: v for k, v in final.items() if k != "train_loss"}
+        if valid:
+            lines.append("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in valid.items()))
+        return lines
 
 
 def fit(
@@ -296,31 +302,47 @@ class _Trainer:
             t_step = time.perf_counter()
             loss = self._train_step(group)
             self._recent.append(loss)  # detached, on the device: no sync
-            if self.step == 1 and not self.history.first_step_s:
-                synchronize(self.device)
-                self.history.first_step_s = time.perf_counter() - t_step
+            self._time_first_step(t_step)
             running += loss
             running_n += 1
             if self.step % cfg.log_every == 0:
-                synchronize(self.device)
-                now = time.perf_counter()
-                if self.step > cfg.log_every or not cfg.compile:  # the compiling interval is not a step time
-                    step_times.append((now - t_log) / running_n)
-                self._log({"step": self.step, "epoch": epoch, "split": "train",
-                           "loss": float(running) / running_n, "lr": self.optimizer.param_groups[0]["lr"],
-                           "elapsed_s": now - self._t_start}, bar)
+                t_log = self._log_interval(epoch, running, running_n, t_log, step_times, bar)
                 running.zero_()
                 running_n = 0
-                t_log = now
             if bar is not None:
                 bar.update(1)
-            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                self._save(epoch, batch_index)
+            self._save_if_due(epoch, batch_index)
             if self.total_steps and self.step >= self.total_steps:
                 self._end_epoch(epoch, batch_index, finished=True)
                 return True
         self._end_epoch(epoch, batch_index, finished=False)
         return False
+
+    def _time_first_step(self, t_step: float) -> None:
+        """The first step's time (with compile, its compilation too), measured once: one host sync."""
+        if self.step == 1 and not self.history.first_step_s:
+            synchronize(self.device)
+            self.history.first_step_s = time.perf_counter() - t_step
+
+    def _save_if_due(self, epoch: int, batch_index: int) -> None:
+        """A mid-epoch checkpoint every ``checkpoint_every`` steps."""
+        every = self.cfg.checkpoint_every
+        if every and self.step % every == 0:
+            self._save(epoch, batch_index)
+
+    def _log_interval(self, epoch: int, running: torch.Tensor, running_n: int, t_log: float,
+                      step_times: list[float], bar: Any) -> float:
+        """Log the mean training loss of the last ``running_n`` steps (one host sync) and their mean step
+        time; returns the time logged at, the start of the next interval."""
+        cfg = self.cfg
+        synchronize(self.device)
+        now = time.perf_counter()
+        if self.step > cfg.log_every or not cfg.compile:  # the compiling interval is not a step time
+            step_times.append((now - t_log) / running_n)
+        self._log({"step": self.step, "epoch": epoch, "split": "train",
+                   "loss": float(running) / running_n, "lr": self.optimizer.param_groups[0]["lr"],
+                   "elapsed_s": now - self._t_start}, bar)
+        return now
 
     def _end_epoch(self, epoch: int, batch_index: int, finished: bool) -> None:
         if self.swa is not None and epoch >= self._swa_start_epoch:
@@ -342,21 +364,26 @@ class _Trainer:
                 self._accumulate(group)
                 break
             except _OutOfMemory:
-                self.tricks.zero_grad()
-                smallest = min(B.batch_size(b) for b in group)
-                if not self.cfg.auto_micro_batch or self.micro * 2 > smallest:
-                    raise UserError(
-                        f"out of memory at step {self.step + 1} with micro-batches of "
-                        f"{max(1, smallest // self.micro)}: lower batch_size, or set auto_micro_batch"
-                    ) from None
-                self.micro *= 2
-                self.history.micro_batches = self.micro
+                self._halve_micro_batches(group)
         try:
             self.tricks.flush()  # the group is complete: one update
         except TrainingDiverged as exc:
             raise TrainingDiverged(f"{exc} (epoch {getattr(self, 'epoch', 0)})") from None
         self.history.skipped_steps = self.tricks.skipped_steps
         return self.tricks.group_loss
+
+    def _halve_micro_batches(self, group: list[Any]) -> None:
+        """After an out-of-memory: drop the group's gradients and split its batches in twice as many
+        micro-batches, or, without auto_micro_batch or below one sample, say what to change."""
+        self.tricks.zero_grad()
+        smallest = min(B.batch_size(b) for b in group)
+        if not self.cfg.auto_micro_batch or self.micro * 2 > smallest:
+            raise UserError(
+                f"out of memory at step {self.step + 1} with micro-batches of "
+                f"{max(1, smallest // self.micro)}: lower batch_size, or set auto_micro_batch"
+            ) from None
+        self.micro *= 2
+        self.history.micro_batches = self.micro
 
     def _accumulate(self, group: list[Any]) -> None:
         """Forward/backward of every micro-batch of ``group``, each loss weighted by its
@@ -367,21 +394,26 @@ class _Trainer:
         tricks = self.tricks
         tricks._group = len(micro)
         for mb, n in zip(micro, counts):
-            oom = False
-            try:
-                mb = tricks.to_device(mb)
-                with tricks.autocast():
-                    out, loss = B.forward(self.model, mb, self.loss_fn)
-                tricks.backward(loss, weight=n / total)
-                del out, loss
-            except Exception as exc:
-                if not _is_oom(exc):
-                    raise
-                oom = True
+            oom = self._forward_backward(mb, n / total)
             if self.dist is not None:
                 oom = any_rank(oom)  # every rank retries together, none waits in an all-reduce
             if oom:
                 raise _OutOfMemory()
+
+    def _forward_backward(self, mb: Any, weight: float) -> bool:
+        """One micro-batch's forward and backward, its loss weighted; True if it ran out of memory."""
+        tricks = self.tricks
+        try:
+            mb = tricks.to_device(mb)
+            with tricks.autocast():
+                out, loss = B.forward(self.model, mb, self.loss_fn)
+            tricks.backward(loss, weight=weight)
+            del out, loss
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            return True
+        return False
 
     # -- validation ------------------------------------------------------------------------
     def _validate(self) -> dict[str, float]:
@@ -437,17 +469,22 @@ class _Trainer:
             return
         sharded, note = sharded_to_resume(self.cfg.checkpoint_dir)
         whole = path if path.exists() else next(iter(previous_checkpoints(path)), None)  # newest whole-model file
-        if sharded is not None and (whole is None or sharded.stat().st_mtime >= whole.stat().st_mtime):
-            meta = load_sharded(sharded, model=self.raw_model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                scaler=self.scaler, ema=self.ema)  # written by any number of ranks
-            self._resumed(meta["step"], meta["epoch"], meta["batch_index"], meta.get("extra") or {}, sharded, note)
+        if _sharded_is_newer(sharded, whole):
+            self._resume_sharded(sharded, note)
             return
-        if self.tricks._fsdp_mode() and whole is not None:
-            raise UserError(f"{whole} is a whole-model checkpoint; under distributed = fsdp resume from a sharded "
-                            f"one ({Path(self.cfg.checkpoint_dir) / POINTER}), or resume under ddp")
         if whole is None:
             return
+        if self.tricks._fsdp_mode():
+            raise UserError(f"{whole} is a whole-model checkpoint; under distributed = fsdp resume from a sharded "
+                            f"one ({Path(self.cfg.checkpoint_dir) / POINTER}), or resume under ddp")
+        self._resume_whole(path)
 
+    def _resume_sharded(self, folder: Path, note: str) -> None:
+        meta = load_sharded(folder, model=self.raw_model, optimizer=self.optimizer, scheduler=self.scheduler,
+                            scaler=self.scaler, ema=self.ema)  # written by any number of ranks
+        self._resumed(meta["step"], meta["epoch"], meta["batch_index"], meta.get("extra") or {}, folder, note)
+
+    def _resume_whole(self, path: Path) -> None:
         report = load_checkpoint(  # a last.pt that does not load: the newest kept one that does
             path, model=self.raw_model, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self.scaler, ema=self.ema, map_location=self.device, fallback=True,
@@ -470,7 +507,7 @@ class _Trainer:
         if note:  # the library does not print: a warning (the CLI shows it) and History.notes
             self.history.notes.append(note)
             if self.is_main:
-                warnings.warn(note, UserWarning, stacklevel=5)  # at the call of fit (via run, _maybe_resume)
+                warnings.warn(note, UserWarning, stacklevel=6)  # at the call of fit (via run, _maybe_resume, _resume_*)
 
     # -- logging ---------------------------------------------------------------------------
     def _open_logs(self) -> None:
@@ -485,26 +522,24 @@ class _Trainer:
         self._csv = (f, csv.DictWriter(f, fieldnames=_CSV_FIELDS, extrasaction="ignore"))
         if new:
             self._csv[1].writeheader()
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(log_dir / "tensorboard"))
-        except Exception:  # tensorboard not installed: CSV only
-            self._tb = None
+        self._tb = _tensorboard_writer(log_dir / "tensorboard")
 
     def _log(self, row: dict[str, Any], bar: Any) -> None:
         self.history.rows.append(row)
         if not self.is_main:
             return
+        self._write_row(row)
+        if bar is not None:
+            bar.set_postfix({k: f"{v:.4g}" for k, v in _metric_values(row).items()})
+
+    def _write_row(self, row: dict[str, Any]) -> None:
+        """``row`` into metrics.csv and TensorBoard, where open."""
         if self._csv is not None:
             self._csv[1].writerow(row)
             self._csv[0].flush()
         if self._tb is not None:
-            for k, v in row.items():
-                if isinstance(v, float) and k not in ("elapsed_s",):
-                    self._tb.add_scalar(f"{row['split']}/{k}", v, row["step"])
-        if bar is not None:
-            bar.set_postfix({k: f"{v:.4g}" for k, v in row.items() if isinstance(v, float) and k != "elapsed_s"})
+            for k, v in _metric_values(row).items():
+                self._tb.add_scalar(f"{row['split']}/{k}", v, row["step"])
 
     def _close_logs(self) -> None:
         if self._csv is not None:
@@ -526,23 +561,36 @@ class _Trainer:
         h.steps = self.step
         h.micro_batches = self.micro
         h.wall_s = wall
+        self._record_step_times(step_times)
+        if self.swa is not None:
+            self._finish_swa()
+        self._record_final()
+        if self.dist is not None:
+            barrier()
+
+    def _record_step_times(self, step_times: list[float]) -> None:
+        """The median steady-state step time and, with compile, what the first step took beyond it."""
+        h = self.history
         if step_times:
             h.step_s = sorted(step_times)[len(step_times) // 2]
         if self.cfg.compile and h.first_step_s and h.step_s:
             h.compile_s = max(0.0, h.first_step_s - h.step_s)
-        if self.swa is not None:
-            self.swa.finalize(self.train_loader, lambda b: _model_inputs(self.tricks.to_device(b)))
-            metrics = _evaluate(self.swa.module, self.val_loader, self.loss_fn, self) if self.val_loader else {}
-            if metrics:
-                self._log_final({f"{k}_swa": v for k, v in metrics.items()})
-        for row in reversed(h.rows):
-            if row.get("split") == "val":
-                h.final = {k: v for k, v in row.items() if isinstance(v, float)}
-                break
+
+    def _finish_swa(self) -> None:
+        """SWA's BatchNorm statistics, and its validation metrics (``*_swa``)."""
+        self.swa.finalize(self.train_loader, lambda b: _model_inputs(self.tricks.to_device(b)))
+        metrics = _evaluate(self.swa.module, self.val_loader, self.loss_fn, self) if self.val_loader else {}
+        if metrics:
+            self._log_final({f"{k}_swa": v for k, v in metrics.items()})
+
+    def _record_final(self) -> None:
+        """``History.final``: the last validation row's metrics and the recent training loss."""
+        h = self.history
+        val_rows = [row for row in h.rows if row.get("split") == "val"]
+        if val_rows:
+            h.final = {k: v for k, v in val_rows[-1].items() if isinstance(v, float)}
         if self._recent:  # the last training loss, with validation data or without
             h.final["train_loss"] = float(torch.stack(list(self._recent)).float().mean())
-        if self.dist is not None:
-            barrier()
 
     def _log_final(self, metrics: dict[str, float]) -> None:
         self.history.rows.append({"step": self.step, "epoch": self.history.epochs - 1, "split": "val", **metrics})
@@ -559,24 +607,8 @@ def _evaluate(model: nn.Module, loader: Iterable[Any], loss_fn: Callable, traine
     """Mean loss and (for class targets) accuracy, in eval mode under inference_mode (T13)."""
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=trainer.device)
-    correct = torch.zeros((), dtype=torch.int64, device=trainer.device)
-    n = 0
-    classify = True
     with torch.inference_mode():
-        for batch in loader:
-            batch = trainer.tricks.to_device(batch)
-            y = B.unpack(batch).target
-            with autocast(trainer.cfg.precision, trainer.device):
-                out = B.call(model, batch, loss_fn)  # the loss below, in fp32
-            count = B.count(batch)
-            loss_sum += loss_fn(out.float() if isinstance(out, torch.Tensor) else out, y).double() * count
-            pred = primary_output(out) if classify else None
-            if classify and pred.dim() == 2 and isinstance(y, torch.Tensor) and y.dim() == 1 and not y.is_floating_point():
-                correct += (pred.argmax(1) == y).sum()
-            else:
-                classify = False
-            n += count
+        loss_sum, correct, n, classify = _eval_sums(model, loader, loss_fn, trainer)
     model.train(was_training)
     if trainer.dist is not None:
         loss_sum, correct, n = all_reduce_sum(loss_sum), all_reduce_sum(correct), int(all_reduce_sum(torch.tensor(n, device=trainer.device)))
@@ -584,6 +616,57 @@ def _evaluate(model: nn.Module, loader: Iterable[Any], loss_fn: Callable, traine
     if classify:
         out["acc"] = int(correct) / max(n, 1)
     return out
+
+
+def _metric_values(row: dict[str, Any]) -> dict[str, float]:
+    """The metrics of a log row worth plotting: its floats, but the elapsed time."""
+    return {k: v for k, v in row.items() if isinstance(v, float) and k != "elapsed_s"}
+
+
+def _eval_sums(model: nn.Module, loader: Iterable[Any], loss_fn: Callable,
+               trainer: _Trainer) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+    """``(loss x samples summed, correct predictions, samples, whether every batch was classification)``."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=trainer.device)
+    correct = torch.zeros((), dtype=torch.int64, device=trainer.device)
+    n = 0
+    classify = True
+    for batch in loader:
+        batch = trainer.tricks.to_device(batch)
+        y = B.unpack(batch).target
+        with autocast(trainer.cfg.precision, trainer.device):
+            out = B.call(model, batch, loss_fn)  # the loss below, in fp32
+        count = B.count(batch)
+        loss_sum += loss_fn(out.float() if isinstance(out, torch.Tensor) else out, y).double() * count
+        pred = primary_output(out) if classify else None
+        if classify and _class_targets(pred, y):
+            correct += (pred.argmax(1) == y).sum()
+        else:
+            classify = False
+        n += count
+    return loss_sum, correct, n, classify
+
+
+def _class_targets(pred: torch.Tensor, y: Any) -> bool:
+    """Whether ``y`` holds class indices for the ``(batch, classes)`` scores ``pred``: accuracy applies."""
+    return pred.dim() == 2 and isinstance(y, torch.Tensor) and y.dim() == 1 and not y.is_floating_point()
+
+
+def _sharded_is_newer(sharded: Path | None, whole: Path | None) -> bool:
+    """Whether to resume from the sharded checkpoint rather than the whole-model file: the newer one
+    (both can be there when a run changed its distributed mode)."""
+    if sharded is None:
+        return False
+    return whole is None or sharded.stat().st_mtime >= whole.stat().st_mtime
+
+
+def _tensorboard_writer(folder: Path) -> Any:
+    """A TensorBoard SummaryWriter into ``folder``; None where tensorboard is not installed (CSV only)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(folder))
+    except Exception:  # tensorboard not installed: CSV only
+        return None
 
 
 def _groups(it: Iterator[Any], k: int) -> Iterator[list[Any]]:

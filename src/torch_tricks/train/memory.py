@@ -173,22 +173,28 @@ class MemoryEfficientBNAct(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        # The running-statistics bookkeeping of nn.BatchNorm's forward, done once here,
-        # outside the recomputed part.
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        factor = self._count_batch()
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        needs_grad = torch.is_grad_enabled() and (
-            x.requires_grad or any(p.requires_grad for p in (self.weight, self.bias) if p is not None)
-        )
-        if not needs_grad:
+        if not self._needs_grad(x):
             return self._bn_act(x, use_batch_stats, factor)
         return checkpoint(
             self._bn_act, x, use_batch_stats, factor,
             use_reentrant=False, context_fn=self._contexts,
         )
+
+    def _count_batch(self) -> float:
+        """The running-statistics bookkeeping of nn.BatchNorm's forward, done once here, outside the
+        recomputed part: counts the batch in training; returns the exponential average factor."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        return factor
+
+    def _needs_grad(self, x: torch.Tensor) -> bool:
+        """Whether this forward builds a graph: only then is recomputing in backward worth it."""
+        params = (p for p in (self.weight, self.bias) if p is not None)
+        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
 
     def _bn_act(self, x: torch.Tensor, use_batch_stats: bool, factor: float) -> torch.Tensor:
         track = not self.training or self.track_running_stats
@@ -277,19 +283,13 @@ def checkpoint_blocks(
     modifies its input in place cannot be checkpointed (PyTorch raises in backward).
     A :class:`UserError` if nothing matches.
     """
-    if types is not None and isinstance(types, type):
+    if isinstance(types, type):
         types = (types,)
     if isinstance(names, str):
         names = [names]
-    for t in types or ():
-        if not (isinstance(t, type) and issubclass(t, nn.Module)):
-            raise UserError(f"checkpoint_blocks: types must be nn.Module classes, got {t!r}")
-    if types is None and names is None:
-        chosen = _default_blocks_or_raise(model)
-    else:
-        chosen = _matching_blocks(model, tuple(types or ()), names)
-    for _, m in _outermost(model, chosen):
-        if not isinstance(m.__dict__.get("forward"), _CheckpointedForward):
+    _check_module_types(types or ())
+    for _, m in _outermost(model, _chosen_blocks(model, types, names)):
+        if not _is_checkpointed(m):
             m.forward = _CheckpointedForward(m)
     return model
 
@@ -338,6 +338,25 @@ def checkpointed_names(model: nn.Module) -> list[str]:
 
 # -- internals: checkpointing ---------------------------------------------------------------
 
+def _check_module_types(types: Sequence[Any]) -> None:
+    for t in types:
+        if not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise UserError(f"checkpoint_blocks: types must be nn.Module classes, got {t!r}")
+
+
+def _chosen_blocks(model: nn.Module, types: Sequence[type[nn.Module]] | None,
+                   names: Sequence[str] | None) -> set[int]:
+    """ids of the submodules to checkpoint: those asked for, else the repeated blocks."""
+    if types is None and names is None:
+        return _default_blocks_or_raise(model)
+    return _matching_blocks(model, tuple(types or ()), names)
+
+
+def _is_checkpointed(m: nn.Module) -> bool:
+    """Whether ``m``'s forward was wrapped by :func:`checkpoint_blocks` already."""
+    return isinstance(m.__dict__.get("forward"), _CheckpointedForward)
+
+
 class _CheckpointedForward:
     """Replaces ``module.forward``: the original forward under ``checkpoint`` in training
     with grad, plainly otherwise. A class, not a closure, so ``copy.deepcopy`` and
@@ -370,9 +389,7 @@ class _SegmentedForward:
     def __call__(self, x: Any) -> Any:
         mods = list(self.seq)
         if not (self.seq.training and torch.is_grad_enabled()):
-            for m in mods:
-                x = m(x)
-            return x
+            return _run_range(mods, x)
         for i, (a, b) in enumerate(self.bounds):
             run = functools.partial(_run_range, mods[a:b])
             x = run(x) if i == len(self.bounds) - 1 else _checkpoint(run, mods[a:b], x)
@@ -442,12 +459,22 @@ def _unique_buffers(modules: Iterable[nn.Module]) -> Iterator[tuple[torch.Tensor
 def default_blocks(model: nn.Module) -> set[int]:
     """Children of Sequential/ModuleList stacks that have submodules, with a class (plain
     ``nn.Sequential`` children count as one class) occurring at least twice."""
+    cands = _stack_children(model)
+    counts = Counter(type(c) for c in cands)
+    return {id(c) for c in cands if counts[type(c)] >= 2 and c is not model}
+
+
+def _stack_children(model: nn.Module) -> list[nn.Module]:
+    """The children that have submodules of every Sequential / ModuleList in ``model``, in module order."""
     cands = []
     for m in model.modules():
         if isinstance(m, (nn.Sequential, nn.ModuleList)):
-            cands += [c for c in m.children() if any(True for _ in c.children())]
-    counts = Counter(type(c) for c in cands)
-    return {id(c) for c in cands if counts[type(c)] >= 2 and c is not model}
+            cands += [c for c in m.children() if _has_children(c)]
+    return cands
+
+
+def _has_children(m: nn.Module) -> bool:
+    return any(True for _ in m.children())
 
 
 def _outermost(model: nn.Module, chosen: set[int]) -> list[tuple[str, nn.Module]]:
@@ -479,18 +506,27 @@ def _default_blocks_or_raise(model: nn.Module) -> set[int]:
 def _matching_blocks(model: nn.Module, tset: tuple[type, ...], names: Sequence[str] | None) -> set[int]:
     """ids of the submodules that are instances of ``tset`` or whose names match a glob of ``names``;
     a UserError naming what was asked for when none does."""
-    chosen = {
-        id(m) for n, m in model.named_modules()
-        if n and ((tset and isinstance(m, tset)) or any(fnmatch.fnmatchcase(n, p) for p in names or ()))
-    }
+    chosen = {id(m) for n, m in model.named_modules() if n and _matches(n, m, tset, names or ())}
     if not chosen:
-        what = [f"types={[t.__name__ for t in tset]}"] if tset else []
-        what += [f"names={list(names)}"] if names else []
         raise UserError(
-            f"checkpoint_blocks: no submodule of {type(model).__name__} matches {', '.join(what)}: "
+            f"checkpoint_blocks: no submodule of {type(model).__name__} matches {_asked_for(tset, names)}: "
             "check the names with model.named_modules()"
         )
     return chosen
+
+
+def _asked_for(tset: tuple[type, ...], names: Sequence[str] | None) -> str:
+    """The ``types=`` and ``names=`` given, as a message shows them."""
+    what = [f"types={[t.__name__ for t in tset]}"] if tset else []
+    what += [f"names={list(names)}"] if names else []
+    return ", ".join(what)
+
+
+def _matches(name: str, m: nn.Module, tset: tuple[type, ...], patterns: Sequence[str]) -> bool:
+    """Whether the submodule ``m`` called ``name`` is an instance of ``tset`` or matches a glob of ``patterns``."""
+    if tset and isinstance(m, tset):
+        return True
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def _segment_bounds(seq: nn.Sequential, segments: int) -> list[tuple[int, int]]:
@@ -499,12 +535,19 @@ def _segment_bounds(seq: nn.Sequential, segments: int) -> list[tuple[int, int]]:
     starts = sorted({round(i * n / segments) for i in range(segments)})
     fixed = []
     for s in starts:
-        while s < n and s > 0 and getattr(mods[s], "inplace", False):
-            s += 1  # never begin a checkpointed segment with an op that overwrites its input
+        s = _skip_inplace(mods, s)
         if s < n and (not fixed or s > fixed[-1]):
             fixed.append(s)
     ends = fixed[1:] + [n]
     return list(zip(fixed, ends))
+
+
+def _skip_inplace(mods: list[nn.Module], s: int) -> int:
+    """The first index from ``s`` on that is not an inplace module: never begin a checkpointed segment with an
+    op that overwrites its input (index 0, the Sequential's own input, stays)."""
+    while 0 < s < len(mods) and getattr(mods[s], "inplace", False):
+        s += 1
+    return s
 
 
 @contextlib.contextmanager
@@ -546,20 +589,25 @@ _FRESH_METHODS = {"add", "sub", "mul", "div", "matmul", "mm", "bmm", "neg"}
 def _convert_sequential_pairs(model: nn.Module, uses: Counter) -> int:
     """Pattern 1 of :func:`memory_efficient_bn_act`: BN -> activation neighbours in plain Sequentials."""
     converted = 0
-    for seq in [m for m in model.modules() if isinstance(m, nn.Sequential)]:
-        if type(seq).forward is not nn.Sequential.forward:
-            continue
+    for seq in [m for m in model.modules() if _is_plain_sequential(m)]:
         keys = list(seq._modules)
         for k0, k1 in zip(keys, keys[1:]):
             bn, act = seq._modules[k0], seq._modules[k1]
-            if (
-                type(bn) in _BN_TYPES and _is_param_free_act(act)
-                and uses[id(bn)] == 1 and uses[id(act)] == 1
-            ):
+            if _is_bn_act_pair(bn, act, uses):
                 seq._modules[k0] = MemoryEfficientBNAct.from_bn(bn, act)
                 seq._modules[k1] = nn.Identity()
                 converted += 1
     return converted
+
+
+def _is_plain_sequential(m: nn.Module) -> bool:
+    """An ``nn.Sequential`` that runs its children in order (its class keeps Sequential's forward)."""
+    return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
+
+
+def _is_bn_act_pair(bn: Any, act: Any, uses: Counter) -> bool:
+    """A plain BatchNorm and a parameter-free activation, each used at this one place only."""
+    return type(bn) in _BN_TYPES and _is_param_free_act(act) and uses[id(bn)] == 1 and uses[id(act)] == 1
 
 
 def _convert_traced_pairs(model: nn.Module, uses: Counter) -> int:
@@ -569,18 +617,29 @@ def _convert_traced_pairs(model: nn.Module, uses: Counter) -> int:
         return 0
     converted = 0
     for node in graph.nodes:
-        if node.op != "call_module" or len(node.users) != 1:
-            continue
-        bn = model.get_submodule(node.target)
-        user = next(iter(node.users))
-        if type(bn) not in _BN_TYPES or uses[id(bn)] != 1 or user.op != "call_module":
-            continue
-        act = model.get_submodule(user.target)
-        if type(act) is nn.ReLU and act.inplace and user.args and user.args[0] is node:
+        bn = _bn_before_inplace_relu(node, model, uses)
+        if bn is not None:
             parent, _, name = node.target.rpartition(".")
             setattr(model.get_submodule(parent), name, MemoryEfficientBNAct.from_bn(bn, nn.ReLU()))
             converted += 1
     return converted
+
+
+def _bn_before_inplace_relu(node: torch.fx.Node, model: nn.Module, uses: Counter) -> nn.Module | None:
+    """The BatchNorm ``node`` calls if its one user is an ``nn.ReLU(inplace=True)`` applied to it, else None."""
+    if node.op != "call_module" or len(node.users) != 1:
+        return None
+    bn = model.get_submodule(node.target)
+    user = next(iter(node.users))
+    if type(bn) not in _BN_TYPES or uses[id(bn)] != 1 or user.op != "call_module":
+        return None
+    return bn if _is_inplace_relu_on(user, node, model) else None
+
+
+def _is_inplace_relu_on(user: torch.fx.Node, node: torch.fx.Node, model: nn.Module) -> bool:
+    """Whether ``user`` calls an ``nn.ReLU(inplace=True)`` with ``node``'s output as its input."""
+    act = model.get_submodule(user.target)
+    return type(act) is nn.ReLU and act.inplace and bool(user.args) and user.args[0] is node
 
 
 def _inplace_capable(m: nn.Module) -> bool:
@@ -653,11 +712,11 @@ def _activation_verdicts(model: nn.Module) -> dict[int, bool]:
             return
         # fx cannot trace this module: judge its direct children by structure.
         children = list(mod.children())
-        plain_seq = isinstance(mod, nn.Sequential) and type(mod).forward is nn.Sequential.forward
+        plain_seq = _is_plain_sequential(mod)
         for i, c in enumerate(children):
             if _inplace_capable(c):
                 judge(c, plain_seq and i > 0 and isinstance(children[i - 1], _FRESH_MODULES + (MemoryEfficientBNAct,)))
-            elif any(True for _ in c.children()) and not isinstance(c, MemoryEfficientBNAct):
+            elif _has_children(c) and not isinstance(c, MemoryEfficientBNAct):
                 visit(c)
 
     visit(model)

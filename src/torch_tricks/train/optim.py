@@ -189,12 +189,7 @@ def build_optimizer(
     notes: list[str] = []
     weight_decay, built = _decay_and_class(key, weight_decay, decoupled, notes)
     groups, frozen, sparse = _trainable_groups(model_or_params, weight_decay, no_decay_bias_and_norm)
-    params = [p for g in groups for p in g["params"]]
-    if not params:
-        raise UserError(
-            "the optimizer has no trainable parameters (all are frozen or none were given): "
-            "set requires_grad=True on the layers to train"
-        )
+    params = _params_or_raise(groups)
     if sparse:
         notes.append("sparse embedding gradients: fused/foreach steps do not take them, the loop is used")
     opts = _optimizer_options(built, lr, weight_decay, momentum, betas, notes)
@@ -207,15 +202,7 @@ def build_optimizer(
         name=built,
         implementation=implementation,
         device=devices.pop() if len(devices) == 1 else "mixed",
-        groups=[
-            {
-                "name": g.get("name", f"group{i}"),
-                "params": len(g["params"]),
-                "numel": sum(p.numel() for p in g["params"]),
-                "weight_decay": g.get("weight_decay", weight_decay),
-            }
-            for i, g in enumerate(optimizer.param_groups)
-        ],
+        groups=_group_summaries(optimizer, weight_decay),
         frozen_excluded=frozen,
         notes=notes,
     )
@@ -250,18 +237,12 @@ def _construct(
 ) -> tuple[str, torch.optim.Optimizer]:
     """Try fused, then foreach, then the loop, as allowed; return (implementation, optimizer)."""
     params = [p for g in groups for p in g["params"]]
-    has_fused = "fused" in inspect.signature(cls.__init__).parameters
-    fused_ok, why_not_fused = _fused_possible(cls, params, has_fused, sparse)
-    if fused is True and not fused_ok:
-        raise UserError(f"fused=True is not possible here: {why_not_fused}; leave fused=None to use the fastest available")
-    foreach_ok = not sparse and all(p.device.type in _foreach_devices() for p in params)
+    fused_ok = _fused_allowed(cls, params, sparse, fused)
+    foreach_ok = _foreach_possible(params, sparse)
 
     last_error: Exception | None = None
     for impl in _implementations_to_try(fused, foreach, fused_ok, foreach_ok):
-        impl_opts = dict(opts)
-        if impl == "fused":
-            impl_opts["fused"] = True
-        impl_opts["foreach"] = impl == "foreach"
+        impl_opts = _options_for(impl, opts)
         try:
             return impl, cls(_copy_groups(groups), **impl_opts)
         except TypeError as exc:
@@ -271,6 +252,53 @@ def _construct(
             if impl == "for-loop" or _insisted_on(impl, fused, foreach):
                 raise UserError(f"cannot build {cls.__name__} ({impl}): {one_line(exc)}") from None
     raise UserError(f"cannot build {cls.__name__}: {one_line(last_error) if last_error else 'unknown error'}")  # pragma: no cover
+
+
+def _params_or_raise(groups: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """Every parameter of ``groups``; a UserError when there is none to train."""
+    params = [p for g in groups for p in g["params"]]
+    if not params:
+        raise UserError(
+            "the optimizer has no trainable parameters (all are frozen or none were given): "
+            "set requires_grad=True on the layers to train"
+        )
+    return params
+
+
+def _group_summaries(optimizer: torch.optim.Optimizer, weight_decay: float) -> list[dict[str, Any]]:
+    """Name, parameter count, values and weight decay of each group, for :class:`OptimizerInfo`."""
+    return [
+        {
+            "name": g.get("name", f"group{i}"),
+            "params": len(g["params"]),
+            "numel": sum(p.numel() for p in g["params"]),
+            "weight_decay": g.get("weight_decay", weight_decay),
+        }
+        for i, g in enumerate(optimizer.param_groups)
+    ]
+
+
+def _fused_allowed(cls: type[torch.optim.Optimizer], params: list[torch.Tensor], sparse: bool,
+                   fused: bool | None) -> bool:
+    """Whether a fused step is possible for ``params``; with ``fused=True`` a UserError saying why not if not."""
+    has_fused = "fused" in inspect.signature(cls.__init__).parameters
+    fused_ok, why_not_fused = _fused_possible(cls, params, has_fused, sparse)
+    if fused is True and not fused_ok:
+        raise UserError(f"fused=True is not possible here: {why_not_fused}; leave fused=None to use the fastest available")
+    return fused_ok
+
+
+def _foreach_possible(params: list[torch.Tensor], sparse: bool) -> bool:
+    return not sparse and all(p.device.type in _foreach_devices() for p in params)
+
+
+def _options_for(impl: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` with the flags that select ``impl``: fused=True for fused, foreach=True only for foreach."""
+    impl_opts = dict(opts)
+    if impl == "fused":
+        impl_opts["fused"] = True
+    impl_opts["foreach"] = impl == "foreach"
+    return impl_opts
 
 
 def _implementations_to_try(fused: bool | None, foreach: bool | None, fused_ok: bool, foreach_ok: bool) -> list[str]:
@@ -326,15 +354,17 @@ def _optimizer_options(built: str, lr: float, weight_decay: float, momentum: flo
                        betas: tuple[float, float], notes: list[str]) -> dict[str, Any]:
     """The class's options: momentum for SGD (0.9 by default) and RMSprop, betas for Adam / AdamW."""
     opts: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay}
-    if built == "sgd":
-        opts["momentum"] = 0.9 if momentum is None else _check_number("momentum", momentum, minimum=0.0)
-    elif built == "rmsprop":
-        opts["momentum"] = 0.0 if momentum is None else _check_number("momentum", momentum, minimum=0.0)
+    if built in _DEFAULT_MOMENTUM:
+        opts["momentum"] = _DEFAULT_MOMENTUM[built] if momentum is None else _check_number("momentum", momentum,
+                                                                                           minimum=0.0)
     else:
         if momentum is not None:  # a config's shared momentum field: not an error, but not silent
             notes.append(f"momentum={momentum:g} ignored: {built} has none (its betas[0]={betas[0]:g} plays that part)")
         opts["betas"] = tuple(betas)
     return opts
+
+
+_DEFAULT_MOMENTUM = {"sgd": 0.9, "rmsprop": 0.0}  # the optimizers with a momentum option, and its default here
 
 
 @dataclass(frozen=True)
@@ -350,17 +380,26 @@ class _NoDecayRules:
         """Every parameter held directly by ``module`` goes without decay."""
         if self.types and isinstance(module, self.types):
             return True
-        if self.bias_and_norm and (isinstance(module, NORM_TYPES) or "Norm" in type(module).__name__):
+        if self.bias_and_norm and _is_norm(module):
             return True
         return self.embeddings and isinstance(module, _EMBEDDING_TYPES)
 
     def for_param(self, full: str, p_name: str, p: torch.Tensor) -> bool:
         """This parameter goes without decay, by its name or its shape."""
-        if any(fnmatch.fnmatchcase(full, pat) for pat in self.patterns):
+        if _matches_any(full, self.patterns):
             return True
         if self.bias_and_norm and (p_name == "bias" or p.ndim <= 1):
             return True
-        return self.embeddings and any(fnmatch.fnmatchcase(full, pat) for pat in _POSITION_NAMES)
+        return self.embeddings and _matches_any(full, _POSITION_NAMES)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A normalisation layer: one of :data:`NORM_TYPES`, or a class named ``*Norm*`` (timm's, your own)."""
+    return isinstance(module, NORM_TYPES) or "Norm" in type(module).__name__
+
+
+def _matches_any(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
 
 
 def _no_decay_flags(model: nn.Module, rules: _NoDecayRules) -> dict[int, list[Any]]:
@@ -384,15 +423,15 @@ def _decay_groups(seen: dict[int, list[Any]], weight_decay: float, with_names: b
     for name, p, nd in seen.values():
         if p.requires_grad:
             (no_decay if nd else decay).append((name, p))
-    groups = []
-    for gname, items, wd in (("decay", decay, weight_decay), ("no_decay", no_decay, 0.0)):
-        if not items:
-            continue
-        group: dict[str, Any] = {"name": gname, "params": [p for _, p in items], "weight_decay": wd}
-        if with_names:
-            group["param_names"] = [n for n, _ in items]
-        groups.append(group)
-    return groups
+    return [_named_group(gname, items, wd, with_names)
+            for gname, items, wd in (("decay", decay, weight_decay), ("no_decay", no_decay, 0.0)) if items]
+
+
+def _named_group(gname: str, items: list[tuple[str, nn.Parameter]], wd: float, with_names: bool) -> dict[str, Any]:
+    group: dict[str, Any] = {"name": gname, "params": [p for _, p in items], "weight_decay": wd}
+    if with_names:
+        group["param_names"] = [n for n, _ in items]
+    return group
 
 
 def _fused_possible(
@@ -447,20 +486,30 @@ def _groups_from_iterable(params: Iterable[Any]) -> tuple[list[dict[str, Any]], 
     if not items:
         return [], 0
     if all(isinstance(it, dict) for it in items):
-        groups, frozen = [], 0
-        for i, g in enumerate(items):
-            if "params" not in g:
-                raise UserError(f"param group {i} has no 'params' key: give each group dict a 'params' list")
-            ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
-            keep = [p for p in ps if p.requires_grad]
-            frozen += len(ps) - len(keep)
-            if keep:
-                groups.append(dict(g, params=keep))
-        return groups, frozen
+        return _trainable_of_dicts(items)
     if all(isinstance(it, torch.Tensor) for it in items):
-        keep = list({id(p): p for p in items if p.requires_grad}.values())
-        return ([{"params": keep}] if keep else []), len(items) - len(keep)
+        return _trainable_of_tensors(items)
     raise UserError("build_optimizer: give either tensors or param-group dicts, not a mix of both")
+
+
+def _trainable_of_tensors(items: list[torch.Tensor]) -> tuple[list[dict[str, Any]], int]:
+    """One group of the trainable tensors given, each once; how many were left out."""
+    keep = list({id(p): p for p in items if p.requires_grad}.values())
+    return ([{"params": keep}] if keep else []), len(items) - len(keep)
+
+
+def _trainable_of_dicts(items: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The param-group dicts given, frozen parameters removed (and groups left empty); how many were frozen."""
+    groups, frozen = [], 0
+    for i, g in enumerate(items):
+        if "params" not in g:
+            raise UserError(f"param group {i} has no 'params' key: give each group dict a 'params' list")
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        keep = [p for p in ps if p.requires_grad]
+        frozen += len(ps) - len(keep)
+        if keep:
+            groups.append(dict(g, params=keep))
+    return groups, frozen
 
 
 def _unique_params(model: nn.Module) -> list[nn.Parameter]:

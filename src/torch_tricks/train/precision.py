@@ -234,23 +234,31 @@ def cpu_has_bf16() -> bool:
 def precision_support(p: str, dev: torch.device) -> tuple[bool, str]:
     """(can ``p`` in {bf16, fp16} run on ``dev``, one-line reason if not)."""
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            return False, no_cuda_message()
-        if p == "bf16" and not torch.cuda.is_bf16_supported():
-            name = torch.cuda.get_device_name(dev)
-            return False, f"bf16 is not supported on {name} (needs compute capability 8.0+): use precision=fp16"
-        return True, ""
+        return _cuda_support(p, dev)
     if not torch.amp.is_autocast_available(dev.type):
         return False, f"torch {torch.__version__} has no autocast for {dev.type}: use precision=fp32"
     if dev.type == "cpu":
-        if _cpu_autocast_works(p):
-            return True, ""
-        alt = "bf16" if p == "fp16" else "fp32"
-        return False, (
-            f"{p} autocast does not run on CPU with torch {torch.__version__}: "
-            f"use precision={alt} (or a CUDA device)"
-        )
+        return _cpu_support(p)
     return True, ""  # other accelerators (mps, xpu, ...): trust is_autocast_available
+
+
+def _cuda_support(p: str, dev: torch.device) -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, no_cuda_message()
+    if p == "bf16" and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(dev)
+        return False, f"bf16 is not supported on {name} (needs compute capability 8.0+): use precision=fp16"
+    return True, ""
+
+
+def _cpu_support(p: str) -> tuple[bool, str]:
+    if _cpu_autocast_works(p):
+        return True, ""
+    alt = "bf16" if p == "fp16" else "fp32"
+    return False, (
+        f"{p} autocast does not run on CPU with torch {torch.__version__}: "
+        f"use precision={alt} (or a CUDA device)"
+    )
 
 
 @functools.lru_cache(maxsize=None)

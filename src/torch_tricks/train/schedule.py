@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
@@ -29,6 +30,7 @@ from torch_tricks.registry import register_trick
 __all__ = ["scale_lr", "warmup_schedule", "WarmupFactor", "SCHEDULE_KINDS"]
 
 SCHEDULE_KINDS = ("cosine", "linear", "constant")
+_LR_RULES = {"linear": float, "sqrt": math.sqrt}  # scale_lr's rule -> the lr factor, of batch_size / base_batch
 
 
 def scale_lr(base_lr: float, batch_size: int, base_batch: int = 256, rule: str = "linear") -> float:
@@ -39,17 +41,14 @@ def scale_lr(base_lr: float, batch_size: int, base_batch: int = 256, rule: str =
     optimizers, and a safer guess when linear scaling diverges). Pair a scaled-up lr with
     :func:`warmup_schedule`.
     """
-    if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)) or not math.isfinite(base_lr) or base_lr < 0:
+    if not _is_real(base_lr) or not math.isfinite(base_lr) or base_lr < 0:
         raise UserError(f"base_lr must be a finite number >= 0, got {base_lr!r}")
-    for label, value in (("batch_size", batch_size), ("base_batch", base_batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{label} must be an integer >= 1, got {value!r}")
+    _check_counts(1, batch_size=batch_size, base_batch=base_batch)
     k = batch_size / base_batch
-    if rule == "linear":
-        return float(base_lr) * k
-    if rule == "sqrt":
-        return float(base_lr) * math.sqrt(k)
-    raise UserError(f"unknown lr scaling rule {rule!r}: use 'linear' or 'sqrt'")
+    scale = _LR_RULES.get(rule)
+    if scale is None:
+        raise UserError(f"unknown lr scaling rule {rule!r}: use 'linear' or 'sqrt'")
+    return float(base_lr) * scale(k)
 
 
 @dataclass
@@ -111,17 +110,32 @@ def warmup_schedule(
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UserError(f"warmup_schedule needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    for label, value in (("warmup_steps", warmup_steps), ("total_steps", total_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise UserError(f"{label} must be an integer >= 0, got {value!r}")
+    _check_counts(0, warmup_steps=warmup_steps, total_steps=total_steps)
     if total_steps < warmup_steps:
         raise UserError(
             f"total_steps ({total_steps}) is less than warmup_steps ({warmup_steps}): total_steps counts the warm-up too"
         )
     if kind not in SCHEDULE_KINDS:
         raise UserError(f"unknown schedule kind {kind!r}: use one of {', '.join(SCHEDULE_KINDS)}")
-    for label, value in (("min_lr_ratio", min_lr_ratio), ("warmup_start_ratio", warmup_start_ratio)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-            raise UserError(f"{label} must be a number in [0, 1], got {value!r}")
+    _check_ratios(min_lr_ratio=min_lr_ratio, warmup_start_ratio=warmup_start_ratio)
     factor = WarmupFactor(warmup_steps, total_steps, kind, float(min_lr_ratio), float(warmup_start_ratio))
     return LambdaLR(optimizer, lr_lambda=factor)
+
+
+def _is_real(value: Any) -> bool:
+    """An int or float, not a bool (True is an int to Python, never a number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_counts(minimum: int, **counts: Any) -> None:
+    """Each of ``counts`` (label=value) is an int (not a bool) of at least ``minimum``."""
+    for label, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise UserError(f"{label} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_ratios(**ratios: Any) -> None:
+    """Each of ``ratios`` (label=value) is a number (not a bool) in [0, 1]."""
+    for label, value in ratios.items():
+        if not _is_real(value) or not 0.0 <= value <= 1.0:
+            raise UserError(f"{label} must be a number in [0, 1], got {value!r}")

@@ -39,7 +39,7 @@ from torch import nn
 
 from torch_tricks._format import human_bytes
 from torch_tricks.errors import UserError
-from torch_tricks.train.checkpoint import _atomic_torch_save, _gather_rng_states, restore_rng_state
+from torch_tricks.train.checkpoint import _atomic_torch_save, _check_keep, _gather_rng_states, restore_rng_state
 from torch_tricks.train.distributed import barrier, get_rank, is_main_process
 
 __all__ = ["POINTER", "last_sharded", "complete_sharded", "sharded_to_resume", "save_sharded", "load_sharded",
@@ -58,7 +58,7 @@ def last_sharded(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
         target = Path(checkpoint_dir) / json.loads(pointer.read_text())["dir"]
     except (ValueError, KeyError, TypeError):
         raise UserError(f"{pointer} is damaged: delete it to start afresh, or restore it from a backup") from None
-    if not (target / ".metadata").is_file() or not (target / META).is_file():
+    if not _is_complete(target):
         raise UserError(f"{pointer} points at {target.name}, which is missing or incomplete (no .metadata or {META})")
     return target
 
@@ -70,14 +70,23 @@ def complete_sharded(checkpoint_dir: str | os.PathLike[str]) -> list[Path]:
     """
     found = []
     for folder in Path(checkpoint_dir).glob("step-*.dcp"):
-        meta = folder / META
-        if folder.is_dir() and (folder / ".metadata").is_file() and meta.is_file():
-            try:
-                step = int(folder.name[len("step-"):-len(".dcp")])
-            except ValueError:
-                continue
-            found.append(((meta.stat().st_mtime_ns, step), folder))
+        step = _folder_step(folder) if _is_complete(folder) else None
+        if step is not None:
+            found.append((((folder / META).stat().st_mtime_ns, step), folder))
     return [f for _, f in sorted(found, key=lambda kf: kf[0], reverse=True)]
+
+
+def _is_complete(folder: Path) -> bool:
+    """Whether every rank's shards (DCP's ``.metadata``, written last) and rank 0's ``meta.pt`` are in ``folder``."""
+    return folder.is_dir() and (folder / ".metadata").is_file() and (folder / META).is_file()
+
+
+def _folder_step(folder: Path) -> int | None:
+    """The step in a ``step-NNNNNNNN.dcp`` folder's name; None if it is not a number."""
+    try:
+        return int(folder.name[len("step-"):-len(".dcp")])
+    except ValueError:
+        return None
 
 
 def sharded_to_resume(checkpoint_dir: str | os.PathLike[str]) -> tuple[Path | None, str]:
@@ -112,27 +121,14 @@ def save_sharded(checkpoint_dir: str | os.PathLike[str], *, model: nn.Module, op
     ``keep``: complete checkpoint folders kept, this one included (0: all); older ones, and
     any folder a killed save left incomplete, are removed once the pointer names the new one.
     """
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-        raise UserError(f"keep must be a whole number >= 0 (0 keeps every checkpoint), not {keep!r}")
+    _check_keep(keep)
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"step-{int(step):08d}.dcp"
-    if _is_zero(optimizer):
-        model_sd, optim_sd = model.state_dict(), _zero_optimizer_state(model, optimizer)
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-    meta = {"step": int(step), "epoch": int(epoch), "batch_index": int(batch_index),
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "ema_updates": ema.num_updates if ema is not None else None,
-            "rng": _gather_rng_states(), "extra": extra}  # every rank's RNG: a collective
-    if ema is not None:
-        state["ema"] = get_model_state_dict(ema.module)
+    state = _dcp_state(model, optimizer, ema)
+    meta = _meta_to_save(scheduler, scaler, ema, step=step, epoch=epoch, batch_index=batch_index, extra=extra)
     if is_main_process() and target.exists():  # a folder left by a run killed at this very step
         shutil.rmtree(target)
     barrier()
@@ -142,38 +138,81 @@ def save_sharded(checkpoint_dir: str | os.PathLike[str], *, model: nn.Module, op
         torch.save(meta, target / META)  # before the pointer moves: a folder the pointer names has it
     barrier()  # every rank's shards are written
     if is_main_process():
-        tmp = root / (POINTER + ".tmp")
-        tmp.write_text(json.dumps({"dir": target.name, "step": int(step)}))
-        os.replace(tmp, root / POINTER)
-        complete = [f for f in complete_sharded(root) if f != target]
-        stay = set(complete[: keep - 1]) if keep else set(complete)
-        for old in root.glob("step-*.dcp"):
-            if old != target and old not in stay:
-                shutil.rmtree(old, ignore_errors=True)
+        _point_at(target, step)
+        _remove_old_folders(target, keep)
     barrier()
     return target
 
 
-def load_sharded(path: str | os.PathLike[str], *, model: nn.Module, optimizer: Any, scheduler: Any = None,
-                 scaler: Any = None, ema: Any = None) -> dict[str, Any]:
-    """Load a :func:`save_sharded` folder into this run's objects, on any world size; its ``meta``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
+def _dcp_state(model: nn.Module, optimizer: Any, ema: Any) -> dict[str, Any]:
+    """What DCP saves, or loads into in place: the model, the optimizer (under ZeRO-1 this rank's share,
+    materialised) and the EMA's weights."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    zero = _is_zero(optimizer)
-    if zero:  # this rank's share of the state, materialised as the template DCP loads into in place
+    if _is_zero(optimizer):
         model_sd, optim_sd = model.state_dict(), _zero_optimizer_state(model, optimizer)
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     if ema is not None:
         state["ema"] = get_model_state_dict(ema.module)
+    return state
+
+
+def _meta_to_save(scheduler: Any, scaler: Any, ema: Any, *, step: int, epoch: int, batch_index: int,
+                  extra: Any) -> dict[str, Any]:
+    """``meta.pt``'s content; gathers every rank's RNG state, so a collective."""
+    return {"step": int(step), "epoch": int(epoch), "batch_index": int(batch_index),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "ema_updates": ema.num_updates if ema is not None else None,
+            "rng": _gather_rng_states(), "extra": extra}
+
+
+def _point_at(target: Path, step: int) -> None:
+    """Point ``last.dcp.json`` at ``target`` (temp file + rename: the pointer is never half written)."""
+    root = target.parent
+    tmp = root / (POINTER + ".tmp")
+    tmp.write_text(json.dumps({"dir": target.name, "step": int(step)}))
+    os.replace(tmp, root / POINTER)
+
+
+def _remove_old_folders(target: Path, keep: int) -> None:
+    """Remove the complete folders beyond ``keep`` (``target`` is one; 0 keeps all) and every incomplete one."""
+    root = target.parent
+    complete = [f for f in complete_sharded(root) if f != target]
+    stay = set(complete[: keep - 1]) if keep else set(complete)
+    for old in root.glob("step-*.dcp"):
+        if old != target and old not in stay:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_sharded(path: str | os.PathLike[str], *, model: nn.Module, optimizer: Any, scheduler: Any = None,
+                 scaler: Any = None, ema: Any = None) -> dict[str, Any]:
+    """Load a :func:`save_sharded` folder into this run's objects, on any world size; its ``meta``."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    zero = _is_zero(optimizer)
+    state = _dcp_state(model, optimizer, ema)  # under ZeRO-1 this rank's share, materialised to load into in place
+    _dcp_load(state, path)
+    if zero:
+        _load_zero(model, optimizer, state)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    meta = torch.load(Path(path) / META, weights_only=True)
+    if ema is not None and "ema" in state:
+        set_model_state_dict(ema.module, state["ema"])
+        ema.num_updates = int(meta.get("ema_updates") or 0)
+    _restore_from_meta(meta, scheduler, scaler)
+    return meta
+
+
+def _dcp_load(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """``dcp.load`` into ``state`` in place; what does not fit is a :class:`UserError` with DCP's last line."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         with _one_process_is_meant():
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
@@ -182,16 +221,17 @@ def load_sharded(path: str | os.PathLike[str], *, model: nn.Module, optimizer: A
         first = lines[-1][:200] if lines else type(exc).__name__
         raise UserError(f"the sharded checkpoint {str(path)!r} does not fit this model and optimizer ({first}): "
                         "resume with the model and config that wrote it, or start without resume") from None
-    if zero:
-        model.load_state_dict(state["model"])
-        for group, saved in zip(optimizer.param_groups, state["optimizer"]["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})  # lr and the rest (a schedule moved them)
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    meta = torch.load(Path(path) / META, weights_only=True)
-    if ema is not None and "ema" in state:
-        set_model_state_dict(ema.module, state["ema"])
-        ema.num_updates = int(meta.get("ema_updates") or 0)
+
+
+def _load_zero(model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+    """Under ZeRO-1 the loaded state is already in the optimizer (in place); the model and group settings are not."""
+    model.load_state_dict(state["model"])
+    for group, saved in zip(optimizer.param_groups, state["optimizer"]["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})  # lr and the rest (a schedule moved them)
+
+
+def _restore_from_meta(meta: dict[str, Any], scheduler: Any, scaler: Any) -> None:
+    """The scheduler, scaler and this rank's RNG state, as far as ``meta.pt`` has them."""
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
     if scaler is not None and meta.get("scaler"):
@@ -199,7 +239,6 @@ def load_sharded(path: str | os.PathLike[str], *, model: nn.Module, optimizer: A
     per_rank = meta.get("rng") or []
     if get_rank() < len(per_rank):
         restore_rng_state(per_rank[get_rank()])
-    return meta
 
 
 def _is_zero(optimizer: Any) -> bool:
@@ -247,6 +286,21 @@ def export_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]) 
     p = Path(src)
     if not p.exists():
         raise UserError(f"no checkpoint at {str(p)!r}: give a checkpoint_dir, a step-N.dcp folder or a last.pt file")
+    folder, p = _export_source(p)
+    if folder is not None:
+        state, source = _joined_model_state(folder), str(folder)
+    else:
+        state, source = _file_model_state(p), str(p)
+    state = _tensors_to_export(state, source)
+    target = Path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_torch_save(state, target)
+    return CheckpointExport(source=source, out=str(target), tensors=len(state),
+                            numel=sum(t.numel() for t in state.values()), bytes=target.stat().st_size)
+
+
+def _export_source(p: Path) -> tuple[Path | None, Path]:
+    """``(DCP folder, None)`` or ``(None, checkpoint file)`` for what :func:`export_checkpoint` was given."""
     folder = None
     if p.is_dir():
         folder = p if (p / ".metadata").is_file() else last_sharded(p)
@@ -254,29 +308,33 @@ def export_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]) 
             if not (p / "last.pt").is_file():
                 raise UserError(f"{str(p)!r} holds no checkpoint ({POINTER}, .metadata or last.pt)")
             p = p / "last.pt"
-    if folder is not None:
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    return folder, p
 
-        with tempfile.TemporaryDirectory() as tmp, _one_process_is_meant():
-            whole = Path(tmp) / "whole.pt"
-            dcp_to_torch_save(str(folder), str(whole))
-            state = torch.load(whole, weights_only=True).get("model")
-        source = str(folder)
-    else:
-        try:
-            state = torch.load(p, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise UserError(f"{str(p)!r} is not a readable checkpoint ({type(exc).__name__})") from None
-        state = state.get("model") if isinstance(state, dict) and "model" in state else state
-        source = str(p)
+
+def _joined_model_state(folder: Path) -> Any:
+    """The model's entry of a DCP folder, its shards joined into one state_dict in this process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp, _one_process_is_meant():
+        whole = Path(tmp) / "whole.pt"
+        dcp_to_torch_save(str(folder), str(whole))
+        return torch.load(whole, weights_only=True).get("model")
+
+
+def _file_model_state(p: Path) -> Any:
+    """The model's entry of a ``last.pt`` file, or the whole file if it is a bare state_dict."""
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise UserError(f"{str(p)!r} is not a readable checkpoint ({type(exc).__name__})") from None
+    return state.get("model") if isinstance(state, dict) and "model" in state else state
+
+
+def _tensors_to_export(state: Any, source: str) -> dict[str, torch.Tensor]:
+    """The tensors of the model's state_dict ``state`` (extra state left out); a UserError if it is no state_dict."""
     if not isinstance(state, dict) or not state:
         raise UserError(f"{source!r} has no model weights to export")
-    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    target = Path(out)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_torch_save(state, target)
-    return CheckpointExport(source=source, out=str(target), tensors=len(state),
-                            numel=sum(t.numel() for t in state.values()), bytes=target.stat().st_size)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 class CheckpointExport(dict):

@@ -71,26 +71,40 @@ def shard_fsdp(model: nn.Module, *, mesh: Any = None, precision: str = "fp32", r
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     if not dist.is_initialized():
         raise UserError("distributed = fsdp needs torchrun: launch with `torchrun --nproc_per_node N ...`")
     if mesh is None:  # FSDP's own default mesh is on CUDA wherever CUDA exists: a CPU (gloo) run on a GPU machine
         mesh = init_device_mesh(module_device(model).type, (dist.get_world_size(),))  # failed with cuda:1 missing
-    mp = MixedPrecisionPolicy()
+    mp = _mixed_precision_policy(precision)
     if precision in ("bf16", "fp16"):
-        low = torch.bfloat16 if precision == "bf16" else torch.float16
-        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-        # BatchNorm keeps fp32 weights: its running statistics are fp32 buffers (FSDP casts parameters only),
-        # and batch_norm refuses low-precision weights beside them; autocast runs it this way too
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine and any(True for _ in m.parameters()):
-                fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy())
+        _shard_batchnorms_in_fp32(model, mesh, reshard_after_forward)
     chosen = blocks if blocks is not None else [m for _, m in repeated_blocks(model)]
     for block in chosen:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     return model
+
+
+def _mixed_precision_policy(precision: str) -> Any:
+    """FSDP's policy for ``precision``: bf16/fp16 compute from fp32 master weights, gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision not in ("bf16", "fp16"):
+        return MixedPrecisionPolicy()
+    low = torch.bfloat16 if precision == "bf16" else torch.float16
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+def _shard_batchnorms_in_fp32(model: nn.Module, mesh: Any, reshard_after_forward: bool) -> None:
+    """BatchNorm keeps fp32 weights: its running statistics are fp32 buffers (FSDP casts parameters only),
+    and batch_norm refuses low-precision weights beside them; autocast runs it this way too."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine and any(True for _ in m.parameters()):
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy())
 
 
 @register_trick(
@@ -116,15 +130,33 @@ def zero1_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
     if optimizer.state:
         raise UserError("zero1 shards an optimizer before its first step: this one has state already")
-    import inspect
-
-    takes = inspect.signature(type(optimizer).__init__).parameters  # defaults hold keys __init__ does not take
-    groups = [{k: v for k, v in g.items() if k == "params" or k in takes} for g in optimizer.param_groups if g["params"]]
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in takes and k != "params"}
+    used = _nonempty_groups(optimizer)
+    groups, defaults = _constructor_args(optimizer, used)
     zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
     # the keys the constructor does not take (a group's "name") are put back: ZeRO passes them to its local
     # optimizer's groups, and a checkpoint's groups then match those of the plain optimizer it may load into
-    for mine, theirs in zip(zero.param_groups, [g for g in optimizer.param_groups if g["params"]]):
-        for k, v in theirs.items():
-            mine.setdefault(k, v)
+    for mine, theirs in zip(zero.param_groups, used):
+        _put_back(mine, theirs)
     return zero
+
+
+def _constructor_args(optimizer: torch.optim.Optimizer,
+                      groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``groups`` and ``optimizer``'s defaults with only the keys its class's ``__init__`` takes
+    (the defaults also hold keys it does not take, a group may hold a "name")."""
+    import inspect
+
+    takes = inspect.signature(type(optimizer).__init__).parameters
+    kept = [{k: v for k, v in g.items() if k == "params" or k in takes} for g in groups]
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in takes and k != "params"}
+    return kept, defaults
+
+
+def _nonempty_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [g for g in optimizer.param_groups if g["params"]]
+
+
+def _put_back(group: dict[str, Any], original: dict[str, Any]) -> None:
+    """The keys of ``original`` that ``group`` lacks, with their values."""
+    for k, v in original.items():
+        group.setdefault(k, v)

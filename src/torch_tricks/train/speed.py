@@ -87,16 +87,26 @@ def to_channels_last(batch: Any) -> Any:
     """``batch`` with every 4-D floating-point tensor in channels_last (nested tuples,
     lists and dicts are walked); other tensors and values are returned as they are."""
     if isinstance(batch, torch.Tensor):
-        if batch.dim() == 4 and batch.is_floating_point():
-            return batch.contiguous(memory_format=torch.channels_last)
-        return batch
+        return _tensor_channels_last(batch)
     if isinstance(batch, dict):
         return {k: to_channels_last(v) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+    if _is_namedtuple(batch):
         return type(batch)(*(to_channels_last(v) for v in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_channels_last(v) for v in batch)
     return batch
+
+
+def _is_namedtuple(x: Any) -> bool:
+    """A namedtuple, rebuilt from its fields as positional arguments (a plain tuple takes one iterable)."""
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def _tensor_channels_last(t: torch.Tensor) -> torch.Tensor:
+    """A 4-D floating-point tensor in channels_last; any other tensor as it is."""
+    if t.dim() == 4 and t.is_floating_point():
+        return t.contiguous(memory_format=torch.channels_last)
+    return t
 
 
 # -- torch.compile ----------------------------------------------------------------------
@@ -308,25 +318,44 @@ def _find_cxx() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _compile_available(device_type: str) -> tuple[bool, str]:
+    why = _dynamo_problem()
+    if why:
+        return False, why
+    if device_type == "cuda":
+        why = _triton_problem()
+        return (False, why) if why else (True, "")
+    if device_type != "cpu":
+        return True, ""  # other backends: let torch.compile decide
+    return _cpu_inductor_available()
+
+
+def _dynamo_problem() -> str:
+    """Why torch.compile cannot run in this Python at all; "" if it can."""
     try:
         import torch._dynamo as dynamo
 
         if not dynamo.is_dynamo_supported():
             py = sys.version.split()[0]
-            return False, f"torch.compile does not support Python {py} with torch {torch.__version__}"
+            return f"torch.compile does not support Python {py} with torch {torch.__version__}"
     except Exception as exc:  # a broken install
-        return False, f"torch._dynamo does not import: {type(exc).__name__}: {exc}"
-    if device_type == "cuda":
-        try:
-            from torch.utils._triton import has_triton
+        return f"torch._dynamo does not import: {type(exc).__name__}: {exc}"
+    return ""
 
-            if not has_triton():
-                return False, "inductor on CUDA needs Triton: pip install triton (matching your torch)"
-        except Exception:
-            return False, "inductor on CUDA needs Triton, which does not import here"
-        return True, ""
-    if device_type != "cpu":
-        return True, ""  # other backends: let torch.compile decide
+
+def _triton_problem() -> str:
+    """Why inductor cannot generate CUDA kernels here (no Triton); "" if it can."""
+    try:
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "inductor on CUDA needs Triton: pip install triton (matching your torch)"
+    except Exception:
+        return "inductor on CUDA needs Triton, which does not import here"
+    return ""
+
+
+def _cpu_inductor_available() -> tuple[bool, str]:
+    """Inductor's CPU backend needs a C++ compiler that builds an extension against ``Python.h``."""
     cxx = _find_cxx()
     if cxx is None:
         return False, (
@@ -339,6 +368,11 @@ def _compile_available(device_type: str) -> tuple[bool, str]:
             f"Python.h not found in {include!r}, which inductor's CPU backend needs: "
             "install the Python headers (python3-dev)"
         )
+    return _builds_extension(cxx, include)
+
+
+def _builds_extension(cxx: str, include: str) -> tuple[bool, str]:
+    """Whether ``cxx`` builds a tiny shared library against the ``Python.h`` in ``include``."""
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "probe.cpp")
         with open(src, "w") as f:

@@ -74,21 +74,26 @@ class CPUSyncBatchNorm(_BatchNorm):
         if input.shape[1] == 0:
             raise ValueError("CPUSyncBatchNorm got an input with 0 channels")
 
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.track_running_stats:
-            assert self.num_batches_tracked is not None
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:  # cumulative moving average, as BatchNorm
-                factor = 1.0 / float(self.num_batches_tracked.item())
+        factor = self._count_batch()
         running_mean = self.running_mean if self.track_running_stats else None
         running_var = self.running_var if self.track_running_stats else None
         return _SyncBatchNormFn.apply(
             input, self.weight, self.bias, running_mean, running_var, self.eps, factor, group
         )
 
+    def _count_batch(self) -> float:
+        """Count the batch (when tracking running statistics); the exponential average factor, as BatchNorm's."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.track_running_stats:
+            assert self.num_batches_tracked is not None
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average, as BatchNorm
+                factor = 1.0 / float(self.num_batches_tracked.item())
+        return factor
+
     def _sync_group(self) -> Any | None:
         """The process group to synchronise over in this call, or None for plain BatchNorm."""
-        if not self.training or not (dist.is_available() and dist.is_initialized()):
+        if not self.training or not _has_group():
             return None
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         return group if dist.get_world_size(group) > 1 else None
@@ -129,7 +134,7 @@ def convert_sync_batchnorm(model: nn.Module, process_group: Any | None = None, *
 
 
 def _torch_syncbn_works(model: nn.Module) -> bool:
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+    if _has_group() and dist.get_backend() == "gloo":
         return False
     devices = {t.device.type for t in list(model.parameters()) + list(model.buffers())}
     if devices & set(_TORCH_SYNCBN_DEVICES):
@@ -137,30 +142,41 @@ def _torch_syncbn_works(model: nn.Module) -> bool:
     return devices <= {"cpu"} and torch.cuda.is_available()
 
 
+def _has_group() -> bool:
+    # not distributed.is_dist: distributed imports this module
+    return dist.is_available() and dist.is_initialized()
+
+
 def _convert(module: nn.Module, process_group: Any | None) -> nn.Module:
     out = module
     if isinstance(module, _BatchNorm) and not isinstance(module, CPUSyncBatchNorm):
-        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(recurse=False)):
-            raise UserError("a lazy BatchNorm is not initialised yet: run one forward pass before converting")
-        out = CPUSyncBatchNorm(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-            process_group,
-        )
-        # Reuse the very tensors: values, devices, requires_grad and optimizer references all carry over.
-        out.weight = module.weight
-        out.bias = module.bias
-        out.running_mean = module.running_mean
-        out.running_var = module.running_var
-        out.num_batches_tracked = module.num_batches_tracked
-        out.train(module.training)
-        if hasattr(module, "qconfig"):
-            out.qconfig = module.qconfig
+        out = _cpu_sync_bn(module, process_group)
     for name, child in module.named_children():
         out.add_module(name, _convert(child, process_group))
+    return out
+
+
+def _cpu_sync_bn(module: _BatchNorm, process_group: Any | None) -> CPUSyncBatchNorm:
+    """A CPUSyncBatchNorm holding ``module``'s very parameters and buffers."""
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(recurse=False)):
+        raise UserError("a lazy BatchNorm is not initialised yet: run one forward pass before converting")
+    out = CPUSyncBatchNorm(
+        module.num_features,
+        module.eps,
+        module.momentum,
+        module.affine,
+        module.track_running_stats,
+        process_group,
+    )
+    # Reuse the very tensors: values, devices, requires_grad and optimizer references all carry over.
+    out.weight = module.weight
+    out.bias = module.bias
+    out.running_mean = module.running_mean
+    out.running_var = module.running_var
+    out.num_batches_tracked = module.num_batches_tracked
+    out.train(module.training)
+    if hasattr(module, "qconfig"):
+        out.qconfig = module.qconfig
     return out
 
 
@@ -204,16 +220,11 @@ class _SyncBatchNormFn(torch.autograd.Function):
         var = (total_sq / n - mean * mean).clamp_min(0)
         invstd = torch.rsqrt(var + eps)
         if running_mean is not None and running_var is not None:
-            with torch.no_grad():
-                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-                unbiased = var * (n_items / (n_items - 1))
-                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+            _update_running(running_mean, running_var, mean, var, n_items, momentum)
 
         cd = _compute_dtype(x)
         mean_c, invstd_c = mean.to(cd), invstd.to(cd)
-        y = (x.to(cd) - mean_c.view(shape)) * invstd_c.view(shape)
-        if weight is not None:
-            y = y * weight.to(cd).view(shape)
+        y = _times_weight((x.to(cd) - mean_c.view(shape)) * invstd_c.view(shape), weight, cd, shape)
         if bias is not None:
             y = y + bias.to(cd).view(shape)
         ctx.save_for_backward(x, weight, mean_c, invstd_c)
@@ -244,8 +255,22 @@ class _SyncBatchNormFn(torch.autograd.Function):
             dist.all_reduce(both, op=dist.ReduceOp.SUM, group=ctx.group)  # the one communication
             mean_dy = (both[:c] / ctx.n).to(cd).view(shape)
             mean_dy_xhat = (both[c:] / ctx.n).to(cd).view(shape)
-            scale = invstd.view(shape)
-            if weight is not None:
-                scale = scale * weight.to(cd).view(shape)
+            scale = _times_weight(invstd.view(shape), weight, cd, shape)
             grad_x = ((dyc - mean_dy - xhat * mean_dy_xhat) * scale).to(x.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+@torch.no_grad()
+def _update_running(running_mean: torch.Tensor, running_var: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
+                    n_items: int, momentum: float) -> None:
+    """BatchNorm's running statistics update, with the global batch's mean and unbiased variance."""
+    running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+    unbiased = var * (n_items / (n_items - 1))
+    running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+
+
+def _times_weight(y: torch.Tensor, weight: torch.Tensor | None, cd: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """``y`` scaled by the per-channel ``weight`` (in the compute dtype); as it is without an affine weight."""
+    if weight is None:
+        return y
+    return y * weight.to(cd).view(shape)

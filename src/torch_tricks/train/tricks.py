@@ -48,7 +48,7 @@ import inspect
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
@@ -127,10 +127,7 @@ class Tricks:
         when you pass no scheduler; its length is ``total_steps``, else ``max_steps``, else
         ``epochs`` x the steps of the first DataLoader given.
         """
-        if not isinstance(model, nn.Module):
-            raise UserError(f"prepare() needs your nn.Module first, got {type(model).__name__}")
-        if self.unwrapped_model is not None:
-            raise UserError("prepare() was called already: make one Tricks per model")
+        self._check_can_prepare(model)
         self.unwrapped_model = self._prepare_model(model)
         fsdp_ema = self._fsdp_mode() and self.config.ema
         if fsdp_ema:  # the average is copied from the whole model, then sharded as the model is
@@ -139,22 +136,9 @@ class Tricks:
         if fsdp_ema:
             self._shard(self.ema.module)
         self.optimizer = self._build_optimizer(optimizer)
-        out: list[Any] = []
-        loaders = []
-        for obj in extra:
-            if isinstance(obj, (DataLoader, Dataset)):
-                obj = self.prepare_data(obj)
-                loaders.append(obj)
-            elif _is_scheduler(obj):
-                if self.scheduler is not None:
-                    raise UserError("prepare() got two lr schedulers: give one")
-                self.scheduler = obj
-            else:
-                raise UserError(f"prepare() takes a model, an optimizer, then lr schedulers or DataLoaders; "
-                                f"got {type(obj).__name__}")
-            out.append(obj)
+        out = [self._prepare_extra(obj) for obj in extra]
         if self.scheduler is None:
-            self.scheduler = self._build_scheduler(total_steps, loaders[0] if loaders else None)
+            self.scheduler = self._build_scheduler(total_steps, _first_loader(out))
         if not fsdp_ema:
             self.ema = self._build_ema()
         return (self.model, self.optimizer, *out)
@@ -172,10 +156,7 @@ class Tricks:
     def backward(self, loss: torch.Tensor, *, weight: float | None = None) -> torch.Tensor:
         """Backward of ``loss`` x ``weight`` (default ``1 / accumulate``), through the fp16 scaler; returns it detached."""
         self._need_prepare()
-        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
-            raise UserError(f"backward() needs the loss tensor, got {type(loss).__name__}")
-        if loss.numel() != 1:
-            raise UserError(f"the loss has shape {tuple(loss.shape)}, not a scalar: reduce it to the batch's mean")
+        _check_loss(loss)
         w = 1.0 / self.config.accumulate if weight is None else weight
         loss = loss.reshape(()) * w if w != 1.0 else loss.reshape(())
         self.scaler.scale(loss).backward()
@@ -215,7 +196,6 @@ class Tricks:
     def prepare_data(self, data: Any, *, train: bool = True) -> Any:
         """A loader for ``data``: a Dataset gets a seeded DataLoader of ``batch_size``; under ``torchrun``
         a DataLoader is rebuilt with a DistributedSampler; any other iterable is kept as it is."""
-        cfg = self.config
         if isinstance(data, DataLoader):
             if self.dist is not None and not isinstance(data.sampler, DistributedSampler):
                 # here, not at the top: torch_tricks.data's __init__ imports the whole data package (~85 ms)
@@ -224,12 +204,7 @@ class Tricks:
                 data = rebuild_loader(data, sampler=self._sampler(data.dataset, train))
             return data
         if isinstance(data, Dataset) and hasattr(data, "__len__"):
-            sampler = self._sampler(data, train) if self.dist is not None else None
-            return DataLoader(
-                data, batch_size=cfg.batch_size, shuffle=train and sampler is None, sampler=sampler,
-                generator=seeded_generator(cfg.seed) if train and sampler is None else None,
-                worker_init_fn=worker_init_fn, pin_memory=self.device.type == "cuda",
-            )
+            return self._new_loader(data, train)
         return data
 
     @property
@@ -240,7 +215,7 @@ class Tricks:
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs: model, optimizer, scheduler, scaler, EMA, step count, accumulation position."""
         self._need_prepare()
-        if self.dist is not None and self.config.distributed in ("zero1", "fsdp"):
+        if self._sharded_mode():
             raise UserError(f"under distributed = {self.config.distributed} the state is sharded across ranks: "
                             "save it with tricks.save(folder) on every rank (a DCP checkpoint every rank writes its "
                             "shards of), not tricks.state_dict()")
@@ -260,9 +235,11 @@ class Tricks:
             "config": self.config.to_dict(),
         }
         if self._micro:  # a half-done group: its gradients are part of the state
-            state["grads"] = [p.grad.detach().clone() if p.grad is not None else None
-                              for p in self.unwrapped_model.parameters()]
+            state["grads"] = self._grads_copy()
         return state
+
+    def _grads_copy(self) -> list[torch.Tensor | None]:
+        return [p.grad.detach().clone() if p.grad is not None else None for p in self.unwrapped_model.parameters()]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` into the prepared model, optimizer, scheduler, scaler and EMA."""
@@ -270,20 +247,31 @@ class Tricks:
         missing = [k for k in ("model", "optimizer", "scaler", "step_count") if k not in state]
         if missing:
             raise UserError(f"not a Tricks state (no {', '.join(missing)}): pass what tricks.state_dict() returned")
+        self._load_components(state)
+        self.step_count = int(state["step_count"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._micro = int(state.get("micro", 0))
+        self._loss_sum = torch.as_tensor(state.get("loss_sum", 0.0), dtype=torch.float32).to(self.device)
+        self._restore_grads(state.get("grads") or [])
+
+    def _load_components(self, state: dict[str, Any]) -> None:
+        """The model, optimizer, scheduler (if both sides have one), scaler and EMA states."""
         self.unwrapped_model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scheduler") is not None and self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         if state.get("ema") is not None:
-            if self.ema is None:
-                raise UserError("the state holds an EMA but this config has ema off: set ema = true to resume it")
-            self.ema.load_state_dict(state["ema"])
-        self.step_count = int(state["step_count"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self._micro = int(state.get("micro", 0))
-        self._loss_sum = torch.as_tensor(state.get("loss_sum", 0.0), dtype=torch.float32).to(self.device)
-        for p, g in zip(self.unwrapped_model.parameters(), state.get("grads") or []):
+            self._load_ema(state["ema"])
+
+    def _load_ema(self, ema_state: Any) -> None:
+        if self.ema is None:
+            raise UserError("the state holds an EMA but this config has ema off: set ema = true to resume it")
+        self.ema.load_state_dict(ema_state)
+
+    def _restore_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """The gradients of a half-done group, as :meth:`state_dict` saved them (None: no gradient)."""
+        for p, g in zip(self.unwrapped_model.parameters(), grads):
             p.grad = g.to(p.device) if g is not None else None
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -314,16 +302,7 @@ class Tricks:
         p = Path(path)
         self._need_prepare()
         if p.is_dir():
-            folder = last_sharded(p)
-            if folder is None:
-                raise UserError(f"{str(p)!r} holds no complete sharded checkpoint: give the folder tricks.save() "
-                                "wrote under distributed = fsdp or zero1, or the file it wrote otherwise")
-            meta = load_sharded(folder, model=self.unwrapped_model, optimizer=self.optimizer,
-                                scheduler=self.scheduler, scaler=self.scaler, ema=self.ema)
-            self.step_count = int(meta["step"])
-            self.skipped_steps = int((meta.get("extra") or {}).get("skipped_steps", 0))
-            self._micro = 0
-            self._loss_sum.zero_()
+            self._load_folder(p)
             return
         if not p.is_file():
             raise UserError(f"no Tricks state at {str(p)!r}: give the file (or, under fsdp or zero1, the folder) "
@@ -338,25 +317,61 @@ class Tricks:
                             "not from tricks.save()") from None
         self.load_state_dict(state)
 
+    def _load_folder(self, p: Path) -> None:
+        """Restore the DCP checkpoint :meth:`save` wrote into folder ``p`` under fsdp or zero1."""
+        folder = last_sharded(p)
+        if folder is None:
+            raise UserError(f"{str(p)!r} holds no complete sharded checkpoint: give the folder tricks.save() "
+                            "wrote under distributed = fsdp or zero1, or the file it wrote otherwise")
+        meta = load_sharded(folder, model=self.unwrapped_model, optimizer=self.optimizer,
+                            scheduler=self.scheduler, scaler=self.scaler, ema=self.ema)
+        self.step_count = int(meta["step"])
+        self.skipped_steps = int((meta.get("extra") or {}).get("skipped_steps", 0))
+        self._micro = 0
+        self._loss_sum.zero_()
+
     # -- set-up ----------------------------------------------------------------------------------
+    def _check_can_prepare(self, model: Any) -> None:
+        if not isinstance(model, nn.Module):
+            raise UserError(f"prepare() needs your nn.Module first, got {type(model).__name__}")
+        if self.unwrapped_model is not None:
+            raise UserError("prepare() was called already: make one Tricks per model")
+
+    def _prepare_extra(self, obj: Any) -> Any:
+        """One of prepare()'s extra arguments: a DataLoader prepared, or the lr scheduler to step."""
+        if isinstance(obj, (DataLoader, Dataset)):
+            return self.prepare_data(obj)
+        if not _is_scheduler(obj):
+            raise UserError(f"prepare() takes a model, an optimizer, then lr schedulers or DataLoaders; "
+                            f"got {type(obj).__name__}")
+        if self.scheduler is not None:
+            raise UserError("prepare() got two lr schedulers: give one")
+        self.scheduler = obj
+        return obj
+
     def _setup_runtime(self) -> None:
         cfg = self.config
-        launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-        if cfg.distributed in ("ddp", "zero1", "fsdp") and not launched:
-            raise UserError(f"distributed = {cfg.distributed} needs several processes: launch with `torchrun "
-                            f"--nproc_per_node N ...` (or set distributed = off)")
-        use_dist = cfg.distributed != "off" and launched
-        self.dist = init_distributed(device=cfg.device) if use_dist else None
-        if self.dist is not None:
-            self.device = self.dist.device
-        else:
-            self.device = resolve_device(cfg.device)
-        self.is_main = self.dist is None or self.dist.is_main
+        self._init_process()
         check_precision(cfg.precision, self.device)
         if cfg.precision != "fp32":
             self.applied.append(f"precision={cfg.precision}")
         seed_everything(cfg.seed + (self.dist.rank if self.dist else 0), deterministic=cfg.deterministic,
                         device=self.device)
+        self._process_wide_switches()
+
+    def _init_process(self) -> None:
+        """The process group (under ``torchrun``, when the config asks for one), the device, and whether main."""
+        cfg = self.config
+        self.dist = init_distributed(device=cfg.device) if _joins_process_group(cfg) else None
+        if self.dist is not None:
+            self.device = self.dist.device
+        else:
+            self.device = resolve_device(cfg.device)
+        self.is_main = self.dist is None or self.dist.is_main
+
+    def _process_wide_switches(self) -> None:
+        """cudnn benchmark, the kept heap and anomaly detection: settings of the process, not of the model."""
+        cfg = self.config
         if cfg.cudnn_benchmark:
             cudnn_benchmark(True, fixed_shapes=True)
             self.applied.append("cudnn_benchmark")
@@ -369,22 +384,7 @@ class Tricks:
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         cfg, applied = self.config, self.applied
-        if cfg.inplace:
-            model = inplace_activations(model)
-            applied.append("inplace")
-        if cfg.memory_efficient_bn:
-            model = memory_efficient_bn_act(model)
-            applied.append("memory_efficient_bn")
-        if cfg.checkpointing:
-            if cfg.checkpointing == "sqrt":
-                if not isinstance(model, nn.Sequential):
-                    raise UserError("checkpointing='sqrt' needs an nn.Sequential model: use 'blocks' or a name pattern")
-                model = checkpoint_sequential_sqrt(model)
-            elif cfg.checkpointing == "blocks":
-                model = checkpoint_blocks(model)
-            else:
-                model = checkpoint_blocks(model, names=[cfg.checkpointing])
-            applied.append(f"checkpointing={cfg.checkpointing}")
+        model = self._memory_switches(model)
         if cfg.bn_momentum_adjust and cfg.accumulate > 1:
             _adjust_bn_momentum(model, cfg.accumulate)
             applied.append("bn_momentum_adjust")
@@ -392,14 +392,32 @@ class Tricks:
             model = convert_sync_batchnorm(model)
             applied.append("sync_bn")
         model = model.to(self.device)
-        if cfg.channels_last and self._fsdp_mode():
+        if cfg.channels_last:
+            model = self._channels_last(model)
+        return model
+
+    def _memory_switches(self, model: nn.Module) -> nn.Module:
+        """In-place activations, memory-efficient BN and activation checkpointing, as switched on."""
+        cfg, applied = self.config, self.applied
+        if cfg.inplace:
+            model = inplace_activations(model)
+            applied.append("inplace")
+        if cfg.memory_efficient_bn:
+            model = memory_efficient_bn_act(model)
+            applied.append("memory_efficient_bn")
+        if cfg.checkpointing:
+            model = _with_checkpointing(model, cfg.checkpointing)
+            applied.append(f"checkpointing={cfg.checkpointing}")
+        return model
+
+    def _channels_last(self, model: nn.Module) -> nn.Module:
+        if self._fsdp_mode():
             # FSDP2 shards contiguous parameters only: the weights stay as they are and the inputs alone go
             # channels_last (to_device), which a convolution follows (its output and kernels take the input's)
-            applied.append("channels_last=inputs")
-        elif cfg.channels_last:
-            model = channels_last(model)
-            applied.append("channels_last")
-        return model
+            self.applied.append("channels_last=inputs")
+            return model
+        self.applied.append("channels_last")
+        return channels_last(model)
 
     def _fsdp_mode(self) -> bool:
         return self.dist is not None and self.config.distributed == "fsdp"
@@ -432,20 +450,27 @@ class Tricks:
         return opt
 
     def _build_local_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
-        cfg = self.config
         if isinstance(optimizer, torch.optim.Optimizer):
-            if self.dist is not None and cfg.distributed in ("zero1", "fsdp"):
-                raise UserError(f"under distributed = {cfg.distributed} Tricks builds the optimizer it shards: pass "
-                                "prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
-            if cfg.fused_optimizer:
-                self._note_fast_step(_switch_to_fast_step(optimizer))
-            return optimizer
+            return self._adopt_optimizer(optimizer)
         if callable(optimizer):
-            return optimizer([p for p in self.unwrapped_model.parameters() if p.requires_grad])
+            return optimizer(self._trainable())
         if optimizer is not None:
             raise UserError(f"optimizer must be a torch.optim.Optimizer, a callable params -> optimizer, or None; "
                             f"got {type(optimizer).__name__}")
         return self._config_optimizer()
+
+    def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The user's own optimizer, switched to its fused step in place when the config asks."""
+        cfg = self.config
+        if self._sharded_mode():
+            raise UserError(f"under distributed = {cfg.distributed} Tricks builds the optimizer it shards: pass "
+                            "prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
+        if cfg.fused_optimizer:
+            self._note_fast_step(_switch_to_fast_step(optimizer))
+        return optimizer
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.unwrapped_model.parameters() if p.requires_grad]
 
     def _config_optimizer(self) -> torch.optim.Optimizer:
         """``config.optimizer`` over the model, with no-decay groups and the scaled lr when switched on."""
@@ -454,16 +479,15 @@ class Tricks:
         groups = (
             param_groups(self.unwrapped_model, cfg.weight_decay)
             if cfg.no_decay_norm_bias
-            else [{"params": [p for p in self.unwrapped_model.parameters() if p.requires_grad],
-                   "weight_decay": cfg.weight_decay}]
+            else [{"params": self._trainable(), "weight_decay": cfg.weight_decay}]
         )
+        fast = None if cfg.fused_optimizer else False
         opt = build_optimizer(
             groups, cfg.optimizer, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-            fused=None if cfg.fused_optimizer else False, foreach=None if cfg.fused_optimizer else False,
+            fused=fast, foreach=fast,
         )
         if cfg.fused_optimizer:  # say which multi-tensor form PyTorch could give this optimizer here
-            defaults = opt.defaults
-            self._note_fast_step("fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "")
+            self._note_fast_step(_fast_step_kind(opt) or "")
         return opt
 
     def _lr(self) -> float:
@@ -495,6 +519,17 @@ class Tricks:
         self.applied.append("ema")
         return EMA(self.unwrapped_model, decay=self.config.ema_decay)
 
+    def _new_loader(self, data: Dataset, train: bool) -> DataLoader:
+        """A DataLoader of ``batch_size`` over ``data``: seeded shuffling, or a DistributedSampler under torchrun."""
+        cfg = self.config
+        sampler = self._sampler(data, train) if self.dist is not None else None
+        shuffle = train and sampler is None
+        return DataLoader(
+            data, batch_size=cfg.batch_size, shuffle=shuffle, sampler=sampler,
+            generator=seeded_generator(cfg.seed) if shuffle else None,
+            worker_init_fn=worker_init_fn, pin_memory=self.device.type == "cuda",
+        )
+
     def _sampler(self, dataset: Dataset, train: bool) -> DistributedSampler:
         return distributed_sampler(dataset, self.dist, shuffle=train, seed=self.config.seed)
 
@@ -505,11 +540,7 @@ class Tricks:
         self._micro = 0
         self._loss_sum.zero_()
         if not self._all_finite(loss) and not self.scaler.is_enabled():
-            self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingDiverged(
-                f"loss is {float(loss)} at step {self.step_count + 1}; "
-                f"last good checkpoint: {self.last_good or 'none saved (set checkpoint_dir)'}"
-            )
+            self._diverged(loss)
         if cfg.grad_clip:
             self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.unwrapped_model.parameters(), cfg.grad_clip)
@@ -520,12 +551,24 @@ class Tricks:
             self.skipped_steps += 1
             self.group_loss = torch.zeros((), device=self.device)
             return False
+        self._after_step()
+        self.group_loss = loss
+        return True
+
+    def _diverged(self, loss: torch.Tensor) -> NoReturn:
+        """Drop the group's gradients and stop the run, naming the step and the last good checkpoint."""
+        self.optimizer.zero_grad(set_to_none=True)
+        raise TrainingDiverged(
+            f"loss is {float(loss)} at step {self.step_count + 1}; "
+            f"last good checkpoint: {self.last_good or 'none saved (set checkpoint_dir)'}"
+        )
+
+    def _after_step(self) -> None:
+        """The scheduler and the EMA follow a step the optimizer took."""
         if self.scheduler is not None:
             self.scheduler.step()
         if self.ema is not None:
             self.ema.update(self.unwrapped_model)
-        self.group_loss = loss
-        return True
 
     def _all_finite(self, loss: torch.Tensor) -> bool:
         if not self.config.nan_guard:
@@ -561,22 +604,73 @@ def _switch_to_fast_step(opt: torch.optim.Optimizer) -> str:
     its own ``__init__`` sets for ``fused=True`` (the amp-scaling hand-off and the one-time
     device/dtype check), so the result is what ``cls(params, fused=True)`` builds.
     """
-    if opt.defaults.get("fused"):
-        return "fused"
-    if opt.defaults.get("foreach"):
-        return "foreach"
-    if opt.state or opt.defaults.get("differentiable"):
-        return ""
-    params = [p for g in opt.param_groups for p in g["params"]]
-    ok = ("fused" in inspect.signature(type(opt).__init__).parameters and params
-          and all(p.device.type in _fused_devices() and p.is_floating_point() and not p.is_sparse for p in params))
-    if not ok:
+    kind = _fast_step_kind(opt)
+    if kind is not None:
+        return kind
+    if not _can_fuse(opt):
         return ""
     for g in [opt.defaults, *opt.param_groups]:
         g["fused"], g["foreach"] = True, False
     opt._step_supports_amp_scaling = True
     opt._need_device_dtype_check_for_fused = True
     return "fused"
+
+
+def _joins_process_group(cfg: TrainConfig) -> bool:
+    """Whether to join torchrun's process group: launched with several processes, and distributed not off.
+    A mode that needs several processes without them is an error."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if cfg.distributed in ("ddp", "zero1", "fsdp") and not launched:
+        raise UserError(f"distributed = {cfg.distributed} needs several processes: launch with `torchrun "
+                        f"--nproc_per_node N ...` (or set distributed = off)")
+    return cfg.distributed != "off" and launched
+
+
+def _with_checkpointing(model: nn.Module, how: str) -> nn.Module:
+    """Activation checkpointing as ``config.checkpointing`` says: ``sqrt`` segments, ``blocks``, or a name pattern."""
+    if how == "sqrt":
+        if not isinstance(model, nn.Sequential):
+            raise UserError("checkpointing='sqrt' needs an nn.Sequential model: use 'blocks' or a name pattern")
+        return checkpoint_sequential_sqrt(model)
+    if how == "blocks":
+        return checkpoint_blocks(model)
+    return checkpoint_blocks(model, names=[how])
+
+
+def _fast_step_kind(opt: torch.optim.Optimizer) -> str | None:
+    """The multi-tensor form ``opt`` was built with, "fused" or "foreach"; None if neither."""
+    if opt.defaults.get("fused"):
+        return "fused"
+    if opt.defaults.get("foreach"):
+        return "foreach"
+    return None
+
+
+def _can_fuse(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``type(opt)(params, fused=True)`` would build: fresh (no state yet, not differentiable), a class
+    with a fused form, and only dense floating-point parameters on a device fused steps run on."""
+    if opt.state or opt.defaults.get("differentiable"):
+        return False
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return bool("fused" in inspect.signature(type(opt).__init__).parameters and params
+                and all(_fusable_param(p) for p in params))
+
+
+def _fusable_param(p: torch.Tensor) -> bool:
+    return p.device.type in _fused_devices() and p.is_floating_point() and not p.is_sparse
+
+
+def _first_loader(objs: list[Any]) -> Any:
+    """The first DataLoader (or Dataset) among prepare()'s extra arguments, which sizes a schedule; None if none."""
+    return next((obj for obj in objs if isinstance(obj, (DataLoader, Dataset))), None)
+
+
+def _check_loss(loss: Any) -> None:
+    """What backward() takes: a floating-point tensor of one value (the batch's mean loss)."""
+    if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+        raise UserError(f"backward() needs the loss tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise UserError(f"the loss has shape {tuple(loss.shape)}, not a scalar: reduce it to the batch's mean")
 
 
 def _is_scheduler(obj: Any) -> bool:
