@@ -5,10 +5,12 @@ accumulate=2; bad use is one line."""
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import torch.nn as nn
 
 from test_train_fit_ddp import PER_RANK, SEED, WORLD, dataset, global_batches  # the same data, the same order
 from torch_tricks.errors import UserError
+from torch_tricks.train.sharded_checkpoint import POINTER, last_sharded
 
 VARIANTS = {"plain": {}, "checkpointing-accumulate2": {"checkpointing": "blocks", "accumulate": 2},
             "ema": {"ema": True, "ema_decay": 0.9}}
@@ -68,17 +71,69 @@ def _torchrun(script: Path, *args: str, timeout: float = 240, ok: bool = True) -
     return log
 
 
-@pytest.mark.parametrize("mode", ["zero1", "fsdp"])
-def test_sharded_fit_on_two_ranks_equals_single_process(tmp_path, mode):
+SCRIPTS = Path(__file__).parent / "dist_scripts"
+MODES = ("zero1", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The module's torchrun work in 4 launches rather than 13 (a launch costs seconds before any work: the
+    launcher and both ranks import torch). One launch runs every script that runs through (the sharded fits,
+    fsdp against ddp, the uninterrupted runs the resumes are compared with, the own-loop runs that save
+    mid-run), one per mode is killed while saving, and one runs every resume. What a killed run left on disk
+    is read before anything touches it."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("this torch build has no gloo backend")
-    log = _torchrun(Path(__file__).parent / "dist_scripts" / "fit_sharded.py", mode, str(tmp_path))
-    assert (tmp_path / "done").exists(), log[-3000:]
+    base = tmp_path_factory.mktemp("sharded")
+    dirs = {m: {part: base / f"{part}-{m}" for part in ("fit", "resume", "tricks")} for m in MODES}
+    for d in dirs.values():
+        for folder in d.values():
+            folder.mkdir()
+    first: list[str] = ["fsdp_vs_ddp.py", str(base / "fsdp_vs_ddp.pt")]
+    for m, d in dirs.items():
+        first += ["---", "fit_sharded.py", m, str(d["fit"])]
+        first += ["---", "fit_sharded_resume.py", "whole", str(d["resume"] / "ck_whole"), str(d["resume"] / "whole.pt"), m]
+        first += ["---", "tricks_sharded_save.py", m, "run", str(d["tricks"])]
+    log = _torchrun(SCRIPTS / "run_jobs.py", *first, timeout=480)
+    killed, saved = {}, {}
+    for m, d in dirs.items():
+        # a checkpoint every step; rank 0 killed (SIGKILL) while saving the next one, after every rank's shards
+        # are written and before the pointer moves to them: the previous checkpoint is the one to load
+        ck = d["resume"] / "ck"
+        _torchrun(SCRIPTS / "fit_sharded_resume.py", "killsave", str(ck), str(d["resume"] / "stop.pt"), m, ok=False)
+        killed[m] = _left_by_the_kill(ck)
+        shutil.copytree(ck, d["resume"] / "ck_one")
+        saved[m] = last_sharded(d["tricks"] / "ckpt")
+    last: list[str] = []
+    for m, d in dirs.items():
+        last += ["fit_sharded_resume.py", "resume", str(d["resume"] / "ck"), str(d["resume"] / "resume.pt"), m, "---"]
+        last += ["tricks_sharded_save.py", m, "resume", str(d["tricks"]), "---"]
+    _torchrun(SCRIPTS / "run_jobs.py", *last[:-1], timeout=480)
+    return SimpleNamespace(dirs=dirs, log=log, killed=killed, tricks_saved=saved, fsdp_vs_ddp=base / "fsdp_vs_ddp.pt")
+
+
+def _left_by_the_kill(ck: Path) -> dict:
+    """What a run killed while saving left in ``ck``; then a save killed earlier still is planted beside it."""
+    folder = last_sharded(ck)
+    facts = {"last": folder.name if folder else None, "last.pt": (ck / "last.pt").exists(),
+             "killed in": (ck / f"step-{RESUME_STOP + 1:08d}.dcp").is_dir(),
+             "pointer.tmp": (ck / (POINTER + ".tmp")).is_file()}
+    half = ck / f"step-{RESUME_STOP + 2:08d}.dcp"
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"half a shard")
+    facts["last, beside a half save"] = last_sharded(ck) == folder
+    return facts
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sharded_fit_on_two_ranks_equals_single_process(launched, mode):
+    out = launched.dirs[mode]["fit"]
+    assert (out / "done").exists(), launched.log[-3000:]
 
     from torch_tricks.train import fit
 
     for name, extra in VARIANTS.items():
-        sharded = torch.load(tmp_path / f"{name}.pt")
+        sharded = torch.load(out / f"{name}.pt")
         single = make_model()
         h = fit(single, global_batches(), dataset(), config=config(**extra).replace(epochs=1))  # the list: both epochs
         for k, v in single.state_dict().items():
@@ -87,15 +142,12 @@ def test_sharded_fit_on_two_ranks_equals_single_process(tmp_path, mode):
             assert h.final["loss_ema"] == pytest.approx(sharded["final"]["loss_ema"], rel=1e-5)
 
 
-def test_fsdp_with_channels_last_and_with_bf16_batchnorm_trains_as_ddp_does(tmp_path):
+def test_fsdp_with_channels_last_and_with_bf16_batchnorm_trains_as_ddp_does(launched):
     """Two switches FSDP2 needs wiring for (both found by the tune's distributed rows): channels_last weights
     are not contiguous, so under fsdp the inputs alone go channels_last; under bf16 BatchNorm's running
     statistics stay fp32, so BatchNorm is sharded on its own in fp32. Each run equals DDP's (atol 1e-5).
     And the NaN guard's decision is every rank's under fsdp and zero1 as under ddp."""
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("this torch build has no gloo backend")
-    _torchrun(Path(__file__).parent / "dist_scripts" / "fsdp_vs_ddp.py", str(tmp_path / "out.pt"))
-    out = torch.load(tmp_path / "out.pt")
+    out = torch.load(launched.fsdp_vs_ddp)
     assert "channels_last=inputs" in out["channels_last", "fsdp"]["applied"]
     assert "channels_last" in out["channels_last", "ddp"]["applied"]
     assert "precision=bf16" in out["bf16-batchnorm", "fsdp"]["applied"]
@@ -134,36 +186,23 @@ def _train_losses(h):
     return [(r["step"], r["loss"]) for r in h.rows if r["split"] == "train"]
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "zero1"])
-def test_a_checkpoint_of_two_ranks_resumes_on_two_ranks_and_on_one(tmp_path, mode):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpoint_of_two_ranks_resumes_on_two_ranks_and_on_one(launched, mode):
     """fsdp or zero1 on 2 ranks write DCP checkpoints (every rank its shards); killed while saving mid-epoch,
     the previous one resumes on 2 ranks (rank 0's losses and the parameters of the uninterrupted run) and in
     one plain process on the same global batches (the losses of a single-process run on them, rel 1e-5; its
     parameters)."""
-    import shutil
-
     from torch_tricks.train import fit
-    from torch_tricks.train.sharded_checkpoint import POINTER, last_sharded
 
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("this torch build has no gloo backend")
-    script = Path(__file__).parent / "dist_scripts" / "fit_sharded_resume.py"
-    _torchrun(script, "whole", str(tmp_path / "ck_whole"), str(tmp_path / "whole.pt"), mode)
-    # a checkpoint every step; rank 0 killed (SIGKILL) while saving the next one, after every rank's shards
-    # are written and before the pointer moves to them: the previous checkpoint is the one to load
-    _torchrun(script, "killsave", str(tmp_path / "ck"), str(tmp_path / "stop.pt"), mode, ok=False)
-    folder = last_sharded(tmp_path / "ck")
-    assert folder is not None and folder.name == f"step-{RESUME_STOP:08d}.dcp"
-    assert not (tmp_path / "ck" / "last.pt").exists()  # no rank gathered the whole state
-    assert (tmp_path / "ck" / f"step-{RESUME_STOP + 1:08d}.dcp").is_dir()  # the save it was killed in
-    assert (tmp_path / "ck" / (POINTER + ".tmp")).is_file()  # the pointer it never moved
-    (tmp_path / "ck" / f"step-{RESUME_STOP + 2:08d}.dcp").mkdir()  # and a save killed earlier still:
-    (tmp_path / "ck" / f"step-{RESUME_STOP + 2:08d}.dcp" / "__0_0.distcp").write_bytes(b"half a shard")
-    assert last_sharded(tmp_path / "ck") == folder
-    shutil.copytree(tmp_path / "ck", tmp_path / "ck_one")
+    tmp_path = launched.dirs[mode]["resume"]
+    killed = launched.killed[mode]
+    assert killed["last"] == f"step-{RESUME_STOP:08d}.dcp"
+    assert not killed["last.pt"]  # no rank gathered the whole state
+    assert killed["killed in"]  # the save it was killed in
+    assert killed["pointer.tmp"]  # the pointer it never moved
+    assert killed["last, beside a half save"]  # and a save killed earlier still is passed over
 
     whole = torch.load(tmp_path / "whole.pt")
-    _torchrun(script, "resume", str(tmp_path / "ck"), str(tmp_path / "resume.pt"), mode)
     two = torch.load(tmp_path / "resume.pt")
     assert two["resumed_from"] == RESUME_STOP
     tail = [x for x in whole["losses"] if x[0] > RESUME_STOP]
@@ -193,23 +232,18 @@ def tricks_batches(steps: int = 6):
     return [(torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)) for _ in range(steps)]
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "zero1"])
-def test_tricks_save_and_load_in_your_own_loop_under_sharding(tmp_path, mode):
+@pytest.mark.parametrize("mode", MODES)
+def test_tricks_save_and_load_in_your_own_loop_under_sharding(launched, mode):
     """tricks.save on every rank mid-run (a DCP folder, every rank its shards), tricks.load in a fresh run on 2
     ranks and in one plain process: the remaining global losses are the uninterrupted run's (rel 1e-5) and so
     are the final parameters (atol 1e-5)."""
     import torch.nn.functional as F
 
     from torch_tricks import Tricks
-    from torch_tricks.train.sharded_checkpoint import last_sharded
 
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("this torch build has no gloo backend")
-    script = Path(__file__).parent / "dist_scripts" / "tricks_sharded_save.py"
-    _torchrun(script, mode, "run", str(tmp_path))
+    tmp_path = launched.dirs[mode]["tricks"]
     ckpt = tmp_path / "ckpt"
-    assert (last_sharded(ckpt) / ".metadata").is_file()
-    _torchrun(script, mode, "resume", str(tmp_path))
+    assert (launched.tricks_saved[mode] / ".metadata").is_file()
     run, resumed = torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "resume.pt")
     assert sorted(run["losses"]) == [1, 2, 3, 4, 5, 6] and sorted(resumed["losses"]) == [4, 5, 6]
     for step, loss in resumed["losses"].items():
