@@ -91,33 +91,35 @@ def training_candidates(
     skipped: list[Skipped] = []
     skip = set(skip) | {trick_name(n) for n in skip}  # an earlier name (int8_static) skips the trick (int8)
     for trick in list_tricks():
-        reason = _left_out(trick, skip)
-        if reason:
-            skipped.append(Skipped(trick.name, trick.ids, trick.kind, reason))
-            continue
-        try:
-            ok, why = trick.check(device)
-        except Exception as exc:
-            skipped.append(Skipped(trick.name, trick.ids, trick.kind, "its availability check raised "
-                                    + one_line(exc, 10_000, with_type=True),
-                                   status="failed"))
-            continue
-        if not ok:
-            skipped.append(Skipped(trick.name, trick.ids, trick.kind, why))
-            continue
-        make = _MAKERS.get(trick.name)
-        if make is None:
-            skipped.append(Skipped(trick.name, trick.ids, trick.kind, "the tuner has no measurement for it yet"))
-            continue
-        try:
-            made = make(trick, model, inputs, device, batch, own_optimizer)
-        except Exception as exc:
-            skipped.append(Skipped(trick.name, trick.ids, trick.kind, "checking whether it applies raised "
-                                    + one_line(exc, 10_000, with_type=True),
-                                   status="failed"))
-            continue
+        made, why = _make(trick, skip, model, inputs, device, batch, own_optimizer)
         _file_made(made, trick, why, skip, cands, skipped)
     return cands, skipped
+
+
+def _make(trick: Trick, skip: set[str], model: nn.Module, inputs: tuple[Any, ...], device: torch.device,
+          batch: int, own_optimizer: bool) -> tuple[Any, str]:
+    """(what the trick's maker returns, the caveat it is available with); a trick that is left out, not
+    available, without a maker, or whose check raises gives a :class:`Skipped` saying so (and no caveat)."""
+    reason = _left_out(trick, skip)
+    if reason:
+        return Skipped(trick.name, trick.ids, trick.kind, reason), ""
+    try:
+        ok, why = trick.check(device)
+    except Exception as exc:
+        return _raised(trick, "its availability check raised ", exc), ""
+    if not ok:
+        return Skipped(trick.name, trick.ids, trick.kind, why), ""
+    make = _MAKERS.get(trick.name)
+    if make is None:
+        return Skipped(trick.name, trick.ids, trick.kind, "the tuner has no measurement for it yet"), ""
+    try:
+        return make(trick, model, inputs, device, batch, own_optimizer), why
+    except Exception as exc:
+        return _raised(trick, "checking whether it applies raised ", exc), ""
+
+
+def _raised(trick: Trick, what: str, exc: Exception) -> Skipped:
+    return Skipped(trick.name, trick.ids, trick.kind, what + one_line(exc, 10_000, with_type=True), status="failed")
 
 
 def _left_out(trick: Trick, skip: set[str]) -> str:
@@ -148,10 +150,15 @@ def _file_made(made: Any, trick: Trick, why: str, skip: set[str], cands: list[Ca
         elif isinstance(item, str):
             skipped.append(Skipped(trick.name, trick.ids, trick.kind, item))
         else:
-            item.ids = trick.ids
-            if why and not item.note:
-                item.note = why  # available with a caveat
-            cands.append(item)
+            cands.append(_with_caveat(item, trick.ids, why))
+
+
+def _with_caveat(cand: Candidate, ids: tuple[str, ...], why: str) -> Candidate:
+    """``cand`` with the trick's ids, and the caveat it is available with (``why``) as its note if it has none."""
+    cand.ids = ids
+    if why and not cand.note:
+        cand.note = why
+    return cand
 
 
 # What ``tune(data=...)`` (the loader-tune: workers, pinning, a pack's batched reads, the

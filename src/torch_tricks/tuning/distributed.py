@@ -106,13 +106,17 @@ def check_world(world: int, batch: int, device: torch.device) -> None:
     if world < 2:
         raise UserError(f"--processes {world}: give 2 or more (one process is the plain tune)")
     if batch % world:
-        lo, hi = (batch // world) * world, (batch // world + 1) * world
-        sugg = f"{lo} or {hi}" if lo else f"{hi}"
         raise UserError(f"the batch {batch} is the global batch, split across {world} processes, and {world} does "
-                        f"not divide it: give --batch a multiple of {world} (e.g. {sugg})")
+                        f"not divide it: give --batch a multiple of {world} (e.g. {_multiples_near(batch, world)})")
     if device.type == "cuda" and "RANK" not in os.environ and world > torch.cuda.device_count():
         raise UserError(f"--processes {world} on cuda, but this machine has {torch.cuda.device_count()} CUDA "
                         "device(s): one process per device at most")
+
+
+def _multiples_near(batch: int, world: int) -> str:
+    """The multiples of ``world`` either side of ``batch`` (the one above alone where the one below is 0)."""
+    lo, hi = (batch // world) * world, (batch // world + 1) * world
+    return f"{lo} or {hi}" if lo else f"{hi}"
 
 
 def launch(job: DistJob, processes: int) -> dict[str, Any]:
@@ -211,12 +215,9 @@ def measure_modes(job: DistJob) -> dict[str, Any]:
     total = B.batch_size(job.batch)
     check_world(world, total, torch.device("cpu"))
     per = total // world
-    local = B.map_tensors(job.batch, lambda t: t[rank * per:(rank + 1) * per] if t.dim() > 0 else t)
-    cfg = {**job.config, "device": str(dev), "seed": job.seed}
-    cfg.pop("compile", None)  # one compilation per lane and rank would eat the phase: measured eagerly
-    lanes = [_Lane(ONE_PROCESS, "off", False, job.batch, job.one_process_threads),
-             _Lane(ONE_RANK, "off", False, local, job.threads)]
-    lanes += [_Lane(m, m, True, local, job.threads) for m in job.modes]
+    local = _shard(job.batch, rank, per)
+    cfg = _lane_config(job, dev)
+    lanes = _lanes(job, local)
     left = (job.deadline - time.time()) if job.deadline else job.budget_s  # rank 0's clock decides
     deadline = t_start + left
     build_end = t_start + 0.6 * left
@@ -238,8 +239,28 @@ def measure_modes(job: DistJob) -> dict[str, Any]:
     result["rows"] = rows
     result["seconds"] = time.perf_counter() - t_start
     for lane in lanes:
-        lane.step = None
+        lane.step = None  # free the model copies
     return result
+
+
+def _lane_config(job: DistJob, dev: torch.device) -> dict[str, Any]:
+    """The lanes' TrainConfig keys: the job's, on this rank's device, without compile (one compilation per
+    lane and rank would eat the phase: measured eagerly)."""
+    cfg = {**job.config, "device": str(dev), "seed": job.seed}
+    cfg.pop("compile", None)
+    return cfg
+
+
+def _shard(batch: Any, rank: int, per: int) -> Any:
+    """This rank's ``per`` samples of the global batch (tensors without a batch dimension as they are)."""
+    return B.map_tensors(batch, lambda t: t[rank * per:(rank + 1) * per] if t.dim() > 0 else t)
+
+
+def _lanes(job: DistJob, local: Any) -> list[_Lane]:
+    """The two references (one process on the global batch, one rank on its share), then each mode."""
+    lanes = [_Lane(ONE_PROCESS, "off", False, job.batch, job.one_process_threads),
+             _Lane(ONE_RANK, "off", False, local, job.threads)]
+    return lanes + [_Lane(m, m, True, local, job.threads) for m in job.modes]
 
 
 def _build_on_every_rank(lane: _Lane, job: DistJob, cfg: dict[str, Any], rank: int, world: int,
@@ -265,28 +286,42 @@ def _agree_on_build(lane: _Lane, error: str, world: int) -> None:
     """A mode: every rank knows whether any failed (then every rank drops it), and the row takes the
     largest rank's state and peak; a reference (rank 0 alone): rank 0's error, sent to the others."""
     if lane.everyone:
-        errors: list[Any] = [None] * world
-        dist.all_gather_object(errors, (error, lane.row.get("state"), lane.row.get("peak_bytes"),
-                                        lane.row.get("losses")))
-        bad = [f"rank {r}: {e[0]}" for r, e in enumerate(errors) if e[0]]
-        if bad:
-            lane.step = None
-            lane.row.update(status="failed", reason=bad[0])
-            return
-        states = [e[1] for e in errors]
-        lane.row["state"] = max(states, key=lambda s: s["total"])
-        lane.row["state_per_rank"] = [s["total"] for s in states]
-        lane.row["peak_bytes"] = max(e[2] for e in errors)
-        lane.row["peak_per_rank"] = [e[2] for e in errors]
-        lane.row["status"] = "measured"
+        _agree_on_mode(lane, error, world)
         return
     got: list[Any] = [error]
     dist.broadcast_object_list(got, src=0)
     if got[0]:
-        lane.step = None
-        lane.row.update(status="failed", reason=got[0])
+        _fail(lane, got[0])
     else:
         lane.row["status"] = "measured"
+
+
+def _agree_on_mode(lane: _Lane, error: str, world: int) -> None:
+    """Every rank's error and figures to every rank: the first error fails the mode everywhere, else the
+    row takes the largest rank's state and peak."""
+    errors: list[Any] = [None] * world
+    dist.all_gather_object(errors, (error, lane.row.get("state"), lane.row.get("peak_bytes"),
+                                    lane.row.get("losses")))
+    bad = [f"rank {r}: {e[0]}" for r, e in enumerate(errors) if e[0]]
+    if bad:
+        _fail(lane, bad[0])
+        return
+    _take_the_largest_rank(lane.row, errors)
+    lane.row["status"] = "measured"
+
+
+def _take_the_largest_rank(row: dict[str, Any], gathered: list[Any]) -> None:
+    """The row's state and peak: the largest rank's (and every rank's, per rank), from the gathered figures."""
+    states = [e[1] for e in gathered]
+    row["state"] = max(states, key=lambda s: s["total"])
+    row["state_per_rank"] = [s["total"] for s in states]
+    row["peak_bytes"] = max(e[2] for e in gathered)
+    row["peak_per_rank"] = [e[2] for e in gathered]
+
+
+def _fail(lane: _Lane, reason: str) -> None:
+    lane.step = None
+    lane.row.update(status="failed", reason=reason)
 
 
 def _rounds(live: list[_Lane], seed: int, rank: int, dev: torch.device, deadline: float) -> int:
@@ -304,17 +339,22 @@ def _rounds(live: list[_Lane], seed: int, rank: int, dev: torch.device, deadline
         order = list(live)
         rng.shuffle(order)
         for lane in order:
-            barrier()
-            t0 = time.perf_counter()
-            if lane.runs_here(rank) and lane.step is not None:
-                lane()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            barrier()
-            lane.times.append(time.perf_counter() - t0)
+            _time_step(lane, rank, dev)
         rounds += 1
         last_round = time.perf_counter() - t_round
     return rounds
+
+
+def _time_step(lane: _Lane, rank: int, dev: torch.device) -> None:
+    """One step of ``lane`` between two barriers (every rank waits for the slowest), timed."""
+    barrier()
+    t0 = time.perf_counter()
+    if lane.runs_here(rank) and lane.step is not None:
+        lane()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    barrier()
+    lane.times.append(time.perf_counter() - t0)
 
 
 def _build(lane: _Lane, job: DistJob, cfg: dict[str, Any]) -> None:
@@ -343,25 +383,26 @@ def _figures(lane: _Lane, lanes: list[_Lane], per: int, total: int, world: int) 
     """One row: step time, throughput, against one process and one rank (paired by round), drift."""
     row = dict(lane.row)
     row["ranks"] = world if lane.everyone else 1
-    row["batch_per_rank"] = mine_batch = per if lane.name != ONE_PROCESS else total
-    if not lane.times:
-        return row
+    row["batch_per_rank"] = per if lane.name != ONE_PROCESS else total
+    if lane.times:
+        _timed_figures(row, lane, lanes, total)
+    return row
+
+
+def _timed_figures(row: dict[str, Any], lane: _Lane, lanes: list[_Lane], total: int) -> None:
+    """The figures of a lane that was timed: step, throughput, against the references, and drift."""
     one, single = lanes[0], lanes[1]
     step_s = statistics.median(lane.times)
     row["step_s"] = step_s
     row["rounds"] = len(lane.times)
-    samples = total if lane.everyone else mine_batch
+    samples = total if lane.everyone else row["batch_per_rank"]
     row["samples_per_s"] = samples / step_s
     if one.times and lane is not one:
         _against_one_process(row, lane, one, samples / total)
     if single.times and lane.everyone:
-        ratio, _ = paired_ratio(lane.times, single.times)  # 1.0: each rank as fast as one rank alone
-        row["scaling_efficiency"] = 1 / ratio if ratio else None
-    base = one.row.get("losses")
-    mine = row.get("losses")
-    if base and mine and lane.everyone and len(base) == len(mine):
-        row["loss_drift"] = _loss_drift(mine, base)
-    return row
+        row["scaling_efficiency"] = _scaling_efficiency(lane, single)
+    if lane.everyone and _comparable(row.get("losses"), one.row.get("losses")):
+        row["loss_drift"] = _loss_drift(row["losses"], one.row["losses"])
 
 
 def _against_one_process(row: dict[str, Any], lane: _Lane, one: _Lane, share: float) -> None:
@@ -372,6 +413,17 @@ def _against_one_process(row: dict[str, Any], lane: _Lane, one: _Lane, share: fl
     if ratio and math.isfinite(ratio):
         row["throughput_vs_one_process"] = share / ratio
         row["throughput_vs_one_process_half_ci"] = share * _inv_half(ratio, half)
+
+
+def _scaling_efficiency(lane: _Lane, single: _Lane) -> float | None:
+    """One rank's step time over the mode's, paired by round (1.0: each rank as fast as one rank alone)."""
+    ratio, _ = paired_ratio(lane.times, single.times)
+    return 1 / ratio if ratio else None
+
+
+def _comparable(mine: list[float] | None, base: list[float] | None) -> bool:
+    """Both lanes have losses of the same steps."""
+    return bool(base and mine and len(base) == len(mine))
 
 
 def _loss_drift(mine: list[float], base: list[float]) -> float:
@@ -396,10 +448,8 @@ def recommend(result: dict[str, Any], limit: int, *, local_ranks: int, min_effec
     per_rank_limit = limit if result.get("device") == "cuda" else limit // max(local_ranks, 1)
     result["memory_limit_per_rank"] = per_rank_limit
     _mark_rows(rows, limit, per_rank_limit, drift_tolerance, min_effect)
-    one = next((r for r in rows if r["name"] == ONE_PROCESS), None)
-    ok = [r for r in rows if r["name"] in MODES and r.get("step_s") and r.get("fits")
-          and (r.get("loss_drift") or 0.0) <= drift_tolerance]
-    one_fits = one is not None and bool(one.get("step_s")) and one.get("fits") is not False
+    ok = [r for r in rows if _usable_mode(r, drift_tolerance)]
+    one_fits = _timed_and_fits(_row_named(rows, ONE_PROCESS))
     if not ok:
         if one_fits:
             return ONE_PROCESS, "no distributed mode was measured that fits and trains the same: keep one process"
@@ -412,28 +462,49 @@ def _mark_rows(rows: list[dict[str, Any]], limit: int, per_rank_limit: int, drif
     """Each row's ``fits`` (one process and one rank against ``limit``, a mode against the per-rank limit)
     and ``verdict``."""
     for r in rows:
-        r["fits"] = None if r.get("peak_bytes") is None else r["peak_bytes"] <= (
-            limit if r["name"] in (ONE_PROCESS, ONE_RANK) else per_rank_limit)
+        r["fits"] = _fits(r, limit if r["name"] in (ONE_PROCESS, ONE_RANK) else per_rank_limit)
     for r in rows:
         if r["name"] in MODES:
             r["verdict"] = _verdict(r, drift_tolerance, min_effect)
-    one = next((r for r in rows if r["name"] == ONE_PROCESS), None)
-    if one is not None:
-        one["verdict"] = "reference: the global batch in one process" if one.get("step_s") else one["status"]
-    single = next((r for r in rows if r["name"] == ONE_RANK), None)
-    if single is not None:
-        single["verdict"] = ("reference: a rank's share of the batch, alone" if single.get("step_s")
-                             else single["status"])
+    _mark_reference(_row_named(rows, ONE_PROCESS), "reference: the global batch in one process")
+    _mark_reference(_row_named(rows, ONE_RANK), "reference: a rank's share of the batch, alone")
+
+
+def _row_named(rows: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    return next((r for r in rows if r["name"] == name), None)
+
+
+def _fits(r: dict[str, Any], limit: int) -> bool | None:
+    """Its peak is under ``limit`` (None: its memory was not measured)."""
+    return None if r.get("peak_bytes") is None else r["peak_bytes"] <= limit
+
+
+def _mark_reference(r: dict[str, Any] | None, verdict: str) -> None:
+    """A reference row's verdict: what it is, where it was timed, else its status."""
+    if r is not None:
+        r["verdict"] = verdict if r.get("step_s") else r["status"]
+
+
+def _usable_mode(r: dict[str, Any], drift_tolerance: float) -> bool:
+    """A mode that was timed, fits the per-rank limit and trains the same as one process."""
+    return bool(r["name"] in MODES and r.get("step_s") and r.get("fits") and _drift(r) <= drift_tolerance)
+
+
+def _timed_and_fits(r: dict[str, Any] | None) -> bool:
+    """A row that was timed and is not known to be over its memory limit."""
+    return r is not None and bool(r.get("step_s")) and r.get("fits") is not False
+
+
+def _drift(r: dict[str, Any]) -> float:
+    return r.get("loss_drift") or 0.0
 
 
 def _pick_mode(ok: list[dict[str, Any]], one_fits: bool, min_effect: float) -> tuple[str, str]:
     """Of the modes that fit and train the same (``ok``), the fastest, or the leanest within the margin of
     it; one process where none beats it beyond the margin (and it fits)."""
-    fastest = min(ok, key=lambda r: r["vs_one_process"] if r.get("vs_one_process") else r["step_s"])
+    fastest = min(ok, key=_time_key)
     margin = max(min_effect, fastest.get("vs_one_process_half_ci") or 0.0)
-    close = [r for r in ok if r.get("vs_one_process") and fastest.get("vs_one_process")
-             and r["vs_one_process"] <= fastest["vs_one_process"] * (1 + margin)]
-    pick = min(close or [fastest], key=lambda r: r.get("peak_bytes") or math.inf)
+    pick = min(_within(ok, fastest, margin) or [fastest], key=_peak_key)
     lean = f" (within the margin of {fastest['name']}, the smallest per-rank peak)" if pick is not fastest else ""
     ratio = pick.get("vs_one_process")
     if one_fits and ratio is not None and ratio >= 1 - margin:
@@ -445,6 +516,23 @@ def _pick_mode(ok: list[dict[str, Any]], one_fits: bool, min_effect: float) -> t
                               f"({_mib(pick.get('peak_bytes'))} per rank) and is the fastest that does{lean}")
     return pick["name"], (f"{_times(pick)} the throughput of one process, {_mib(pick.get('peak_bytes'))} peak per "
                           f"rank{lean}")
+
+
+def _time_key(r: dict[str, Any]) -> float:
+    """Its step time against one process's where measured, else its step time."""
+    return r["vs_one_process"] if r.get("vs_one_process") else r["step_s"]
+
+
+def _peak_key(r: dict[str, Any]) -> float:
+    return r.get("peak_bytes") or math.inf
+
+
+def _within(ok: list[dict[str, Any]], fastest: dict[str, Any], margin: float) -> list[dict[str, Any]]:
+    """The rows of ``ok`` whose time against one process is within ``margin`` of the fastest's."""
+    if not fastest.get("vs_one_process"):
+        return []
+    limit = fastest["vs_one_process"] * (1 + margin)
+    return [r for r in ok if r.get("vs_one_process") and r["vs_one_process"] <= limit]
 
 
 def _times(r: dict[str, Any]) -> str:
@@ -459,13 +547,21 @@ def _verdict(r: dict[str, Any], tol: float, min_effect: float) -> str:
         return f"{r['status']}: {r.get('reason', '')}"
     if not r.get("step_s"):
         return "not timed"
-    if (r.get("loss_drift") or 0.0) > tol:
+    if _drift(r) > tol:
         return f"trains something else: its loss differs from one process's by {r['loss_drift']:.1%} (> {tol:.0%})"
-    ratio, half = r.get("vs_one_process"), r.get("vs_one_process_half_ci") or 0.0
-    margin = max(min_effect, half)
-    speed = ("n/a" if not ratio else "faster than one process" if ratio < 1 - margin
-             else "slower than one process" if ratio > 1 + margin else "no measurable change against one process")
+    speed = _speed_word(r.get("vs_one_process"), max(min_effect, r.get("vs_one_process_half_ci") or 0.0))
     return speed + ("" if r.get("fits") is not False else ", over the per-rank memory limit")
+
+
+def _speed_word(ratio: float | None, margin: float) -> str:
+    """A step-time ratio against one process, in words, given the margin a change must exceed."""
+    if not ratio:
+        return "n/a"
+    if ratio < 1 - margin:
+        return "faster than one process"
+    if ratio > 1 + margin:
+        return "slower than one process"
+    return "no measurable change against one process"
 
 
 # -- helpers ----------------------------------------------------------------------------------------

@@ -163,19 +163,14 @@ def build_runner(
         r = Runner(name, step, batches)
         dev = step.device
         if probe:
-            r.probe_s = probe_seconds(step, batches[0])
-            if probe_limit_s is not None and r.probe_s > probe_limit_s:
-                r.probe_s = min(r.probe_s, probe_seconds(step, batches[0], repeats=2))  # not a hiccup of the machine?
-                if r.probe_s > probe_limit_s:
-                    raise TooSlow(r.probe_s, probe_limit_s, "probe")
+            r.probe_s = _probe_within(step, batches[0], probe_limit_s)
         calibrate_grad_scaler(step, batches[0])
         with dropout_off(step.model) as had_dropout:
             t0 = time.perf_counter()
             r.grads = step.gradients(batches[0])
             synchronize(dev)
             r.first_call_s = time.perf_counter() - t0
-            if first_limit_s is not None and r.first_call_s > first_limit_s:
-                raise TooSlow(r.first_call_s, first_limit_s, "first")
+            _check_within(r.first_call_s, first_limit_s, "first")
             for i in range(drift_steps):
                 t0 = time.perf_counter()
                 r.losses.append(float(step(batches[i % len(batches)])))  # float() waits for the device
@@ -183,6 +178,21 @@ def build_runner(
         if had_dropout and step.config.compile:
             step(batches[0])  # the recompilation for dropout back on, here and not in the timed race
     return r
+
+
+def _probe_within(step: TrainStep, batch: Any, limit_s: float | None) -> float:
+    """The probe step's seconds; past ``limit_s`` (after a second try: not a hiccup of the machine?) TooSlow."""
+    probe_s = probe_seconds(step, batch)
+    if limit_s is not None and probe_s > limit_s:
+        probe_s = min(probe_s, probe_seconds(step, batch, repeats=2))
+        _check_within(probe_s, limit_s, "probe")
+    return probe_s
+
+
+def _check_within(seconds: float, limit_s: float | None, what: str) -> None:
+    """:class:`TooSlow` where ``seconds`` is over ``limit_s`` (None: no limit)."""
+    if limit_s is not None and seconds > limit_s:
+        raise TooSlow(seconds, limit_s, what)
 
 
 def calibrate_grad_scaler(step: TrainStep, batch: Any, tries: int = 24) -> int:
@@ -197,23 +207,14 @@ def calibrate_grad_scaler(step: TrainStep, batch: Any, tries: int = 24) -> int:
     scaler = step.scaler
     if not scaler.is_enabled():
         return 0
-    buffers = [(b, b.detach().clone()) for b in step.model.buffers()]
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     halvings = 0
-    with switches(step.config):
+    with _put_back(step.model), switches(step.config):
         for _ in range(tries):
             grads = step.gradients(batch)
             if all(bool(torch.isfinite(g).all()) for g in grads):
                 break
             scaler.update(float(scaler.get_scale()) / 2)
             halvings += 1
-    with torch.no_grad():
-        for b, old in buffers:
-            b.copy_(old)
-    torch.random.set_rng_state(rng)
-    if cuda_rng is not None:
-        torch.cuda.set_rng_state_all(cuda_rng)
     return halvings
 
 
@@ -225,23 +226,30 @@ def probe_seconds(step: TrainStep, batch: Any, repeats: int = 1, fraction: int =
     """
     n = _batch_len(batch)
     small = _slice(batch, max(n // fraction, min(n, 2)))  # 2 at least: BatchNorm cannot train on 1 sample at 1x1
-    buffers = [(b, b.detach().clone()) for b in step.model.buffers()]
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     best = math.inf
-    with switches(step.config):
+    with _put_back(step.model), switches(step.config):
         for _ in range(repeats):
             t0 = time.perf_counter()
             step.gradients(small)
             synchronize(step.device)
             best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@contextlib.contextmanager
+def _put_back(model: nn.Module) -> Iterator[None]:
+    """The model's buffers (BatchNorm statistics ...) and the random state as they were, on leaving (not
+    after an error: the caller then drops the model)."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    yield
     with torch.no_grad():
         for b, old in buffers:
             b.copy_(old)
     torch.random.set_rng_state(rng)
     if cuda_rng is not None:
         torch.cuda.set_rng_state_all(cuda_rng)
-    return best
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -388,11 +396,18 @@ def paired_ratio(times: list[float], base: list[float]) -> tuple[float, float]:
 
 def relative_diff(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> float | None:
     """``||a - b|| / ||b||`` over all tensors; ``None`` if the parameter lists do not line up."""
-    if a is None or b is None or len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+    if not _line_up(a, b):
         return None
     num = math.sqrt(sum(float((x.float() - y.float()).pow(2).sum()) for x, y in zip(a, b)))
     den = math.sqrt(sum(float(y.float().pow(2).sum()) for y in b))
-    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+    if den > 0:
+        return num / den
+    return 0.0 if num == 0 else math.inf
+
+
+def _line_up(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> bool:
+    """Both lists are there, as long as each other, with the same shapes in the same places."""
+    return a is not None and b is not None and len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b))
 
 
 # -- helpers -----------------------------------------------------------------------------------

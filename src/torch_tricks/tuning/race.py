@@ -173,16 +173,20 @@ class Race:
         noise = self.noise()
         live = self.candidates()
         for i in live:
-            r, h = self.ratio(i)
             faster = self.faster(i, noise)
             if faster and len(live) == 1 and self.rounds >= self.settle_rounds:
                 continue  # the winner: settled
-            ref = self.lanes[self._ref(i)].name
-            text = f"{self.lanes[i].name} {_span(r, h, ref)}" if not math.isnan(r) else self.lanes[i].name
-            out.append(text + (" (faster; racing for the best)" if faster else ""))
+            out.append(self._lane_text(i) + (" (faster; racing for the best)" if faster else ""))
         if not self.noise_resolved():
             out.append(f"the noise, known to ±{self.noise_half():.1%} (settled at ±{self.noise_resolution:.1%})")
         return out
+
+    def _lane_text(self, i: int) -> str:
+        """Lane ``i``'s name and its speed against its reference (where it has one)."""
+        r, h = self.ratio(i)
+        if math.isnan(r):
+            return self.lanes[i].name
+        return f"{self.lanes[i].name} {_span(r, h, self.lanes[self._ref(i)].name)}"
 
     # -- running -------------------------------------------------------------------------------
     def run(self, until: float) -> str:
@@ -196,25 +200,30 @@ class Race:
         t_start = self._clock()
         self._warmup()
         while True:
-            if self._fatal():
-                self.state = "failed"
+            stop = self._stop(until)
+            if stop is not None:
+                self.state = stop
                 break
-            if self.rounds >= self.min_rounds:
-                if self._settled:
-                    self.state = "settled"
-                    break
-                if self.rounds >= self.max_rounds:
-                    self.state = "cap"
-                    break
-                if self._clock() + self._last_round_s > until:
-                    self.state = "budget"
-                    break
             self._round()
             if self.rounds >= self._next_check:
                 self._judge()
                 self._next_check = max(self.rounds + 1, math.ceil(self.rounds * 1.2))
         self.elapsed_s += self._clock() - t_start
         return self.state
+
+    def _stop(self, until: float) -> str | None:
+        """The state the race stops in before another round (None: it goes on); ``min_rounds`` come first."""
+        if self._fatal():
+            return "failed"
+        if self.rounds < self.min_rounds:
+            return None
+        if self._settled:
+            return "settled"
+        if self.rounds >= self.max_rounds:
+            return "cap"
+        if self._clock() + self._last_round_s > until:
+            return "budget"
+        return None
 
     def _fatal(self) -> bool:
         return any(lane.error is not None for lane in self.lanes if lane.role in ("baseline", "ref"))
@@ -294,18 +303,27 @@ class Race:
         fine = self.min_effect / 2
         noise_fine = self.twin is None or self.noise_half() <= fine
         live = [i for i in self.candidates() if self.lanes[i].contender]
-        best = min(live, key=lambda i: self.ratio(i)[0]) if live else None
+        best = self._fastest(live)
         for i in live:
             if not self.faster(i, noise):
-                r, h = self.ratio(i)
-                n = len(self.lanes[i].times)
-                if h <= fine and noise_fine and n >= self.settle_rounds:
-                    ref = self.lanes[self._ref(i)].name
-                    beyond = f"the noise (±{noise:.1%}) and " if not math.isnan(noise) else ""
-                    self._leave(i, f"resolved to ±{h:.1%} after {n} rounds: {_span(r, h, ref)}, not faster beyond "
-                                   f"{beyond}{self.min_effect:.0%}")
+                if noise_fine:
+                    self._leave_if_resolved(i, noise, fine)
             elif i != best:
                 self._leave_if_behind(i, best, fine)
+
+    def _fastest(self, lanes: list[int]) -> int | None:
+        """Of ``lanes``, the one with the smallest time ratio to its reference (None: no lane)."""
+        return min(lanes, key=lambda i: self.ratio(i)[0]) if lanes else None
+
+    def _leave_if_resolved(self, i: int, noise: float, fine: float) -> None:
+        """A candidate not faster than its reference leaves once its interval is within ``fine``."""
+        r, h = self.ratio(i)
+        n = len(self.lanes[i].times)
+        if h <= fine and n >= self.settle_rounds:
+            ref = self.lanes[self._ref(i)].name
+            beyond = f"the noise (±{noise:.1%}) and " if not math.isnan(noise) else ""
+            self._leave(i, f"resolved to ±{h:.1%} after {n} rounds: {_span(r, h, ref)}, not faster beyond "
+                           f"{beyond}{self.min_effect:.0%}")
 
     def _leave_if_behind(self, i: int, best: int, fine: float) -> None:
         """A faster candidate leaves when slower than the best beyond the interval, or as fast within ``fine``."""

@@ -151,22 +151,28 @@ class TuneReport:
         the estimated largest batch).
         """
         best = self.best_throughput if which == "throughput" else self.best_batch
-        changes = dict(best.changes) if best else {}
-        defaults = TrainConfig()
-        cfg: dict[str, Any] = {k: getattr(defaults, k) for k in TUNED_KEYS}
-        cfg["fused_optimizer"] = False  # the plain step the tune measured
+        cfg = _plain_switches()
         if not self.own_optimizer:
             cfg["optimizer"] = self.optimizer
-        cfg.update(changes)
-        k = int(cfg.get("accumulate", 1))
-        batch = self.batch if which == "throughput" or not (best and best.max_batch) else best.max_batch
+        cfg.update(best.changes if best else {})
+        batch = self._tuned_batch(which, best)
         mode = self.distributed_choice() if which == "throughput" else None
         if mode is not None:  # fit's batch_size is per rank: the ranks together take the tuned global batch
-            cfg["distributed"] = "off" if mode == "one process" else mode
-            if mode != "one process":
-                batch //= int(self.distributed["processes"])
-        cfg["batch_size"] = max(batch // k, 1)
+            cfg["distributed"], batch = self._distributed_setting(mode, batch)
+        cfg["batch_size"] = max(batch // int(cfg.get("accumulate", 1)), 1)
         return cfg
+
+    def _tuned_batch(self, which: str, best: Result | None) -> int:
+        """The batch measured, or for the largest-batch configuration its estimated largest batch."""
+        if which == "throughput" or not (best and best.max_batch):
+            return self.batch
+        return best.max_batch
+
+    def _distributed_setting(self, mode: str, batch: int) -> tuple[str, int]:
+        """(the config's ``distributed`` value, the per-rank batch) for the recommended distributed ``mode``."""
+        if mode == "one process":
+            return "off", batch
+        return mode, batch // int(self.distributed["processes"])
 
     def distributed_choice(self) -> str | None:
         """The distributed rows' recommendation: a mode, ``"one process"``, or None (not measured)."""
@@ -178,12 +184,8 @@ class TuneReport:
     def recommended_tricks(self, which: str = "throughput") -> list[str]:
         """The switches the recommendation turns on (``key=value`` for non-boolean ones)."""
         cfg = self.recommended_config(which)
-
-        plain = {**{k: getattr(TrainConfig(), k) for k in TUNED_KEYS}, "fused_optimizer": False}
-        out = []
-        for k in TUNED_KEYS:
-            if cfg[k] != plain[k]:
-                out.append(k if cfg[k] is True else f"{k}={cfg[k]}")
+        plain = _plain_switches()
+        out = [k if cfg[k] is True else f"{k}={cfg[k]}" for k in TUNED_KEYS if cfg[k] != plain[k]]
         if cfg.get("distributed") not in (None, "off"):
             out.append(f"distributed={cfg['distributed']}")
         return out
@@ -205,18 +207,21 @@ class TuneReport:
     def _chosen_for(self, which: str) -> str:
         """'what it is chosen for: the configuration' (throughput, or the largest batch), for tricks.toml's header."""
         if which != "throughput":
-            best = self.best_batch
-            return "the largest batch under the memory limit: " + (best.name if best else "plain") + (
-                f"; batch_size is a straight-line estimate ({best.max_batch}), not a run at that size"
-                if best and best.max_batch else "")
+            return self._chosen_for_batch()
         best = self.best_throughput
-        if best is not None and best is not self.baseline:
+        if self._a_trick(best):
             what = best.name + (f" ({best.speedup:.2f}x the plain step)" if best.speedup else "")
-        elif any(r.status.startswith("measured") for r in self.results):
+        elif self._any_measured():
             what = "the plain fp32 step (no trick was faster beyond the noise)"
         else:
             what = "the plain fp32 step (no trick was measured: over --budget-seconds)"
         return f"throughput under the memory limit: {what}"
+
+    def _chosen_for_batch(self) -> str:
+        best = self.best_batch
+        return "the largest batch under the memory limit: " + (best.name if best else "plain") + (
+            f"; batch_size is a straight-line estimate ({best.max_batch}), not a run at that size"
+            if best and best.max_batch else "")
 
     def _toml_reasons(self) -> list[str]:
         """Comment lines: every trick's verdict with its reason, and what would change it."""
@@ -254,10 +259,8 @@ class TuneReport:
         n = d.get("processes")
         if d.get("status") != "measured":
             return [f"distributed ({n} processes): {d.get('status')}: {d.get('reason', '')}"]
-        where = (f"{d.get('backend')}, {d.get('device')}, {d.get('threads_per_rank')} thread(s) per rank, "
-                 f"one process on {d.get('one_process_threads')}" if d.get("device") == "cpu"
-                 else f"{d.get('backend')}, {d.get('device')}")
-        on = ", ".join(f"{k}={v}" for k, v in (d.get("changes") or {}).items()) or "the plain step"
+        where = _distributed_where(d)
+        on = _changes_text(d.get("changes") or {})
         lines = [f"distributed: {n} processes ({d.get('launched_by', '')}; {where}), global batch "
                  f"{d.get('global_batch')} = {n} x {d.get('per_rank_batch')}, with {on}; {d.get('rounds')} "
                  f"interleaved rounds; per-rank memory limit {_bytes(d.get('memory_limit_per_rank'))}"]
@@ -279,7 +282,7 @@ class TuneReport:
         """
         for r in self.results + self.combos:
             r.decision, r.why, r.advice = self._explain(r)
-            pb = self.payback(r) if r.changes.get("compile") else None
+            pb = self._compile_payback(r)
             r.break_even_steps = pb["steps"] if pb else None
         if self.baseline is not None:
             b = self.baseline
@@ -290,26 +293,22 @@ class TuneReport:
         """One entry per row of the table: name, verdict, decision, reason and advice (see :meth:`explain`).
 
         ``compact``: data and deploy tricks skipped for the same reason share one entry."""
-        out: list[dict[str, Any]] = []
-
-        def add(name: str, verdict: str, decision: str, reason: str, advice: str) -> None:
-            out.append({"name": name, "verdict": verdict, "decision": decision, "reason": reason, "advice": advice})
-
+        out = []
         if self.baseline is not None:
-            b = self.baseline
-            add(b.name, b.verdict or b.status, b.decision, b.why, b.advice)
+            out.append(_verdict(self.baseline))
             if not math.isnan(self.aa_ratio):
-                add("plain again (A/A)", "the noise", "noise", "a second, identical plain step: its disagreement "
-                    f"with the first is the noise ({_noise(self.noise)})", "")
-        for r in self.results + self.combos:
-            add(r.name, r.verdict or r.status, r.decision, r.why, r.advice)
-        for folded, kind, status, reason, items in self._skipped_rows(compact):
-            advice = self._skip_advice(items[0].name, kind, reason, status)
-            if folded:
-                add(f"{len(items)} {kind} tricks ({', '.join(s.name for s in items)})", status, status, reason, advice)
-            else:
-                add(items[0].name, status, status, reason, advice)
-        return out
+                out.append(_verdict_entry("plain again (A/A)", "the noise", "noise", "a second, identical plain "
+                                          f"step: its disagreement with the first is the noise ({_noise(self.noise)})",
+                                          ""))
+        out += [_verdict(r) for r in self.results + self.combos]
+        return out + [self._skipped_verdict(*row) for row in self._skipped_rows(compact)]
+
+    def _skipped_verdict(self, folded: bool, kind: str, status: str, reason: str, items: list[Any]) -> dict[str, Any]:
+        advice = self._skip_advice(items[0].name, kind, reason, status)
+        if folded:
+            names = ", ".join(s.name for s in items)
+            return _verdict_entry(f"{len(items)} {kind} tricks ({names})", status, status, reason, advice)
+        return _verdict_entry(items[0].name, status, status, reason, advice)
 
     def _skipped_rows(self, compact: bool) -> list[tuple[bool, str, str, str, list[Any]]]:
         """(folded, kind, status, reason, items) per row of skipped tricks: one each, except that under
@@ -333,16 +332,20 @@ class TuneReport:
         race; ``steps``: the break-even step count, ``ceil(extra_s / saved_s)`` (0 when the first
         call costs nothing extra, None when the step saves nothing: it never pays back).
         """
-        ref = self._by_name(r.vs_current_name) if r.vs_current_name else self.baseline
+        ref = self._extended(r)
         if ref is None or r.first_call_s is None or ref.first_call_s is None or not _measured(r.step_s):
             return None
         ref_step = r.vs_current_step_s if r.vs_current_step_s is not None else ref.step_s
         if not _measured(ref_step):
             return None
         extra, saved = r.first_call_s - ref.first_call_s, ref_step - r.step_s
-        steps = 0 if extra <= 0 else (math.ceil(extra / saved) if saved > 0 else None)
+        steps = _break_even(extra, saved)
         return {"ref": ref.name, "first_call_s": r.first_call_s, "ref_first_call_s": ref.first_call_s,
                 "extra_s": extra, "step_s": r.step_s, "ref_step_s": ref_step, "saved_s": saved, "steps": steps}
+
+    def _compile_payback(self, r: Result) -> dict[str, Any] | None:
+        """:meth:`payback` of a compiled row; None for the others."""
+        return self.payback(r) if r.changes.get("compile") else None
 
     def amortised(self, r: Result) -> bool | None:
         """Whether ``r``'s one-off cost pays back within the run (:attr:`run_steps`); None: not known."""
@@ -351,20 +354,32 @@ class TuneReport:
             return None
         return pb["steps"] is not None and pb["steps"] <= self.run_steps
 
+    def _extended(self, r: Result) -> Result | None:
+        """The configuration ``r`` extends: the row named by its ``vs_current_name``, else the plain step."""
+        return self._by_name(r.vs_current_name) if r.vs_current_name else self.baseline
+
     def _by_name(self, name: str | None) -> Result | None:
         rows = ([self.baseline] if self.baseline else []) + self.results + self.combos
         return next((r for r in rows if r.name == name), None)
 
+    def _a_trick(self, r: Result | None) -> bool:
+        """``r`` is a configuration other than the plain step (a chosen trick or combination)."""
+        return r is not None and r is not self.baseline
+
     def _margin(self, half: float | None) -> float:
         return margin(self.noise, half, self.min_effect)
 
-    def _fits(self, r: Result | None) -> bool:
-        return r is not None and r.peak_bytes is not None and r.peak_bytes <= self.memory_limit
+    def _over_limit(self, r: Result) -> bool:
+        """Its memory was measured, and its peak is over the limit."""
+        return r.peak_bytes is not None and r.peak_bytes > self.memory_limit
 
     def _plain_fits(self) -> bool:
         """The plain step is under the memory limit (or its memory was not measured: nothing says otherwise)."""
-        b = self.baseline
-        return b is None or b.peak_bytes is None or self._fits(b)
+        return self.baseline is None or not self._over_limit(self.baseline)
+
+    def _any_measured(self) -> bool:
+        """Any single trick was measured (timed, probed or for its memory)."""
+        return any(r.status.startswith("measured") for r in self.results)
 
     def _drift_ok(self, r: Result) -> bool:
         tol = self.drift_tolerance.get("loss")
@@ -427,10 +442,10 @@ class TuneReport:
 
     def _explain_chosen(self, r: Result) -> tuple[str, str, str] | None:
         """The recommendation, or a trick it switches on."""
-        best, base = self.best_throughput, self.baseline
+        best = self.best_throughput
         if r is best:
             return "recommended", self._why_best(r), ""
-        if best is not None and best is not base and r.changes and r.changes.items() <= best.changes.items():
+        if self._a_trick(best) and r.changes and r.changes.items() <= best.changes.items():
             return "part of the recommendation", f"switched on as part of {best.name}, the recommendation", ""
         return None
 
@@ -441,7 +456,7 @@ class TuneReport:
         if not self._drift_ok(r):
             tolerance = f"{self.drift_tolerance.get('loss', 0):.0%}"
             return "not recommended", f"{self._drift_text(r)}, beyond the {tolerance} tolerance", ""
-        if r.peak_bytes is not None and r.peak_bytes > self.memory_limit:
+        if self._over_limit(r):
             return ("not recommended", f"its peak {_bytes(r.peak_bytes)} is over the memory limit "
                     f"{_bytes(self.memory_limit)} ({self.memory_limit_source})",
                     "a smaller --batch, or a larger --memory-limit")
@@ -469,18 +484,18 @@ class TuneReport:
         if not self._plain_fits():
             return None
         if r.goal == "cost":
-            cost = f" (its step: {_speedup(r)} the plain one)" if r.speedup else ""
-            keys = ", ".join(f"{k} = {_toml_value(v)}" for k, v in r.changes.items())
-            return ("not recommended", f"a cost trick, switched on for what it gives, not for speed{cost}",
-                    f"switch it on yourself if you want it ({keys} in tricks.toml)")
+            return _explain_cost_trick(r)
         if r.goal == "memory":
-            bb = self.best_batch
-            in_bb = bb is not None and bb is not self.baseline and r.changes.items() <= bb.changes.items()
-            where = ("; it is in the largest-batch configuration (tricks-largest-batch.toml)" if in_bb else "")
-            return ("not recommended", "a memory trick: not a throughput choice while the plain step fits under the "
-                    f"memory limit{where}", "" if in_bb else
-                    "it is chosen where the plain step does not fit: a larger --batch or a lower --memory-limit")
+            return self._explain_memory_trick(r)
         return None
+
+    def _explain_memory_trick(self, r: Result) -> tuple[str, str, str]:
+        bb = self.best_batch
+        in_bb = self._a_trick(bb) and r.changes.items() <= bb.changes.items()
+        where = ("; it is in the largest-batch configuration (tricks-largest-batch.toml)" if in_bb else "")
+        return ("not recommended", "a memory trick: not a throughput choice while the plain step fits under the "
+                f"memory limit{where}", "" if in_bb else
+                "it is chosen where the plain step does not fit: a larger --batch or a lower --memory-limit")
 
     def _explain_speed(self, r: Result) -> tuple[str, str, str]:
         """The verdict of a timed candidate that is not the recommendation: against plain, against what
@@ -488,10 +503,14 @@ class TuneReport:
         if not _measured(r.ratio):
             return ("not recommended", r.left_reason or "not timed: its race ran no round with it",
                     "raise --budget-seconds")
-        pb = self.payback(r) if r.changes.get("compile") else None
-        cost = f"; {self._payback_text(pb)}" if pb and pb["steps"] != 0 else ""
+        pb = self._compile_payback(r)
+        cost = self._compile_cost(pb)
         return (self._explain_against_plain(r, cost) or self._explain_against_extended(r, cost)
                 or self._explain_compile_price(r, pb) or self._explain_extension(r) or self._explain_against_best(r))
+
+    def _compile_cost(self, pb: dict[str, Any] | None) -> str:
+        """'; what compilation costs and when it pays back' where it costs anything, else ''."""
+        return f"; {self._payback_text(pb)}" if pb and pb["steps"] != 0 else ""
 
     def _explain_against_plain(self, r: Result, cost: str) -> tuple[str, str, str] | None:
         """Every candidate's first question: not faster than plain (slower, or inside its noise)."""
@@ -543,25 +562,32 @@ class TuneReport:
 
     def _explain_against_best(self, r: Result) -> tuple[str, str, str]:
         """A single trick, faster than plain but not the fastest: why the best was kept instead."""
-        best, base, plain_fits = self.best_throughput, self.baseline, self._plain_fits()
-        if best is None or best is base:
+        best = self.best_throughput
+        if not self._a_trick(best):
             return ("not recommended", "faster than plain, but the plain step is kept: "
-                    + ("it does not fit the memory limit, and no configuration tried does" if not plain_fits
-                       else "see the notes"), "")
+                    + ("see the notes" if self._plain_fits()
+                       else "it does not fit the memory limit, and no configuration tried does"), "")
         than = _than_best(r, best)
         shared = sorted(set(r.changes) & set(best.changes))
         if shared:
             return "not recommended", f"{than}; the two cannot be combined (both set {', '.join(shared)})", ""
-        pair = next((c for c in self.combos if c is not r and c.vs_current_name
-                     and r.changes.items() <= c.changes.items()
-                     and (not c.changes.get("compile") or r.changes.get("compile"))), None)
+        pair = self._combination_on_top(r)
         if pair is not None:
             _, why, advice = self._explain(pair)
             return "not recommended", f"{than}; on top of {pair.vs_current_name} ({pair.name}): {why}", advice
-        if any(f"with {r.name} not tried: over --budget-seconds" in n for n in self.notes):
+        if self._noted(f"with {r.name} not tried: over --budget-seconds"):
             return ("not recommended", f"{than}; its combination with {best.name} was not tried: over --budget-seconds",
                     "raise --budget-seconds")
         return "not recommended", f"{than}; its combination with {best.name} was not measured", ""
+
+    def _combination_on_top(self, r: Result) -> Result | None:
+        """A combination that measured ``r``'s changes on top of what it extends (with compile only if ``r`` has it)."""
+        return next((c for c in self.combos if c is not r and c.vs_current_name
+                     and r.changes.items() <= c.changes.items()
+                     and (not c.changes.get("compile") or r.changes.get("compile"))), None)
+
+    def _noted(self, text: str) -> bool:
+        return any(text in n for n in self.notes)
 
     def _why_best(self, r: Result) -> str:
         b = self.baseline
@@ -576,29 +602,34 @@ class TuneReport:
         else:
             why = (f"the fastest, faster than plain beyond the margin: {_speed_of(r.ratio, r.ratio_half_ci, 'plain')}"
                    f" ({self._the_margin(r.ratio_half_ci)})")
-        pb = self.payback(r) if r.changes.get("compile") else None
+        pb = self._compile_payback(r)
         if pb is not None:
             why += f"; {self._payback_text(pb)}" + (f", within {self._run_text()}" if self.amortised(r) else "")
         return why
 
     def _explain_baseline(self) -> tuple[str, str, str]:
         b, best = self.baseline, self.best_throughput
-        if best is None or best is b:
-            if b.peak_bytes is not None and not self._fits(b):
-                return ("recommended", f"nothing tried fits the memory limit {_bytes(self.memory_limit)}: the plain "
-                        f"step (peak {_bytes(b.peak_bytes)}) is written, and it does not fit either",
-                        "a smaller --batch, or a larger --memory-limit")
-            if not any(r.status.startswith("measured") for r in self.results):
-                if any("--budget-seconds" in r.reason for r in self.results):
-                    return "recommended", "no trick was measured: over --budget-seconds", "raise --budget-seconds"
-                return "recommended", "no trick was measured (each row says why)", ""
-            return ("recommended", f"no trick is faster beyond the margin here (±{self._margin(None):.1%}: the "
-                    f"noise {_noise(self.noise)} or {self.min_effect:.0%}): keep the plain step", "")
-        if b.peak_bytes is not None and not self._fits(b):
+        if not self._a_trick(best):
+            return self._explain_plain_kept()
+        if self._over_limit(b):
             return ("reference", f"its peak {_bytes(b.peak_bytes)} is over the memory limit "
                     f"{_bytes(self.memory_limit)}; {self.fits_with or best.name} fits", "")
         return ("reference", f"the step every speed-up is measured against; {best.name} is faster: "
                 f"{_speedup(best)}", "")
+
+    def _explain_plain_kept(self) -> tuple[str, str, str]:
+        """The plain step as the recommendation: why nothing beat it."""
+        b = self.baseline
+        if self._over_limit(b):
+            return ("recommended", f"nothing tried fits the memory limit {_bytes(self.memory_limit)}: the plain "
+                    f"step (peak {_bytes(b.peak_bytes)}) is written, and it does not fit either",
+                    "a smaller --batch, or a larger --memory-limit")
+        if not self._any_measured():
+            if any("--budget-seconds" in r.reason for r in self.results):
+                return "recommended", "no trick was measured: over --budget-seconds", "raise --budget-seconds"
+            return "recommended", "no trick was measured (each row says why)", ""
+        return ("recommended", f"no trick is faster beyond the margin here (±{self._margin(None):.1%}: the "
+                f"noise {_noise(self.noise)} or {self.min_effect:.0%}): keep the plain step", "")
 
     def _native_advice(self, r: Result) -> str:
         p = r.changes.get("precision")
@@ -616,18 +647,23 @@ class TuneReport:
             return f"what raised is the reason: fix it in the model, or leave the trick out (--skip {trick})"
         if "--budget-seconds" in reason:
             return "raise --budget-seconds"
-        if kind == "data" and "--data" in reason:
-            return "" if self.data else "pass --data PATH to measure it"
-        if kind == "deploy" and "--deploy" in reason:
-            return "" if self.deploy else "pass --deploy to measure it"
-        if trick in ("ddp", "zero1", "fsdp"):
-            return "" if self.distributed else "tune with --processes N (or under torchrun) to measure it"
+        missing = self._missing_part(trick, kind, reason)
+        if missing is not None:
+            return "" if missing[0] else missing[1]
         if "cuda" in reason.lower() and not self.device.startswith("cuda"):
             return "tune on a CUDA GPU (--device cuda)"
-        for clause in reason.split(": ")[1:]:  # a reason that ends with what to do: "...: install one (...)"
-            if clause.startswith(("install ", "pip install", "export ", "use ")):
-                return clause
-        return ""
+        return _advice_in(reason)
+
+    def _missing_part(self, trick: str, kind: str, reason: str) -> tuple[Any, str] | None:
+        """(what this tune measured of the part the trick belongs to, the option that measures it) for a trick
+        skipped because a part of the tune did not run (data, deploy, distributed); None for any other trick."""
+        if kind == "data" and "--data" in reason:
+            return self.data, "pass --data PATH to measure it"
+        if kind == "deploy" and "--deploy" in reason:
+            return self.deploy, "pass --deploy to measure it"
+        if trick in ("ddp", "zero1", "fsdp"):
+            return self.distributed, "tune with --processes N (or under torchrun) to measure it"
+        return None
 
     # -- views --------------------------------------------------------------------------------
     HEADERS = ["trick", "ids", "goal", "speed-up", "rounds", "step", "peak memory", "activations", "max batch",
@@ -644,35 +680,26 @@ class TuneReport:
         if self.baseline:
             out.append(self._row(self.baseline))
             if not math.isnan(self.aa_ratio):
-                aa = Result("plain again (A/A)", "noise", {}, (), grad_drift=self.aa_grad_drift,
-                            loss_drift=self.aa_loss_drift)
-                out.append(["plain again (A/A)", "", "noise", f"{1 / self.aa_ratio:.2f}x ±{self.aa_half_ci:.2f}",
-                            str(self.rounds), "", "", "", "", _drift(aa), "the noise: identical steps"])
-        for r in self.results + self.combos:
-            out.append(self._row(r))
-        for folded, kind, status, reason, items in self._skipped_rows(compact):
-            advice = self._skip_advice(items[0].name, kind, reason, status)
-            if folded:
-                out.append([f"{len(items)} {kind} tricks", "", kind, "", "", "", "", "", "", "",
-                            _with_advice(f"skipped: {reason}: {', '.join(s.name for s in items)}", advice)])
-            else:
-                out.append([items[0].name, ",".join(items[0].ids), kind, "", "", "", "", "", "", "",
-                            _with_advice(f"{status}: {reason}", advice)])
-        return out
+                out.append(self._aa_row())
+        out += [self._row(r) for r in self.results + self.combos]
+        return out + [self._skipped_row(*row) for row in self._skipped_rows(compact)]
+
+    def _aa_row(self) -> list[str]:
+        """The plain step against itself: the noise."""
+        aa = Result("plain again (A/A)", "noise", {}, (), grad_drift=self.aa_grad_drift, loss_drift=self.aa_loss_drift)
+        return ["plain again (A/A)", "", "noise", f"{1 / self.aa_ratio:.2f}x ±{self.aa_half_ci:.2f}",
+                str(self.rounds), "", "", "", "", _drift(aa), "the noise: identical steps"]
+
+    def _skipped_row(self, folded: bool, kind: str, status: str, reason: str, items: list[Any]) -> list[str]:
+        advice = self._skip_advice(items[0].name, kind, reason, status)
+        if folded:
+            return [f"{len(items)} {kind} tricks", "", kind, "", "", "", "", "", "", "",
+                    _with_advice(f"skipped: {reason}: {', '.join(s.name for s in items)}", advice)]
+        return [items[0].name, ",".join(items[0].ids), kind, "", "", "", "", "", "", "",
+                _with_advice(f"{status}: {reason}", advice)]
 
     def _row(self, r: Result) -> list[str]:
-        if r.status in ("skipped", "failed"):
-            verdict = f"{r.status}: {r.reason}"
-        else:
-            verdict = r.verdict or r.status
-            if r.decision == "recommended":
-                verdict = f"* recommended: {verdict}: {r.why}" if r.why else f"* recommended: {verdict}"
-            elif r.decision and r.why:
-                verdict += f"; {r.decision}: {r.why}"
-            elif r.reason:
-                verdict += f" ({r.reason})"
-            if r.left_round is not None and r.left_reason:
-                verdict += f"; left the race after {r.left_round} rounds: {r.left_reason}"
+        verdict = f"{r.status}: {r.reason}" if r.status in ("skipped", "failed") else _verdict_cell(r)
         return [r.name, ",".join(r.ids), r.goal, _speedup(r), _rounds(r), _fmt_s(r.step_s), _bytes(r.peak_bytes),
                 _bytes(r.activation_bytes), _maxb(r), _drift(r), _with_advice(verdict, r.advice)]
 
@@ -696,17 +723,19 @@ class TuneReport:
 
     def _race_lines(self) -> list[str]:
         """Who left the race early, and why it stopped."""
-        lines = []
-        left = [r for r in self.results if r.left_round is not None and r.rounds is not None and r.status == "measured"]
-        if self.rounds:
-            timed = sum(1 for r in self.results if r.rounds)
-            lines.append(f"race: {len(left)} of {timed} tricks left it early, once their question was answered "
-                         f"(after {_span_rounds(left)} rounds; each row says why); the others and both baselines "
-                         f"got all {self.rounds} rounds" if left else
-                         f"race: all {timed} tricks and both baselines got all {self.rounds} rounds")
+        lines = [self._race_line()] if self.rounds else []
         if self.stop_reason:
             lines.append(f"stopped: {self.stop_reason}")
         return lines
+
+    def _race_line(self) -> str:
+        left = [r for r in self.results if _left_early(r)]
+        timed = sum(1 for r in self.results if r.rounds)
+        if left:
+            return (f"race: {len(left)} of {timed} tricks left it early, once their question was answered "
+                    f"(after {_span_rounds(left)} rounds; each row says why); the others and both baselines "
+                    f"got all {self.rounds} rounds")
+        return f"race: all {timed} tricks and both baselines got all {self.rounds} rounds"
 
     def _baseline_lines(self) -> list[str]:
         """The plain fp32 step's time and memory."""
@@ -722,7 +751,7 @@ class TuneReport:
         b, bt = self.baseline, self.best_throughput
         if bt is None:
             return []
-        if bt is b and not any(r.status.startswith("measured") for r in self.results):
+        if bt is b and not self._any_measured():
             return ["throughput: no trick was measured: keep the plain step until a longer tune says more"]
         if bt is b:
             return ["throughput: no trick is faster beyond the noise here: keep the plain step"]
@@ -734,18 +763,18 @@ class TuneReport:
         return [f"compile ({r.name}): first call {r.first_call_s:.1f} s (compilation), apart from the "
                 f"step times{self._pays_back_text(r)}; its memory is not measured (the eager figures do not apply)"
                 for r in self.results + self.combos
-                if r.changes.get("compile") and r.status == "measured" and r.first_call_s is not None]
+                if _timed_compiled(r) and r.first_call_s is not None]
 
     def _pays_back_text(self, r: Result) -> str:
         """'; against REF it pays back after N steps, within the run' (or never), from :meth:`payback`."""
         pb = self.payback(r)
-        if pb is not None and pb["steps"] is not None and pb["steps"] > 0:
-            ok = self.amortised(r)
-            return (f"; against {pb['ref']} it pays back after {pb['steps']:,} steps"
-                    + ("" if ok is None else f", {'within' if ok else 'beyond'} {self._run_text()}"))
-        if pb is not None and pb["steps"] is None:
+        if pb is None or pb["steps"] == 0:
+            return ""
+        if pb["steps"] is None:
             return f"; its step is not faster than {pb['ref']}'s: it never pays back"
-        return ""
+        ok = self.amortised(r)
+        return (f"; against {pb['ref']} it pays back after {pb['steps']:,} steps"
+                + ("" if ok is None else f", {'within' if ok else 'beyond'} {self._run_text()}"))
 
     def _faster_not_recommended_lines(self) -> list[str]:
         """Each faster row that was not recommended, with its reason (the compile row: see its +compile one)."""
@@ -755,7 +784,7 @@ class TuneReport:
 
     def _run_length_lines(self) -> list[str]:
         """The run a compilation must pay back within, where anything was compiled."""
-        compiled = any(r.changes.get("compile") and r.status == "measured" for r in self.combos + self.results)
+        compiled = any(_timed_compiled(r) for r in self.combos + self.results)
         if not (self.run_steps and compiled):
             return []
         return [f"run length: {self.run_steps:,} steps ({self.run_steps_source or 'assumed'}): compile is "
@@ -764,14 +793,18 @@ class TuneReport:
 
     def _memory_lines(self) -> list[str]:
         """What fits when the plain step does not, and the largest batch under the limit."""
-        b, bb, lines = self.baseline, self.best_batch, []
+        bb, lines = self.best_batch, []
         if self.fits_with:
             lines.append(f"memory: the plain step does not fit under the limit; it fits with {self.fits_with}")
         if bb is not None and bb.max_batch is not None:
-            lines.append(f"largest batch under the limit: {bb.max_batch} with {bb.name}"
-                         + (f" (plain: {b.max_batch})" if b and b.max_batch is not None and bb is not b else "")
-                         + " (straight-line estimate from the batch and half of it)")
+            lines.append(self._largest_batch_line(bb))
         return lines
+
+    def _largest_batch_line(self, bb: Result) -> str:
+        b = self.baseline
+        return (f"largest batch under the limit: {bb.max_batch} with {bb.name}"
+                + (f" (plain: {b.max_batch})" if b and b.max_batch is not None and bb is not b else "")
+                + " (straight-line estimate from the batch and half of it)")
 
     def _data_lines(self) -> list[str]:
         if not self.data:
@@ -796,9 +829,12 @@ class TuneReport:
 
     def to_text(self) -> str:
         parts = [table(self.HEADERS, self.rows(compact=True), "llllrrrrrll"), ""]
-        if self.distributed and self.distributed.get("rows"):
+        if self._has_distributed_rows():
             parts += [table(self.DIST_HEADERS, self.distributed_rows(), "lrrrrrrrrrrl"), ""]
         return "\n".join(parts + self.summary_lines())
+
+    def _has_distributed_rows(self) -> bool:
+        return bool(self.distributed and self.distributed.get("rows"))
 
     def to_dict(self) -> dict[str, Any]:
         verdicts = self.explain()
@@ -814,19 +850,23 @@ class TuneReport:
             "baseline": self.baseline.to_dict() if self.baseline else None,
             "results": [r.to_dict() for r in self.results],
             "combinations": [r.to_dict() for r in self.combos],
-            "skipped": [{"name": s.name, "ids": list(s.ids), "kind": s.kind, "status": getattr(s, "status", "skipped"),
-                         "reason": s.reason} for s in self.skipped],
-            "best_throughput": self.best_throughput.name if self.best_throughput else None,
-            "best_batch": self.best_batch.name if self.best_batch else None,
+            "skipped": [_skipped_dict(s) for s in self.skipped],
+            "best_throughput": _name(self.best_throughput), "best_batch": _name(self.best_batch),
             "fits_with": self.fits_with,
-            "recommended": self.recommended_config("throughput") if self.baseline else None,
-            "recommended_tricks": self.recommended_tricks("throughput") if self.baseline else None,
-            "recommended_largest_batch": self.recommended_config("batch") if self.baseline else None,
+            **self._recommendations(),
             "notes": self.notes, "data": self.data, "deploy": self.deploy,
             "distributed": _finite(self.distributed),
             "run_steps": self.run_steps, "run_steps_source": self.run_steps_source,
             "verdicts": verdicts,
         }
+
+    def _recommendations(self) -> dict[str, Any]:
+        """report.json's recommended configurations (None without a baseline: nothing to recommend against)."""
+        if not self.baseline:
+            return {"recommended": None, "recommended_tricks": None, "recommended_largest_batch": None}
+        return {"recommended": self.recommended_config("throughput"),
+                "recommended_tricks": self.recommended_tricks("throughput"),
+                "recommended_largest_batch": self.recommended_config("batch")}
 
     def to_markdown(self) -> str:
         head = "| " + " | ".join(self.HEADERS) + " |\n|" + "---|" * len(self.HEADERS) + "\n"
@@ -862,7 +902,7 @@ class TuneReport:
         return "## Why: every verdict's reason\n\n" + "\n".join(items) + "\n\n" if items else ""
 
     def _distributed_markdown(self) -> str:
-        if not self.distributed or not self.distributed.get("rows"):
+        if not self._has_distributed_rows():
             return ""
         h = self.DIST_HEADERS
         head = "| " + " | ".join(h) + " |\n|" + "---|" * len(h) + "\n"
@@ -887,7 +927,7 @@ class TuneReport:
         png = self.plot(out / "report.png")  # first: a missing matplotlib adds a note the others carry
         if png is not None:
             paths["report.png"] = png
-        if self.distributed and self.distributed.get("rows"):
+        if self._has_distributed_rows():
             dpng = self.plot_distributed(out / "report-distributed.png")
             if dpng is not None:
                 paths["report-distributed.png"] = dpng
@@ -910,12 +950,10 @@ class TuneReport:
         rows, chosen = self._plot_rows(), self.best_throughput
         fig, axes = plt.subplots(1, 2, figsize=(15, 0.5 * len(rows) + 2.2), sharey=True,
                                  gridspec_kw={"width_ratios": [3, 2]})
-        colors = ["tab:orange" if r is chosen else ("tab:red" if r.status == "failed" else "tab:blue") for r in rows]
+        colors = [_bar_color(r, chosen) for r in rows]
         self._plot_speed(axes[0], rows, colors)
         self._plot_memory(axes[1], rows, colors)
-        axes[0].set_yticks(list(range(len(rows))))
-        axes[0].set_yticklabels([("* " if r is chosen else "") + r.name for r in rows])
-        axes[0].invert_yaxis()
+        _label_rows(axes[0], [r.name for r in rows], [r is chosen for r in rows])
         noise = "" if math.isnan(self.noise) else f", noise ±{self.noise:.1%}"
         fig.suptitle(f"torch-tricks tune: {self.model}, batch {self.batch}, {self.device}{noise} "
                      "(* = recommended, orange)")
@@ -926,7 +964,7 @@ class TuneReport:
         rows = list(self.results)
         chosen = self.best_throughput
         extra = [r for r in self.combos if r.speedup is not None]
-        extra += [chosen] if chosen is not None and chosen is not self.baseline else []
+        extra += [chosen] if self._a_trick(chosen) else []
         for r in extra:
             if r not in rows:
                 rows.append(r)
@@ -935,8 +973,7 @@ class TuneReport:
     def _plot_speed(self, ax: Any, rows: list[Result], colors: list[str]) -> None:
         """The speed-up panel: a bar per row with its interval, the noise band, and why a row has no bar."""
         speed = [r.speedup or 0.0 for r in rows]
-        err = [r.speedup_half_ci if r.speedup_half_ci is not None and math.isfinite(r.speedup_half_ci) else 0.0
-               for r in rows]
+        err = [r.speedup_half_ci if _finite_number(r.speedup_half_ci) else 0.0 for r in rows]
         ax.barh(list(range(len(rows))), speed, xerr=err, color=colors, capsize=2)
         ax.axvline(1.0, color="k", lw=1)
         if not math.isnan(self.noise):
@@ -944,33 +981,28 @@ class TuneReport:
             ax.axvspan(1 - band, 1 + band, color="grey", alpha=0.25, label=f"within noise: ±{band:.0%}")
             ax.legend(loc="lower right", fontsize=8)
         ax.set_xlabel("training-step speed-up vs plain fp32 (higher is better)")
-        left = ax.get_yaxis_transform()
-        for i, r in enumerate(rows):
-            if r.speedup is not None:
-                ax.text(speed[i] + err[i] + 0.01, i, f"{speed[i]:.2f}x", va="center", fontsize=8)
-            else:
-                ax.text(0.02, i, _plot_label(r), va="center", fontsize=8, transform=left,
-                        color="tab:red" if r.status == "failed" else "dimgray")
+        _label_speed_bars(ax, rows, speed, err)
 
     def _plot_memory(self, ax: Any, rows: list[Result], colors: list[str]) -> None:
         """The memory panel: peak and activations per row against plain fp32, and the memory limit."""
-        base_peak = self.baseline.peak_bytes if self.baseline else None
-        base_act = self.baseline.activation_bytes if self.baseline else None
-        peak = [(r.peak_bytes / base_peak) if (r.peak_bytes and base_peak) else 0.0 for r in rows]
-        act = [(r.activation_bytes / base_act) if (r.activation_bytes is not None and base_act) else 0.0 for r in rows]
+        b = self.baseline
+        base_peak, base_act = (b.peak_bytes, b.activation_bytes) if b else (None, None)
+        peak = [_share(r.peak_bytes, base_peak) for r in rows]
+        act = [_share(r.activation_bytes, base_act) for r in rows]
         y, h = list(range(len(rows))), 0.38
         ax.barh([v - h / 2 for v in y], peak, height=h, color=colors, label="peak")
         ax.barh([v + h / 2 for v in y], act, height=h, color=colors, alpha=0.45, label="activations")
         ax.axvline(1.0, color="k", lw=1)
+        self._plot_memory_limit(ax, base_peak)
+        ax.set_xlabel("memory vs plain fp32 (lower is better)")
+        ax.legend(loc="lower right", fontsize=8)
+        _mark_unmeasured(ax, peak)
+
+    def _plot_memory_limit(self, ax: Any, base_peak: int | None) -> None:
+        """The memory limit as a line, against the plain peak, where it is in sight (under twice that peak)."""
         if base_peak and self.memory_limit < 2 * base_peak:
             ax.axvline(self.memory_limit / base_peak, color="tab:red", lw=1.5, ls="--",
                        label=f"memory limit ({human_bytes(self.memory_limit)})")
-        ax.set_xlabel("memory vs plain fp32 (lower is better)")
-        ax.legend(loc="lower right", fontsize=8)
-        for i in y:
-            if not peak[i]:
-                ax.text(0.02, i, "memory not measured", va="center", fontsize=8, color="dimgray",
-                        transform=ax.get_yaxis_transform())
 
     def plot_distributed(self, path: str | Path) -> Path | None:
         """Two panels: throughput against one process (scaling efficiency on each bar), and per-rank state
@@ -979,19 +1011,84 @@ class TuneReport:
             return None
         plt = _pyplot()
         d = self.distributed or {}
-        rows = [r for r in d.get("rows", []) if r.get("status") == "measured"]
+        rows = _measured_rows(d)
         if not rows:
             return None
         fig, axes = plt.subplots(1, 2, figsize=(13, 0.55 * len(rows) + 2.4), sharey=True)
-        colors = ["tab:orange" if d.get("recommended") == r["name"] else "tab:blue" for r in rows]
-        _plot_distributed_speed(axes[0], rows, colors)
+        chosen = [d.get("recommended") == r["name"] for r in rows]
+        _plot_distributed_speed(axes[0], rows, ["tab:orange" if c else "tab:blue" for c in chosen])
         _plot_distributed_memory(axes[1], rows, d.get("memory_limit_per_rank"))
-        axes[0].set_yticks(list(range(len(rows))))
-        axes[0].set_yticklabels([("* " if d.get("recommended") == r["name"] else "") + r["name"] for r in rows])
-        axes[0].invert_yaxis()
+        _label_rows(axes[0], [r["name"] for r in rows], chosen)
         fig.suptitle(f"torch-tricks tune: {self.model}, global batch {d.get('global_batch')} on "
                      f"{d.get('processes')} processes ({d.get('backend')}, {d.get('device')}; * = recommended)")
         return _save_figure(fig, path)
+
+
+def _bar_color(r: Result, chosen: Result | None) -> str:
+    """Orange for the recommendation, red for a trick that failed, blue for the others."""
+    if r is chosen:
+        return "tab:orange"
+    return "tab:red" if r.status == "failed" else "tab:blue"
+
+
+def _mark_unmeasured(ax: Any, peak: list[float]) -> None:
+    """'memory not measured' on each row without a peak bar."""
+    for i, p in enumerate(peak):
+        if not p:
+            ax.text(0.02, i, "memory not measured", va="center", fontsize=8, color="dimgray",
+                    transform=ax.get_yaxis_transform())
+
+
+def _changes_text(changes: dict[str, Any]) -> str:
+    """'key=value, ...' of the switches the distributed rows ran with; 'the plain step' for none."""
+    return ", ".join(f"{k}={v}" for k, v in changes.items()) or "the plain step"
+
+
+def _distributed_where(d: dict[str, Any]) -> str:
+    """The backend and device of the distributed rows (on CPU: the threads each side had)."""
+    if d.get("device") == "cpu":
+        return (f"{d.get('backend')}, {d.get('device')}, {d.get('threads_per_rank')} thread(s) per rank, "
+                f"one process on {d.get('one_process_threads')}")
+    return f"{d.get('backend')}, {d.get('device')}"
+
+
+def _verdict(r: Result) -> dict[str, Any]:
+    return _verdict_entry(r.name, r.verdict or r.status, r.decision, r.why, r.advice)
+
+
+def _verdict_entry(name: str, verdict: str, decision: str, reason: str, advice: str) -> dict[str, Any]:
+    return {"name": name, "verdict": verdict, "decision": decision, "reason": reason, "advice": advice}
+
+
+def _skipped_dict(s: Any) -> dict[str, Any]:
+    return {"name": s.name, "ids": list(s.ids), "kind": s.kind, "status": getattr(s, "status", "skipped"),
+            "reason": s.reason}
+
+
+def _name(r: Result | None) -> str | None:
+    return r.name if r else None
+
+
+def _label_speed_bars(ax: Any, rows: list[Result], speed: list[float], err: list[float]) -> None:
+    """Each bar's speed-up at its end; for a row without one, why, at the left."""
+    left = ax.get_yaxis_transform()
+    for i, r in enumerate(rows):
+        if r.speedup is not None:
+            ax.text(speed[i] + err[i] + 0.01, i, f"{speed[i]:.2f}x", va="center", fontsize=8)
+        else:
+            ax.text(0.02, i, _plot_label(r), va="center", fontsize=8, transform=left,
+                    color="tab:red" if r.status == "failed" else "dimgray")
+
+
+def _measured_rows(d: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in d.get("rows", []) if r.get("status") == "measured"]
+
+
+def _label_rows(ax: Any, names: list[str], chosen: list[bool]) -> None:
+    """The rows' names down the shared y axis, top to bottom, the chosen ones starred."""
+    ax.set_yticks(list(range(len(names))))
+    ax.set_yticklabels([("* " if c else "") + n for n, c in zip(names, chosen)])
+    ax.invert_yaxis()
 
 
 def _plot_distributed_speed(ax: Any, rows: list[dict[str, Any]], colors: list[str]) -> None:
@@ -1008,12 +1105,9 @@ def _plot_distributed_speed(ax: Any, rows: list[dict[str, Any]], colors: list[st
 
 def _plot_distributed_memory(ax: Any, rows: list[dict[str, Any]], limit: int | None) -> None:
     """Per-rank state (parameters, gradients, optimizer state) stacked, the peak, and the per-rank limit."""
-    y, left = list(range(len(rows))), [0.0] * len(rows)
-    for key, color in (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green")):
-        vals = [((r.get("state") or {}).get(key) or 0) / 2**20 for r in rows]
-        ax.barh(y, vals, left=left, color=color, label=key, height=0.5)
-        left = [a + b for a, b in zip(left, vals)]
-    peaks = [(r.get("peak_bytes") or 0) / 2**20 for r in rows]
+    y = list(range(len(rows)))
+    _stack_state(ax, rows, y)
+    peaks = [_mib(r.get("peak_bytes")) for r in rows]
     ax.scatter(peaks, y, marker="|", s=300, color="k", label="peak", zorder=3)
     if limit and limit < 2 * max(peaks + [1.0]) * 2**20:
         ax.axvline(limit / 2**20, color="tab:red", ls="--", lw=1.5, label="per-rank limit")
@@ -1021,22 +1115,95 @@ def _plot_distributed_memory(ax: Any, rows: list[dict[str, Any]], limit: int | N
     ax.legend(loc="lower right", fontsize=8)
 
 
+def _stack_state(ax: Any, rows: list[dict[str, Any]], y: list[int]) -> None:
+    """Per-rank parameters, gradients and optimizer state, one stacked bar per row."""
+    left = [0.0] * len(rows)
+    for key, color in (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green")):
+        vals = [_mib((r.get("state") or {}).get(key)) for r in rows]
+        ax.barh(y, vals, left=left, color=color, label=key, height=0.5)
+        left = [a + b for a, b in zip(left, vals)]
+
+
+def _mib(n: int | None) -> float:
+    return (n or 0) / 2**20
+
+
 def _distributed_row(r: dict[str, Any], recommended: bool) -> list[str]:
     """One row of the distributed table (see :attr:`TuneReport.DIST_HEADERS`)."""
     st = r.get("state") or {}
     vs = r.get("throughput_vs_one_process")
-    half = r.get("throughput_vs_one_process_half_ci")
-    eff = r.get("scaling_efficiency")
+    vs_text = f"{vs:.2f}x" + _plus_minus(r.get("throughput_vs_one_process_half_ci")) if vs else ""
+    return [r["name"], _if_set(r.get("ranks")), _if_set(r.get("batch_per_rank")), _fmt_s(r.get("step_s")),
+            _if_set(r.get("samples_per_s"), ",.1f"), vs_text, _if_set(r.get("scaling_efficiency"), ".2f"),
+            _bytes(r.get("peak_bytes")), _bytes(st.get("total")),
+            " / ".join(_bytes(st.get(k)) for k in ("params", "grads", "optimizer")) if st else "",
+            _pct(r.get("loss_drift")), _distributed_verdict(r, recommended)]
+
+
+def _verdict_cell(r: Result) -> str:
+    """The verdict column of a row that was measured: its verdict, decision and reason, and why it left the race."""
+    verdict = r.verdict or r.status
+    if r.decision == "recommended":
+        verdict = f"* recommended: {verdict}: {r.why}" if r.why else f"* recommended: {verdict}"
+    elif r.decision and r.why:
+        verdict += f"; {r.decision}: {r.why}"
+    elif r.reason:
+        verdict += f" ({r.reason})"
+    return verdict + _left_text(r)
+
+
+def _timed_compiled(r: Result) -> bool:
+    """A row with compile on that was timed."""
+    return bool(r.changes.get("compile")) and r.status == "measured"
+
+
+def _left_early(r: Result) -> bool:
+    """A timed trick that left its race before the end (its question answered)."""
+    return r.left_round is not None and r.rounds is not None and r.status == "measured"
+
+
+def _left_text(r: Result) -> str:
+    if r.left_round is not None and r.left_reason:
+        return f"; left the race after {r.left_round} rounds: {r.left_reason}"
+    return ""
+
+
+def _distributed_verdict(r: dict[str, Any], recommended: bool) -> str:
     verdict = r.get("verdict") or (f"{r.get('status')}: {r.get('reason')}" if r.get("reason") else r.get(
         "status", ""))
-    if recommended:
-        verdict = "* recommended: " + verdict
-    return [r["name"], str(r.get("ranks") or ""), str(r.get("batch_per_rank") or ""), _fmt_s(r.get("step_s")),
-            f"{r['samples_per_s']:,.1f}" if r.get("samples_per_s") else "",
-            (f"{vs:.2f}x" + (f" ±{half:.2f}" if half is not None and math.isfinite(half) else "")) if vs else "",
-            f"{eff:.2f}" if eff else "", _bytes(r.get("peak_bytes")), _bytes(st.get("total")),
-            " / ".join(_bytes(st.get(k)) for k in ("params", "grads", "optimizer")) if st else "",
-            _pct(r.get("loss_drift")), verdict]
+    return "* recommended: " + verdict if recommended else verdict
+
+
+def _if_set(x: Any, spec: str = "") -> str:
+    """``x`` formatted with ``spec``; '' where it is unset (None, 0)."""
+    return format(x, spec) if x else ""
+
+
+def _plus_minus(half: float | None) -> str:
+    """' ±0.05' for a finite half-interval, else ''."""
+    return f" ±{half:.2f}" if _finite_number(half) else ""
+
+
+def _finite_number(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def _share(n: float | None, base: float | None) -> float:
+    """``n`` as a fraction of ``base``; 0.0 (no bar) where either is not measured."""
+    return n / base if n is not None and base else 0.0
+
+
+def _plain_switches() -> dict[str, Any]:
+    """Every tuned switch as the plain step the tune measured has it: TrainConfig's defaults, no fused optimizer."""
+    defaults = TrainConfig()
+    return {**{k: getattr(defaults, k) for k in TUNED_KEYS}, "fused_optimizer": False}
+
+
+def _break_even(extra: float, saved: float) -> int | None:
+    """Steps until ``extra`` one-off seconds are paid back by ``saved`` seconds a step (None: never)."""
+    if extra <= 0:
+        return 0
+    return math.ceil(extra / saved) if saved > 0 else None
 
 
 def _save_figure(fig: Any, path: str | Path) -> Path:
@@ -1062,6 +1229,14 @@ def _finite(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_finite(v) for v in x]
     return x
+
+
+def _advice_in(reason: str) -> str:
+    """The clause of a reason that says what to do ("...: install one (...)"), or ''."""
+    for clause in reason.split(": ")[1:]:
+        if clause.startswith(("install ", "pip install", "export ", "use ")):
+            return clause
+    return ""
 
 
 def _with_advice(text: str, advice: str) -> str:
@@ -1105,6 +1280,13 @@ def _speed_of(ratio: float | None, half: float | None, ref: str) -> str:
         return f"{1 / ratio:.2f}x the speed of {ref}"
     hi = f"{1 / (ratio - half):.2f}x" if ratio > half else "inf"
     return f"{1 / ratio:.2f}x the speed of {ref} (95% interval {1 / (ratio + half):.2f}-{hi})"
+
+
+def _explain_cost_trick(r: Result) -> tuple[str, str, str]:
+    cost = f" (its step: {_speedup(r)} the plain one)" if r.speedup else ""
+    keys = ", ".join(f"{k} = {_toml_value(v)}" for k, v in r.changes.items())
+    return ("not recommended", f"a cost trick, switched on for what it gives, not for speed{cost}",
+            f"switch it on yourself if you want it ({keys} in tricks.toml)")
 
 
 def _than_best(r: Result, best: Result) -> str:
@@ -1156,9 +1338,7 @@ def _toml_value(v: Any) -> str:
 def _speedup(r: Result) -> str:
     if r.speedup is None:
         return ""
-    h = r.speedup_half_ci
-    spread = f" ±{h:.2f}" if h is not None and math.isfinite(h) else ""
-    return f"{r.speedup:.2f}x{spread}"
+    return f"{r.speedup:.2f}x{_plus_minus(r.speedup_half_ci)}"
 
 
 def _rounds(r: Result) -> str:
@@ -1199,18 +1379,28 @@ def _drift(r: Result) -> str:
 def _deploy_line(s: dict[str, Any]) -> str:
     if s.get("status") not in ("measured", "no change"):
         return f"{s.get('status')}: {s.get('reason', '')}"
-    parts = []
-    sp = s.get("speedup") or {}
-    parts += [f"{v:.2f}x at batch {k}" for k, v in sp.items() if isinstance(v, (int, float))]
-    ag = s.get("agreement") or {}
+    parts = ["changed nothing"] if s.get("status") == "no change" else []
+    parts += _deploy_speedups(s) + _deploy_agreement(s) + _deploy_size(s)
+    return ", ".join(parts) or "measured"
+
+
+def _deploy_speedups(s: dict[str, Any]) -> list[str]:
+    return [f"{v:.2f}x at batch {k}" for k, v in (s.get("speedup") or {}).items() if isinstance(v, (int, float))]
+
+
+def _deploy_agreement(s: dict[str, Any]) -> list[str]:
+    """How closely the deployed model's outputs agree with the original's."""
+    ag, parts = s.get("agreement") or {}, []
     if ag.get("max_abs_diff") is not None:
         parts.append(f"max abs diff {ag['max_abs_diff']:.2g}")
     if ag.get("top1_agreement") is not None:
         parts.append(f"top-1 agreement {ag['top1_agreement']:.0%}")
     if s.get("within_tolerance") is not None:
         parts.append("within tolerance" if s["within_tolerance"] else "OUTSIDE its tolerance")
+    return parts
+
+
+def _deploy_size(s: dict[str, Any]) -> list[str]:
     if s.get("size_bytes") and s.get("original_size_bytes"):
-        parts.append(f"size {s['size_bytes'] / s['original_size_bytes']:.2f}x")
-    if s.get("status") == "no change":
-        parts.insert(0, "changed nothing")
-    return ", ".join(parts) or "measured"
+        return [f"size {s['size_bytes'] / s['original_size_bytes']:.2f}x"]
+    return []

@@ -174,7 +174,7 @@ def tune(
                         optimizer="your optimizer_fn" if own_opt else optimizer, own_optimizer=own_opt,
                         memory_limit=limit, memory_limit_source=limit_source, budget_s=float(budget_s),
                         drift_tolerance=dict(DRIFT_TOLERANCE), min_effect=MIN_EFFECT,
-                        inputs=[list(t.shape[1:]) for t in inputs_t if isinstance(t, torch.Tensor)],
+                        inputs=_input_shapes(inputs_t),
                         run_steps=steps or ASSUMED_RUN_STEPS, run_steps_source="given" if steps else "assumed")
     batches = [B.to_device(example_batch, dev)]
     kw = {"loss_fn": loss_fn, "optimizer_fn": optimizer_fn}
@@ -193,12 +193,22 @@ def tune(
     return report
 
 
+def _input_shapes(inputs: tuple[Any, ...]) -> list[list[int]]:
+    """The shape of each tensor input, without its batch dimension."""
+    return [list(t.shape[1:]) for t in inputs if isinstance(t, torch.Tensor)]
+
+
 def _check_budget_and_steps(budget_s: float, steps: int | None) -> None:
     if not budget_s or budget_s <= 0:
         raise UserError("--budget-seconds must be > 0")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+    if steps is not None and not _is_count(steps):
         raise UserError(f"steps (the training run's length in optimizer steps) must be a whole number >= 1, "
                         f"not {steps!r}")
+
+
+def _is_count(n: Any) -> bool:
+    """A whole number >= 1 (not a bool)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
 
 
 def _check_skip_and_data(skip: Sequence[str], data: str | None) -> None:
@@ -259,28 +269,43 @@ def _tune_on_ranks(model, example_batch, loss_fn, optimizer_fn, kwargs: dict[str
     info = init_distributed(timeout=max(1800.0, 3 * float(budget_s) + 600.0), device=kwargs["device"])
     try:
         if info.rank == 0:
-            channel = _RankChannel(threads=torch.get_num_threads())  # the launcher's: the ranks' threads
-            report: Any = None
-            try:
-                cpu = torch.device(kwargs["device"]).type == "cpu"
-                with D._threads(D.usable_cores() if cpu else None):  # torchrun gave each rank 1 thread
-                    report = tune(model, example_batch, loss_fn, optimizer_fn, **kwargs, _channel=channel)
-            finally:
-                channel.send(None)  # a no-op once the job was sent; else the others stop waiting for one
-                dist.broadcast_object_list([report], src=0)
-            return report
-        got = [None]
-        dist.broadcast_object_list(got, src=0)  # the job, once rank 0 has measured alone
-        if got[0] is not None:
-            D.measure_modes(got[0])
-        got = [None]
-        dist.broadcast_object_list(got, src=0)
-        if got[0] is None:
-            raise UserError("rank 0's tune stopped: its error is in rank 0's output")
-        return got[0]
+            return _tune_on_rank_0(model, example_batch, loss_fn, optimizer_fn, kwargs)
+        return _follow_rank_0()
     finally:
         if created:
             cleanup()
+
+
+def _tune_on_rank_0(model, example_batch, loss_fn, optimizer_fn, kwargs: dict[str, Any]) -> TuneReport:
+    """Rank 0: the tune on all the host's cores, the distributed job sent to the others when it comes; the
+    report (None where the tune raised) to every rank."""
+    import torch.distributed as dist
+
+    channel = _RankChannel(threads=torch.get_num_threads())  # the launcher's: the ranks' threads
+    report: Any = None
+    try:
+        cpu = torch.device(kwargs["device"]).type == "cpu"
+        with D._threads(D.usable_cores() if cpu else None):  # torchrun gave each rank 1 thread
+            report = tune(model, example_batch, loss_fn, optimizer_fn, **kwargs, _channel=channel)
+    finally:
+        channel.send(None)  # a no-op once the job was sent; else the others stop waiting for one
+        dist.broadcast_object_list([report], src=0)
+    return report
+
+
+def _follow_rank_0() -> TuneReport:
+    """The other ranks: wait for rank 0's job, measure the modes with it, then take rank 0's report."""
+    import torch.distributed as dist
+
+    got: list[Any] = [None]
+    dist.broadcast_object_list(got, src=0)  # the job, once rank 0 has measured alone
+    if got[0] is not None:
+        D.measure_modes(got[0])
+    got = [None]
+    dist.broadcast_object_list(got, src=0)
+    if got[0] is None:
+        raise UserError("rank 0's tune stopped: its error is in rank 0's output")
+    return got[0]
 
 
 class _RankChannel:
@@ -333,18 +358,11 @@ class _Tune:
         by_speed = SLOW_FACTOR * base_probe
         # the baseline's set-up took setup_s; a candidate takes about that times its probe ratio
         by_budget = base_probe * max(setup_end - time.perf_counter(), 0.0) / max(self.setup_s, 1e-6)
-        base_first = self.base.first_call_s
         try:
             r = build_runner(c.name, self.model, cfg, self.batches, probe_limit_s=max(min(by_speed, by_budget), 1e-3),
-                             first_limit_s=SLOW_FACTOR * base_first, **self.kw)
+                             first_limit_s=SLOW_FACTOR * self.base.first_call_s, **self.kw)
         except TooSlow as exc:
-            # compare with the plain step taken now, under the same load of the machine
-            if exc.what == "probe":
-                base_now = min(base_probe, probe_seconds(self.base.step, self.batches[0], repeats=2))
-                what = f"a probe step on {max(self.report.batch // 8, min(self.report.batch, 2))} samples"
-            else:
-                base_now = min(base_first, probe_seconds(self.base.step, self.batches[0], fraction=1))
-                what = f"its first step on the batch of {self.report.batch}"
+            base_now, what = self._plain_now(exc.what)
             ratio = exc.seconds / base_now
             took = f"{what} took {exc.seconds:.2g} s"
             if ratio >= SLOW_FACTOR:
@@ -360,6 +378,16 @@ class _Tune:
         _drift_into(res, r, self.base)
         self._memory_into(res, cfg)
         res.runner = r
+
+    def _plain_now(self, what: str) -> tuple[float, str]:
+        """The plain step's seconds for what a candidate was too slow at (``what``: its "probe" or its "first"
+        step), taken again now, under the same load of the machine; and what that step was, in words."""
+        batch = self.report.batch
+        if what == "probe":
+            return (min(self.base.probe_s, probe_seconds(self.base.step, self.batches[0], repeats=2)),
+                    f"a probe step on {max(batch // 8, min(batch, 2))} samples")
+        return (min(self.base.first_call_s, probe_seconds(self.base.step, self.batches[0], fraction=1)),
+                f"its first step on the batch of {batch}")
 
     def left(self, until: float | None = None) -> float:
         return (self.train_end if until is None else until) - time.perf_counter()
@@ -393,14 +421,7 @@ class _Tune:
         report = self.report
         self.phase("baseline")
         t_base = time.perf_counter()
-        try:
-            base = build_runner("plain", self.model, self.base_cfg, self.batches, **self.kw)
-        except UserError:
-            raise
-        except Exception as exc:
-            raise UserError(f"{report.model} cannot run a training step on the given input: {one_line(exc, with_type=True)}") from None
-        if not all(math.isfinite(x) for x in base.losses):
-            raise UserError(f"{report.model}: the plain fp32 loss is not finite on the given batch ({base.losses})")
+        base = self._build_plain()
         self.base = base
         base_res = Result("plain", "baseline", {}, (), status="measured", verdict="baseline")
         base_res.first_call_s, base_res.losses = base.first_call_s, base.losses
@@ -420,6 +441,20 @@ class _Tune:
         self.step_s = max(_median(base.step_times) if base.step_times else 0.0, 1e-4)
         self.bar.update(1)
         return True
+
+    def _build_plain(self) -> Runner:
+        """The plain fp32 step's runner; a UserError where the model cannot train on the input, or its loss
+        is not finite."""
+        model = self.report.model
+        try:
+            base = build_runner("plain", self.model, self.base_cfg, self.batches, **self.kw)
+        except UserError:
+            raise
+        except Exception as exc:
+            raise UserError(f"{model} cannot run a training step on the given input: {one_line(exc, with_type=True)}") from None
+        if not all(math.isfinite(x) for x in base.losses):
+            raise UserError(f"{model}: the plain fp32 loss is not finite on the given batch ({base.losses})")
+        return base
 
     def _plan_compile(self, cands: list[Candidate]) -> tuple[Result | None, list[Candidate]]:
         """(compile's row or None, the other candidates, speed first): compile is planned, with the time it
@@ -493,22 +528,32 @@ class _Tune:
         self.phase_s["set-up"] = t_race - self.t0
         self.phase("race")
         self.singles_res = [r for r in results if r.runner is not None]
-        plain_fits = self._fits(report.baseline)
-        lanes = [Lane("plain", self.base, role="baseline"), Lane("plain (A/A)", self.twin, role="twin")]
-        for res in self.singles_res:
-            why = self._not_a_contender(res, plain_fits)
-            lanes.append(Lane(res.name, res.runner, contender=not why, why_not=why))
+        lanes = self._singles_lanes()
         self.singles = Race(lanes, min_effect=MIN_EFFECT, min_rounds=_MIN_ROUNDS, settle_rounds=_SETTLE_ROUNDS,
                             max_rounds=_MAX_ROUNDS, noise_resolution=MIN_EFFECT / 4, seed=int(self.base_cfg.get("seed", 0)), sync=self._sync)
         left = self.left()
-        contenders = sum(1 for lane in lanes[2:] if lane.contender)
-        reserve = self.compile_reserve + (self._combo_need() if contenders >= 2 else 0.0)
+        reserve = self._kept_from_the_race(lanes)
         self.singles.run(time.perf_counter() + max(left - reserve, 0.4 * left))
         if self.singles.lanes[0].error:
             raise UserError(f"{report.model}: the plain fp32 step raised while timed: {self.singles.lanes[0].error}")
         self._read_singles()
         self.phase_s["race"] = time.perf_counter() - t_race
         self.bar.update(1)
+
+    def _kept_from_the_race(self, lanes: list[Lane]) -> float:
+        """Seconds kept back from the race of the single tricks: compile's, and one combination's where two
+        contenders could make one."""
+        contenders = sum(1 for lane in lanes[2:] if lane.contender)
+        return self.compile_reserve + (self._combo_need() if contenders >= 2 else 0.0)
+
+    def _singles_lanes(self) -> list[Lane]:
+        """The plain step and its A/A twin, then each single trick (a contender unless it cannot win)."""
+        plain_fits = self._fits(self.report.baseline)
+        lanes = [Lane("plain", self.base, role="baseline"), Lane("plain (A/A)", self.twin, role="twin")]
+        for res in self.singles_res:
+            why = self._not_a_contender(res, plain_fits)
+            lanes.append(Lane(res.name, res.runner, contender=not why, why_not=why))
+        return lanes
 
     def _combinations(self) -> None:
         """4. combinations for throughput (under the memory limit); 5. the largest batch."""
@@ -660,18 +705,25 @@ class _Tune:
         """The fastest measured way under the limit: a single trick; else the tricks that cut the peak,
         fastest first, added until it fits; else all of them with micro-batches (accumulation)."""
         singles = [r for r in self.report.results if r.status == "measured" and r.peak_bytes is not None]
-        fit = [r for r in singles if self._fits(r) and _drift_ok(r)] or [r for r in singles if self._fits(r)]
+        fit = self._fitting(singles)
         if fit:
-            best = min(fit, key=_ratio_or_inf)
-            self.choice_notes.append(f"fits with {best.name}: peak {_gib(best.peak_bytes)} (limit {_gib(self.limit)})")
-            return best
+            return self._fits_with(min(fit, key=_ratio_or_inf))
         return self._first_that_fits(self._ways_to_fit(singles), end)
+
+    def _fitting(self, singles: list[Result]) -> list[Result]:
+        """The single tricks that fit under the limit: those whose loss does not drift, where there are any."""
+        fit = [r for r in singles if self._fits(r)]
+        return [r for r in fit if _drift_ok(r)] or fit
+
+    def _fits_with(self, res: Result) -> Result:
+        """``res``, the configuration that fits, noted."""
+        self.choice_notes.append(f"fits with {res.name}: peak {_gib(res.peak_bytes)} (limit {_gib(self.limit)})")
+        return res
 
     def _ways_to_fit(self, singles: list[Result]) -> list[tuple[list[str], dict[str, Any]]]:
         """(names, changes) to try in turn: every trick that cuts the peak (memory tricks, and speed tricks
         such as bf16 that also do), fastest first, added one by one; then micro-batches on top."""
-        cutters = sorted((r for r in singles if not r.changes.get("accumulate") and _drift_ok(r)
-                          and r.peak_bytes < self.report.baseline.peak_bytes * 0.98), key=_ratio_or_inf)
+        cutters = sorted(self._peak_cutters(singles), key=_ratio_or_inf)
         tries: list[tuple[list[str], dict[str, Any]]] = []
         changes: dict[str, Any] = {}
         names: list[str] = []
@@ -681,11 +733,13 @@ class _Tune:
                 names = names + [r.name]
                 if len(names) > 1:
                     tries.append((names, changes))
-        k = 2
-        while k <= self.report.batch:
-            tries.append((names + [f"accumulate={k}"], {**changes, "accumulate": k}))
-            k *= 2
-        return tries
+        return tries + _with_micro_batches(names, changes, self.report.batch)
+
+    def _peak_cutters(self, singles: list[Result]) -> list[Result]:
+        """The tricks that cut the plain peak by 2% or more without micro-batches, and do not drift."""
+        base_peak = self.report.baseline.peak_bytes
+        return [r for r in singles if not r.changes.get("accumulate") and _drift_ok(r)
+                and r.peak_bytes < base_peak * 0.98]
 
     def _first_that_fits(self, tries: list[tuple[list[str], dict[str, Any]]], end: float) -> Result | None:
         """The first of ``tries`` that fits under the limit and was timed; None (and the closest, in a note)."""
@@ -696,12 +750,11 @@ class _Tune:
                 self.choice_notes.append("stopped looking for a configuration that fits: over --budget-seconds")
                 break
             if res.status == "measured (memory)":
-                closest = res if closest is None or res.peak_bytes < closest.peak_bytes else closest
+                closest = _smaller_peak(res, closest)
                 continue
             if res.status != "measured":
                 continue
-            self.choice_notes.append(f"fits with {res.name}: peak {_gib(res.peak_bytes)} (limit {_gib(self.limit)})")
-            return res
+            return self._fits_with(res)
         self.choice_notes.append("no configuration tried fits under the memory limit: lower --batch or raise the "
                                  "limit" + (f" (closest: {closest.name}, peak {_gib(closest.peak_bytes)})"
                                             if closest else ""))
@@ -722,9 +775,7 @@ class _Tune:
     def _try_fit(self, tnames: list[str], tchanges: dict[str, Any], end: float) -> Result:
         """Memory of one configuration; if it fits, its drift, and its time against the plain step."""
         report = self.report
-        res = Result("+".join(sorted(n for n in tnames if not n.startswith("accumulate="))
-                              + [n for n in tnames if n.startswith("accumulate=")]),
-                     "memory", tchanges, _ids_of(report, tchanges))
+        res = Result(_fit_name(tnames), "memory", tchanges, _ids_of(report, tchanges))
         cfg = {**self.base_cfg, **tchanges}
         try:
             self._memory_into(res, cfg)
@@ -817,16 +868,11 @@ class _Tune:
         if base.bytes_per_sample is None:
             return
         mem = [r for r in report.results if _cuts_bytes_per_sample(r, base)]
-        best = max([base] + mem, key=lambda r: r.max_batch or 0)
-        changes: dict[str, Any] = {}
-        chosen: list[Result] = []
-        for r in sorted(mem, key=lambda r: r.bytes_per_sample):
-            if not set(r.changes) & set(changes):
-                changes.update(r.changes)
-                chosen.append(r)
+        best = max([base] + mem, key=_max_batch)
+        chosen, changes = _compatible(sorted(mem, key=lambda r: r.bytes_per_sample))
         if len(chosen) >= 2:
             together = self._memory_tricks_together(chosen, changes)
-            if together is not None and (together.max_batch or 0) > (best.max_batch or 0):
+            if together is not None and _max_batch(together) > _max_batch(best):
                 best = together
         report.best_batch = best
 
@@ -834,14 +880,13 @@ class _Tune:
         """The memory of ``chosen`` together (``changes``): measured already while looking for a fit, else
         measured now (memory only) if the time left holds it; None when it failed or did not fit the budget."""
         report = self.report
-        same = next((r for r in report.combos if r.changes == changes and r.max_batch is not None), None)
+        same = self._measured_for_memory(changes)
         if same is not None:
             return same
         if time.perf_counter() + self.setup_s >= self.train_end - self.compile_reserve:
             report.notes.append("memory tricks not combined for the largest batch: over --budget-seconds")
             return None
-        combo = Result("+".join(sorted(r.name for r in chosen)), "memory", changes,
-                       tuple(sorted({i for r in chosen for i in r.ids})))
+        combo = Result("+".join(sorted(r.name for r in chosen)), "memory", changes, _all_ids(chosen))
         try:
             self._memory_into(combo, {**self.base_cfg, **changes})
         except Exception as exc:
@@ -851,6 +896,10 @@ class _Tune:
         combo.status, combo.verdict = "measured (memory)", "memory only: not timed"
         report.combos.append(combo)
         return combo
+
+    def _measured_for_memory(self, changes: dict[str, Any]) -> Result | None:
+        """The combination of exactly ``changes`` measured already, with its largest batch (None: none)."""
+        return next((r for r in self.report.combos if r.changes == changes and r.max_batch is not None), None)
 
     def _try_compile(self, res: Result) -> None:
         """``compile`` on top of the best configuration so far (one compilation), raced against it and plain."""
@@ -894,18 +943,23 @@ class _Tune:
                                      f"recommendation is {best.name}, on top of which it was not measured: not "
                                      "recommended")
             return
-        beyond = self._margin(target.vs_current_half_ci)
-        faster = target.vs_current is not None and target.vs_current < 1 - beyond and self._faster(target)
-        if faster and not self._fits(report.baseline):  # its memory is not measured: no bet under a tight limit
-            self.choice_notes.append(f"{target.name} is faster, but its memory is not measured under compile and "
-                                     "the limit is tight: not recommended")
-            faster = False
-        if faster and report.amortised(target) is False:  # its first call is not paid back within the run
-            faster = False  # (its row says so, with the break-even step count: TuneReport.explain)
-        if faster:
+        if self._compile_wins(target):
             best.chosen = False
             target.chosen = True
             report.best_throughput = target
+
+    def _compile_wins(self, target: Result) -> bool:
+        """The compiled configuration is faster than what it extends beyond the margin, the plain step fits
+        the memory limit, and its compilation pays back within the run."""
+        beyond = self._margin(target.vs_current_half_ci)
+        if not (target.vs_current is not None and target.vs_current < 1 - beyond and self._faster(target)):
+            return False
+        if not self._fits(self.report.baseline):  # its memory is not measured: no bet under a tight limit
+            self.choice_notes.append(f"{target.name} is faster, but its memory is not measured under compile and "
+                                     "the limit is tight: not recommended")
+            return False
+        # its first call must be paid back within the run (its row says so, with the break-even step count)
+        return self.report.amortised(target) is not False
 
     # -- the race ----------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -990,19 +1044,17 @@ class _Tune:
     def _more_rounds(self) -> bool:
         """What is left of the training budget goes to the races still open: the singles first, then the
         combinations and compile, each until settled or its share of what is left. True if any ran."""
-        races = ([self.singles] if self.singles is not None else []) + [race for race, _ in self.side.values()]
+        races = self._singles_race() + [race for race, _ in self.side.values()]
         ran = False
         tried: set[int] = set()
         while True:
-            open_ = [r for r in races if r.state == "budget" and not r.settled and id(r) not in tried]
+            open_ = [r for r in _unsettled(races, "budget") if id(r) not in tried]
             left = self.left()
             if not open_ or left < max(2 * open_[0].last_round_s, 1.0):
                 return ran
             r = open_[0]
-            before = r.rounds
-            r.run(time.perf_counter() + left / len(open_))
-            if r.rounds == before:
-                tried.add(id(r))
+            if not _ran_a_round(r, time.perf_counter() + left / len(open_)):
+                tried.add(id(r))  # no round ran (it cannot go on, or a round would not fit): not tried again
             ran = True
 
     def _decide(self) -> None:
@@ -1019,8 +1071,7 @@ class _Tune:
         time ran out with questions open: which), or ``cap: ...`` (the most rounds a race gets)."""
         report = self.report
         races = self._races()
-        open_ = [r for r in races if r.state == "budget" and not r.settled]
-        capped = [r for r in races if r.state == "cap" and not r.settled]
+        open_, capped = _unsettled(races, "budget"), _unsettled(races, "cap")
         noise = "n/a" if math.isnan(report.noise) else f"±{report.noise:.1%}"
         after = f"after {report.rounds} rounds (noise {noise})"
         tail = self._not_run_text()
@@ -1030,9 +1081,16 @@ class _Tune:
         if capped:
             what = "; ".join(f"{', '.join(r.open_lanes())} ({r.rounds} rounds)" for r in capped)
             return f"cap: the most rounds a race gets, with these still open: {what}{tail}"
-        best = report.best_throughput
-        rec = "keep the plain step" if best is None or best is report.baseline else f"recommended: {best.name}"
-        return f"settled: {after} every trick had left the race with its question answered, or won it; {rec}{tail}"
+        return (f"settled: {after} every trick had left the race with its question answered, or won it; "
+                f"{self._recommendation_text()}{tail}")
+
+    def _recommendation_text(self) -> str:
+        best = self.report.best_throughput
+        return "keep the plain step" if best is None or best is self.report.baseline else f"recommended: {best.name}"
+
+    def _singles_race(self) -> list[Race]:
+        """The race of the single tricks, as a list: empty where it did not run."""
+        return [self.singles] if self.singles is not None else []
 
     def _not_run_text(self) -> str:
         """'; not measured for the budget: ...' naming the tricks the budget left out ('' when none)."""
@@ -1041,7 +1099,7 @@ class _Tune:
 
     def _races(self) -> list[Race]:
         """The race of the single tricks, then each row's side-by-side race, in the rows' order."""
-        races = [self.singles] if self.singles is not None else []
+        races = self._singles_race()
         return races + [self.side[id(res)][0] for res in self.report.results + self.report.combos
                         if id(res) in self.side]
 
@@ -1064,19 +1122,22 @@ class _Tune:
                 and res.ratio < 1 - self._margin(res.ratio_half_ci))
 
     def _verdict(self, res: Result) -> str:
-        if not _drift_ok(res):
-            speed = "drifts"
-        elif res.ratio is None or math.isnan(res.ratio):
-            speed = "not timed"
-        elif res.ratio < 1 - self._margin(res.ratio_half_ci):
-            speed = "faster"
-        elif res.ratio > 1 + self._margin(res.ratio_half_ci):
-            speed = "slower"
-        else:
-            speed = "no measurable change"
+        speed = self._speed_verdict(res)
         if res.peak_bytes is not None and res.peak_bytes > self.limit:
             return f"{speed}, over the memory limit"
         return speed
+
+    def _speed_verdict(self, res: Result) -> str:
+        """Its speed against plain, in a word or two (a drifting loss first: its speed does not count)."""
+        if not _drift_ok(res):
+            return "drifts"
+        if res.ratio is None or math.isnan(res.ratio):
+            return "not timed"
+        if res.ratio < 1 - self._margin(res.ratio_half_ci):
+            return "faster"
+        if res.ratio > 1 + self._margin(res.ratio_half_ci):
+            return "slower"
+        return "no measurable change"
 
     def _measure_distributed(self) -> dict[str, Any]:
         """ddp, zero1 and fsdp on the ranks, with the recommended configuration, against one process."""
@@ -1103,23 +1164,24 @@ class _Tune:
     def _dist_job(self, launched: bool) -> D.DistJob:
         """The distributed rows' job: the recommended configuration (without compile) on CPU copies of the
         model and batch, its share of the budget, and the threads of a rank and of one process."""
-        best = self.report.best_throughput or self.report.baseline
-        changes = {k: v for k, v in (best.changes if best is not None else {}).items() if k != "compile"}
-        notes = []
-        if best is not None and best.changes.get("compile"):
-            notes.append("compile is left out of the distributed rows (a compilation per lane and rank would take "
-                         "the phase): they are measured eagerly")
+        changes, notes = _eager_changes(self.report.best_throughput or self.report.baseline)
         budget = self.deadline - self.data_share - self.deploy_start_share - time.perf_counter()
-        on_cpu = torch.device(self.base_cfg.get("device", "cpu")).type == "cpu"
+        threads, one_process_threads = self._dist_threads(launched)
         return D.DistJob(
             model=copy.deepcopy(self.model).cpu(), batch=B.to_device(self.batches[0], torch.device("cpu")),
             loss_fn=self.kw.get("loss_fn"), optimizer_fn=self.kw.get("optimizer_fn"),
             config={**self.base_cfg, **changes}, changes=changes, limit=self.limit, budget_s=budget,
             deadline=time.time() + budget,
             seed=int(self.base_cfg.get("seed", 0)), notes=notes,
-            threads=(self.channel.threads if launched else max(1, D.usable_cores() // self.dist_world))
-            if on_cpu else None,
-            one_process_threads=(D.usable_cores() if launched else torch.get_num_threads()) if on_cpu else None)
+            threads=threads, one_process_threads=one_process_threads)
+
+    def _dist_threads(self, launched: bool) -> tuple[int | None, int | None]:
+        """(intra-op threads of a rank, of the one-process lane) on the CPU; None on a GPU (left as they are)."""
+        if torch.device(self.base_cfg.get("device", "cpu")).type != "cpu":
+            return None, None
+        if launched:
+            return self.channel.threads, D.usable_cores()
+        return max(1, D.usable_cores() // self.dist_world), torch.get_num_threads()
 
     def _run_on_ranks(self, job: D.DistJob, launched: bool) -> tuple[dict[str, Any], int]:
         """(the result, the ranks on this host): under torchrun, with the ranks waiting for the job; else on
@@ -1146,19 +1208,7 @@ class _Tune:
                                   progress=False, cold_read=False)
         except Exception as exc:
             return {"path": path, "status": "failed", "reason": one_line(exc, with_type=True)}
-        best = report.best_throughput or report.baseline
-        step_rate = report.batch / best.step_s if best and best.step_s else None
-        load_rate = lt.best.samples_per_s if lt.best else None
-        out: dict[str, Any] = {"path": path, "status": "measured", "loader_samples_per_s": load_rate,
-                               "step_samples_per_s": step_rate, "step_config": best.name if best else None,
-                               "loader": lt.loader_kwargs() if lt.best else None, "verdict": lt.verdict,
-                               "reasons": lt.reasons, "advice": lt.advice, "trials": lt.rows()}
-        if load_rate and step_rate:
-            out["data_bound"] = load_rate < step_rate
-            out["summary"] = (f"the loader delivers {load_rate:,.0f} samples/s ({lt.verdict}), the "
-                              f"{best.name} step consumes {step_rate:,.0f}: "
-                              + ("data-bound: the step waits for data" if load_rate < step_rate else "not data-bound"))
-        return out
+        return _loader_against_step(path, lt, report.batch, report.best_throughput or report.baseline)
 
     def _measure_deploy(self) -> dict[str, Any]:
         """The inference chains (fuse, int8 ...) on an eval copy, each against eager fp32."""
@@ -1170,30 +1220,75 @@ class _Tune:
         if parts.kwargs:
             return {"status": "skipped", "steps": [], "reason": "the model takes keyword inputs; the deploy chain "
                     "exports positional ones: run `torch-tricks optimize` with positional --input"}
-        example = parts.args[0][:1] if len(parts.args) == 1 else tuple(t[:1] for t in parts.args)
+        example = _first_sample(parts.args)
         batch = self.report.batch
         out: dict[str, Any] = {"steps": [], "batches": [1, batch]}
         for chain in (["fuse", "int8"], ["int8-dynamic"], ["bf16"], ["reparam"], ["onnx"]):
             if self.deadline - time.perf_counter() < 3:
                 out["steps"].append({"steps": chain, "status": "skipped", "reason": "over --budget-seconds"})
-                continue
-            try:
-                res = optimize(copy.deepcopy(self.model).eval(), chain, example, batches=(1, batch), warmup=2,
-                               repeats=7)
-            except Exception as exc:
-                out["steps"].append({"steps": chain, "status": "not applicable", "reason": one_line(exc, with_type=True)})
-                continue
-            d = res.as_dict()
-            for s in d["steps"]:
-                out["steps"].append({
-                    "steps": chain[: chain.index(s["step"]) + 1] if s["step"] in chain else chain,
-                    "status": "measured" if s.get("changed", True) else "no change",
-                    "speedup": s.get("speedup"), "latency_s": s.get("latency_s"),
-                    "agreement": s.get("agreement"), "within_tolerance": s.get("within_tolerance"),
-                    "tolerance": s.get("tolerance"), "size_bytes": s.get("size_bytes"),
-                    "original_size_bytes": d["original"].get("size_bytes"), "notes": s.get("notes"),
-                })
+            else:
+                out["steps"] += self._deploy_chain(optimize, chain, example, batch)
         return out
+
+    def _deploy_chain(self, optimize: Callable[..., Any], chain: list[str], example: Any, batch: int
+                      ) -> list[dict[str, Any]]:
+        """The rows of one inference chain on an eval copy (one 'not applicable' row where it raises)."""
+        try:
+            res = optimize(copy.deepcopy(self.model).eval(), chain, example, batches=(1, batch), warmup=2, repeats=7)
+        except Exception as exc:
+            return [{"steps": chain, "status": "not applicable", "reason": one_line(exc, with_type=True)}]
+        d = res.as_dict()
+        return [_deploy_step(chain, s, d["original"]) for s in d["steps"]]
+
+
+def _eager_changes(best: Result | None) -> tuple[dict[str, Any], list[str]]:
+    """(the changes of ``best`` without compile, a note where compile was left out) for the distributed rows."""
+    changes = {k: v for k, v in (best.changes if best is not None else {}).items() if k != "compile"}
+    if best is not None and best.changes.get("compile"):
+        return changes, ["compile is left out of the distributed rows (a compilation per lane and rank would take "
+                         "the phase): they are measured eagerly"]
+    return changes, []
+
+
+def _loader_against_step(path: str, lt: Any, batch: int, best: Result | None) -> dict[str, Any]:
+    """The loader's samples/s (``lt``: its tune) against the ``best`` step's at ``batch``: data-bound or not."""
+    step_rate = _samples_per_s(batch, best)
+    load_rate = lt.best.samples_per_s if lt.best else None
+    out: dict[str, Any] = {"path": path, "status": "measured", "loader_samples_per_s": load_rate,
+                           "step_samples_per_s": step_rate, "step_config": best.name if best else None,
+                           "loader": lt.loader_kwargs() if lt.best else None, "verdict": lt.verdict,
+                           "reasons": lt.reasons, "advice": lt.advice, "trials": lt.rows()}
+    if load_rate and step_rate:
+        out["data_bound"] = load_rate < step_rate
+        out["summary"] = _data_summary(load_rate, step_rate, lt.verdict, best.name)
+    return out
+
+
+def _samples_per_s(batch: int, r: Result | None) -> float | None:
+    return batch / r.step_s if r and r.step_s else None
+
+
+def _data_summary(load_rate: float, step_rate: float, verdict: str, step_name: str) -> str:
+    return (f"the loader delivers {load_rate:,.0f} samples/s ({verdict}), the {step_name} step consumes "
+            f"{step_rate:,.0f}: " + ("data-bound: the step waits for data" if load_rate < step_rate
+                                     else "not data-bound"))
+
+
+def _first_sample(args: tuple[Any, ...]) -> Any:
+    """The first sample of the positional inputs: the tensor alone for one input, else a tuple."""
+    return args[0][:1] if len(args) == 1 else tuple(t[:1] for t in args)
+
+
+def _deploy_step(chain: list[str], s: dict[str, Any], original: dict[str, Any]) -> dict[str, Any]:
+    """One step of a deploy chain's result as a row of the report (``steps``: the chain up to it)."""
+    return {
+        "steps": chain[: chain.index(s["step"]) + 1] if s["step"] in chain else chain,
+        "status": "measured" if s.get("changed", True) else "no change",
+        "speedup": s.get("speedup"), "latency_s": s.get("latency_s"),
+        "agreement": s.get("agreement"), "within_tolerance": s.get("within_tolerance"),
+        "tolerance": s.get("tolerance"), "size_bytes": s.get("size_bytes"),
+        "original_size_bytes": original.get("size_bytes"), "notes": s.get("notes"),
+    }
 
 
 # -- inputs ------------------------------------------------------------------------------------
@@ -1262,14 +1357,34 @@ def _memory_limit(limit: int | None, dev: torch.device) -> tuple[int, str]:
         return int(limit), "given"
     if dev.type == "cuda":
         return int(torch.cuda.get_device_properties(dev).total_memory), "the GPU's total memory"
+    available = _available_ram()
+    if available is not None:
+        return int(available * 0.8), "80% of the RAM available at start"
+    return 8 << 30, "a default of 8 GiB (available RAM unknown)"
+
+
+def _available_ram() -> int | None:
+    """Bytes of RAM available now (/proc/meminfo's MemAvailable); None where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(int(line.split()[1]) * 1024 * 0.8), "80% of the RAM available at start"
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 8 << 30, "a default of 8 GiB (available RAM unknown)"
+    return None
+
+
+def _ran_a_round(race: Race, until: float) -> bool:
+    """Run ``race`` on until ``until``; whether it ran a round."""
+    before = race.rounds
+    race.run(until)
+    return race.rounds != before
+
+
+def _unsettled(races: list[Race], state: str) -> list[Race]:
+    """The races that stopped in ``state`` ("budget": the time ran out; "cap": the most rounds) unsettled."""
+    return [r for r in races if r.state == state and not r.settled]
 
 
 def _key(changes: dict[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -1284,6 +1399,47 @@ def _cuts_bytes_per_sample(r: Result, base: Result) -> bool:
     """``r`` was measured, cuts the plain step's bytes per sample by 5% or more, and does not drift."""
     return (r.status == "measured" and r.bytes_per_sample is not None and r.max_batch is not None
             and r.bytes_per_sample < base.bytes_per_sample * 0.95 and _drift_ok(r))
+
+
+def _fit_name(names: list[str]) -> str:
+    """The name of a configuration tried for fit: its tricks in order, then its micro-batches."""
+    return "+".join(sorted(n for n in names if not n.startswith("accumulate="))
+                    + [n for n in names if n.startswith("accumulate=")])
+
+
+def _smaller_peak(res: Result, closest: Result | None) -> Result:
+    """Of ``res`` and ``closest`` (None: none yet), the one with the smaller peak (``closest`` on a tie)."""
+    return res if closest is None or res.peak_bytes < closest.peak_bytes else closest
+
+
+def _with_micro_batches(names: list[str], changes: dict[str, Any], batch: int
+                        ) -> list[tuple[list[str], dict[str, Any]]]:
+    """``changes`` with 2, 4, 8 ... micro-batches (accumulation), up to one sample each."""
+    tries = []
+    k = 2
+    while k <= batch:
+        tries.append((names + [f"accumulate={k}"], {**changes, "accumulate": k}))
+        k *= 2
+    return tries
+
+
+def _all_ids(rows: list[Result]) -> tuple[str, ...]:
+    return tuple(sorted({i for r in rows for i in r.ids}))
+
+
+def _max_batch(r: Result) -> int:
+    return r.max_batch or 0
+
+
+def _compatible(rows: list[Result]) -> tuple[list[Result], dict[str, Any]]:
+    """Each of ``rows`` in turn that sets no switch an earlier one set, and their changes together."""
+    changes: dict[str, Any] = {}
+    chosen: list[Result] = []
+    for r in rows:
+        if not set(r.changes) & set(changes):
+            changes.update(r.changes)
+            chosen.append(r)
+    return chosen, changes
 
 
 def _ratio_or_inf(r: Result) -> float:
