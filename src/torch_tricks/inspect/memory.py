@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from torch_tricks._format import human_bytes, table
+from torch_tricks._gc import new_objects_only
 from torch_tricks.device import module_device
 from torch_tricks.inspect.inputs import input_tensors
 from torch_tricks.inspect.step import Workloads
@@ -294,27 +295,21 @@ class _GraphCensus:
     """Autograd nodes reachable from every live tensor, counted cheaply in a large process.
 
     A full ``gc.collect()`` and ``gc.get_objects()`` per step cost about half a second
-    each in a process holding millions of objects (transformers imported, a test
-    session), which is most of a leak check. So the objects that existed before the
-    check are moved to gc's permanent generation (``gc.freeze``): each step's collection
-    and scan then see only what the steps made. The tensors among the frozen objects are
-    kept by weak reference and looked at too, since one of them can start to carry a
-    graph (``total += loss`` on a tensor made before the check). A caller that froze
-    objects itself keeps its freeze, and the census falls back to full scans.
+    each in a process holding millions of objects, which is most of a leak check; inside
+    :func:`~torch_tricks._gc.new_objects_only` both see only what the steps made. The
+    tensors that existed before are kept by weak reference and looked at too, since one
+    of them can start to carry a graph (``total += loss`` on a tensor made before the check).
     """
 
     def __enter__(self) -> "_GraphCensus":
-        gc.collect()
-        self._froze = gc.get_freeze_count() == 0
-        self._old: list[weakref.ref] = []
-        if self._froze:
-            self._old = [weakref.ref(t) for t in _tensors(gc.get_objects())]
-            gc.freeze()
+        self._scope = new_objects_only()
+        # the scans below miss what the scope freezes: its tensors are kept here (none when nothing will be frozen)
+        self._old = [] if gc.get_freeze_count() else [weakref.ref(t) for t in _tensors(gc.get_objects())]
+        self._scope.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._froze:
-            gc.unfreeze()
+        self._scope.__exit__(*exc)
 
     def graph_nodes(self) -> int:
         old = (ref() for ref in self._old)

@@ -50,6 +50,7 @@ import torch.nn as nn
 
 from torch_tricks import batches as B
 from torch_tricks._format import human_bytes
+from torch_tricks._gc import new_objects_only
 from torch_tricks.batches import example_batch  # the CLI's way in, re-exported
 from torch_tricks.data.loader_tune import tune_loader_path
 from torch_tricks.device import resolve as resolve_device
@@ -186,8 +187,9 @@ def tune(
 
     total = 4 + len(cands) + bool(data) + bool(deploy) + bool(dist_world)
     bar = tqdm(total=total, desc="tune", unit="phase", disable=not progress, leave=False)
-    _run_job(_Tune(model, batches, base_cfg, kw, limit, report, bar, t_start, float(budget_s), bool(data),
-                   bool(deploy), dist_world=dist_world, channel=_channel), cands, data)
+    with new_objects_only():  # the collections around every memory measurement skip the caller's objects
+        _run_job(_Tune(model, batches, base_cfg, kw, limit, report, bar, t_start, float(budget_s), bool(data),
+                       bool(deploy), dist_world=dist_world, channel=_channel), cands, data)
     report.elapsed_s = time.perf_counter() - t_start
     report.explain()  # every row's reason (the views take it again from the figures)
     return report
