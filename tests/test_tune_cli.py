@@ -18,11 +18,21 @@ def run(capsys, *argv):
 
 @pytest.fixture(scope="module")
 def tuned_dir(tmp_path_factory):
+    """One tune for the module, with a folder of images for the loader and the deploy chains measured too."""
+    Image = pytest.importorskip("PIL.Image")
+    import numpy as np
+
+    imgs = tmp_path_factory.mktemp("imgs")
+    rng = np.random.default_rng(0)
+    for c in ("a", "b"):
+        (imgs / c).mkdir()
+        for i in range(40):
+            Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(imgs / c / f"{i}.png")
     out = tmp_path_factory.mktemp("tune")
     buf, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
         code = main(["tune", "--model", "small_cnn", "--batch", "32", "--budget-seconds", "30", "--skip", "compile",
-                     "--out", str(out), "--no-progress"])
+                     "--data", str(imgs), "--deploy", "--out", str(out), "--no-progress"])
     assert code == 0, err.getvalue()
     return out, buf.getvalue(), err.getvalue()
 
@@ -84,19 +94,9 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     assert needle in lines[0]
 
 
-def test_tune_with_data_and_deploy(capsys, tmp_path):
-    Image = pytest.importorskip("PIL.Image")
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    for c in ("a", "b"):
-        (tmp_path / "imgs" / c).mkdir(parents=True)
-        for i in range(40):
-            Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(tmp_path / "imgs" / c / f"{i}.png")
-    code, text, err = run(capsys, "tune", "--model", "small_cnn", "--budget-seconds", "45", "--skip", "compile",
-                          "--data", str(tmp_path / "imgs"), "--deploy", "--no-progress", "--json")
-    assert code == 0, err
-    data = json.loads(text)
+def test_tune_with_data_and_deploy(tuned_dir):
+    out, text, _ = tuned_dir
+    data = json.loads((out / "report.json").read_text())
     loader = data["data"]
     assert loader["status"] == "measured" and loader["loader_samples_per_s"] > 0 and loader["step_samples_per_s"] > 0
     assert loader["data_bound"] == (loader["loader_samples_per_s"] < loader["step_samples_per_s"])
