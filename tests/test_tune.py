@@ -107,6 +107,15 @@ def tuned():
     return report, races, measured
 
 
+@pytest.fixture
+def short_races(monkeypatch):
+    """The races' cap (a safety net: a race normally ends settled, or at its deadline) lowered, for the tests
+    that ask about memory or plumbing rather than a speed verdict: their tunes then take seconds, not the
+    150 rounds the noise resolution would spend, while their budgets still leave room for a busy machine."""
+    monkeypatch.setattr(tuner_mod, "_MAX_ROUNDS", 30)
+    monkeypatch.setattr(tuner_mod, "_MAX_SIDE_ROUNDS", 20)
+
+
 def _finite(x):
     return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
 
@@ -184,7 +193,7 @@ def test_skipped_tricks_carry_reasons_and_every_trick_is_accounted_for(tuned):
     assert "noise ±" in text and "plain again (A/A)" in text
 
 
-def test_a_failing_trick_is_reported_and_the_tune_goes_on(monkeypatch):
+def test_a_failing_trick_is_reported_and_the_tune_goes_on(monkeypatch, short_races):
     # the failure mid-timing is planted in a candidate of the test's own, as fast as plain on any CPU (a
     # dtype such as bf16 is emulated on some CPUs and rightly stopped after a probe, before any timing)
     real = tuner_mod.training_candidates
@@ -211,7 +220,7 @@ def test_a_failing_trick_is_reported_and_the_tune_goes_on(monkeypatch):
     assert "failed: RuntimeError" in report.to_text()
 
 
-def test_memory_limit_below_the_plain_need_finds_a_configuration_that_fits():
+def test_memory_limit_below_the_plain_need_finds_a_configuration_that_fits(short_races):
     batch = _batch(16, 32)
     cfg = {"device": "cpu", "fused_optimizer": False}
     plain = measure_memory(TinyNet(), cfg, batch, loss_fn=None, optimizer_fn=None)
@@ -233,7 +242,7 @@ def test_memory_limit_below_the_plain_need_finds_a_configuration_that_fits():
     assert cfg["batch_size"] * cfg["accumulate"] == 16  # the effective batch is the one asked for
 
 
-def test_nothing_fits_is_said_plainly():
+def test_nothing_fits_is_said_plainly(short_races):
     report = tune(TinyNet, _batch(8, 16), budget_s=20, memory_limit=4096, progress=False,
                   skip=["compile", "mixed_precision", "ema", "deterministic", "channels_last", "fused_optimizer"])
     assert report.fits_with is None and report.best_throughput is report.baseline
@@ -276,7 +285,7 @@ def test_tricks_toml_round_trips_into_trainconfig_and_fit(tuned, tmp_path):
     assert tricks.step() == (tricks.config.accumulate == 1)
 
 
-def test_recommended_switches_reach_fit_exactly(tmp_path):
+def test_recommended_switches_reach_fit_exactly(tmp_path, short_races):
     """A recommendation with several switches: the file holds them, fit applies them and nothing else."""
     report = tune(TinyNet, _batch(8, 16), budget_s=20, progress=False,
                   skip=["compile", "mixed_precision", "ema", "deterministic", "memory_efficient_bn", "inplace_activations"])
