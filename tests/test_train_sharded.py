@@ -53,13 +53,21 @@ def resume_config(**kw):
 
 
 def _torchrun(script: Path, *args: str, timeout: float = 240, ok: bool = True) -> str:
+    return _wait(_start(script, *args), timeout, ok)
+
+
+def _start(script: Path, *args: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                            "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", str(script),
            *args]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+
+def _wait(proc: subprocess.Popen, timeout: float = 240, ok: bool = True) -> str:
+    """The launch's log, once it ended as ``ok`` says (its whole process group killed past ``timeout``)."""
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -94,13 +102,16 @@ def launched(tmp_path_factory):
         first += ["---", "fit_sharded.py", m, str(d["fit"])]
         first += ["---", "fit_sharded_resume.py", "whole", str(d["resume"] / "ck_whole"), str(d["resume"] / "whole.pt"), m]
         first += ["---", "tricks_sharded_save.py", m, "run", str(d["tricks"])]
+    # a checkpoint every step; rank 0 killed (SIGKILL) while saving the next one, after every rank's shards are
+    # written and before the pointer moves to them: the previous checkpoint is the one to load. These launches
+    # need nothing of the first one's: all three run at once (what one waits on, another computes)
+    kills = {m: _start(SCRIPTS / "fit_sharded_resume.py", "killsave", str(d["resume"] / "ck"),
+                       str(d["resume"] / "stop.pt"), m) for m, d in dirs.items()}
     log = _torchrun(SCRIPTS / "run_jobs.py", *first, timeout=480)
     killed, saved = {}, {}
     for m, d in dirs.items():
-        # a checkpoint every step; rank 0 killed (SIGKILL) while saving the next one, after every rank's shards
-        # are written and before the pointer moves to them: the previous checkpoint is the one to load
+        _wait(kills[m], ok=False)
         ck = d["resume"] / "ck"
-        _torchrun(SCRIPTS / "fit_sharded_resume.py", "killsave", str(ck), str(d["resume"] / "stop.pt"), m, ok=False)
         killed[m] = _left_by_the_kill(ck)
         shutil.copytree(ck, d["resume"] / "ck_one")
         saved[m] = last_sharded(d["tricks"] / "ckpt")
