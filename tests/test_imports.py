@@ -4,6 +4,7 @@ import time, no feature package importing another's private name, and ``data`` b
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import torch_tricks
@@ -11,6 +12,7 @@ import torch_tricks
 ROOT = Path(torch_tricks.__file__).parent
 
 
+@functools.cache  # the tests below read the same files: parsed once
 def _modules() -> dict[str, Path]:
     out = {}
     for path in ROOT.rglob("*.py"):
@@ -19,9 +21,11 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, str | None, bool]]:
+@functools.cache
+def _imports(path: Path) -> list[tuple[str, str | None, bool]]:
     """(imported module, imported name or None, at module level) for each import of our own modules."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    modules = _modules()
+    tree = _tree(path)
     in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
                    for n in ast.walk(f)}
     out = []
@@ -36,6 +40,11 @@ def _imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, str | None
     return out
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def _package(module: str) -> str:
     return module.split(".")[1] if module.count(".") else module
 
@@ -43,7 +52,7 @@ def _package(module: str) -> str:
 def test_no_import_circles_at_module_level():
     """Imports inside functions (optional dependencies, the CLI's start-up) are left out: they run later."""
     modules = _modules()
-    graph = {m: {t for t, _, top in _imports(p, modules) if top and t in modules} for m, p in modules.items()}
+    graph = {m: {t for t, _, top in _imports(p) if top and t in modules} for m, p in modules.items()}
     cycles, state = [], {}
 
     def visit(m, stack):
@@ -63,7 +72,7 @@ def test_no_import_circles_at_module_level():
 
 def test_no_feature_package_imports_a_private_name_of_another():
     modules = _modules()
-    bad = [(m, t, name) for m, p in modules.items() for t, name, _ in _imports(p, modules)
+    bad = [(m, t, name) for m, p in modules.items() for t, name, _ in _imports(p)
            if name and name.startswith("_") and not name.startswith("__") and _package(t) != _package(m)]
     assert bad == []
 
@@ -71,7 +80,7 @@ def test_no_feature_package_imports_a_private_name_of_another():
 def test_data_does_not_import_train():
     modules = _modules()
     bad = [(m, t) for m, p in modules.items() if _package(m) == "data"
-           for t, _, _ in _imports(p, modules) if _package(t) == "train"]
+           for t, _, _ in _imports(p) if _package(t) == "train"]
     assert bad == []
 
 
@@ -87,7 +96,7 @@ def test_every_name_imported_from_the_package_exists():
     for path in files:
         if "doctor_corpus" in path.parts or not path.is_file():
             continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_tree(path)):
             if not (isinstance(node, ast.ImportFrom) and node.level == 0
                     and (node.module or "").startswith("torch_tricks")):
                 continue

@@ -31,7 +31,7 @@ def tuned_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tune")
     buf, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
-        code = main(["tune", "--model", "small_cnn", "--batch", "32", "--budget-seconds", "30", "--skip", "compile",
+        code = main(["tune", "--model", "small_cnn", "--batch", "32", "--budget-seconds", "24", "--skip", "compile",
                      "--data", str(imgs), "--deploy", "--out", str(out), "--no-progress"])
     assert code == 0, err.getvalue()
     return out, buf.getvalue(), err.getvalue()
