@@ -192,6 +192,23 @@ def number(node: ast.AST | None) -> float | None:
     return None
 
 
+def called_method(node: ast.AST) -> str | None:
+    """``name`` for a method call ``x.name(...)``; None for any other node."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return node.func.attr
+    return None
+
+
+def is_name(node: ast.AST | None, name: str) -> bool:
+    """``node`` is the bare name ``name``."""
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def is_false(node: ast.AST | None) -> bool:
+    """``node`` is the literal ``False``."""
+    return isinstance(node, ast.Constant) and node.value is False
+
+
 def walk_local(root: ast.AST, into_loops: bool = True) -> Iterator[ast.AST]:
     """Nodes under ``root`` without entering nested functions and classes (their code runs
     elsewhere), nor nested loops if ``into_loops`` is False."""
@@ -964,7 +981,7 @@ class FileAnalysis:
         if n.id == name:
             return True
         value = self.binding_value(n)
-        return value is not None and any(_is_name(v, name) for v in ast.walk(value))
+        return value is not None and any(is_name(v, name) for v in ast.walk(value))
 
 
 def forward_before(f: FileAnalysis, node: ast.AST) -> bool:
@@ -1015,7 +1032,7 @@ def _names_memory(node: ast.AST) -> bool:
 
 def is_backward(node: ast.AST) -> bool:
     """``x.backward(...)``: a call of a method named backward (a loss's, a tensor's)."""
-    return _called_method(node) == "backward"
+    return called_method(node) == "backward"
 
 
 def is_step_loop(f: FileAnalysis, loop: ast.AST) -> bool:
@@ -1128,7 +1145,7 @@ def _iterates(f: FileAnalysis, loop: ast.AST, call: ast.Call, names: set) -> boo
 def moves_batch_to_cuda(f: FileAnalysis, loop: ast.AST) -> bool:
     batch = _names_in(loop.target)
     return any(root_name(node.func.value) in batch and _moves_to_cuda(f, node)
-               for node in walk_local(loop) if _called_method(node) in ("cuda", "to"))
+               for node in walk_local(loop) if called_method(node) in ("cuda", "to"))
 
 
 def _names_in(target: ast.AST) -> set[str]:
@@ -1419,7 +1436,7 @@ def _own_method(cls: ast.ClassDef, name: str) -> ast.AST | None:
 
 def _calls_module_method_on(func: ast.AST, name: str) -> bool:
     """``func`` calls on ``name`` a method only modules have: ``name.eval()``, ``name.parameters()`` ..."""
-    return any(_called_method(node) in MODULE_ONLY_METHODS and _is_name(node.func.value, name)
+    return any(called_method(node) in MODULE_ONLY_METHODS and is_name(node.func.value, name)
                for node in walk_local(func))
 
 
@@ -1492,13 +1509,6 @@ def _last_before(binds: list, where: tuple[int, int]) -> tuple | None:
 # ---- small predicates on nodes
 
 
-def _called_method(node: ast.AST) -> str | None:
-    """``name`` for a method call ``x.name(...)``; None for any other node."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        return node.func.attr
-    return None
-
-
 def _called_function(node: ast.AST) -> str | None:
     """``name`` for a call of a bare name ``name(...)``; None for any other node."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
@@ -1509,7 +1519,3 @@ def _called_function(node: ast.AST) -> str | None:
 def _is_called(func: ast.AST, parent: ast.AST | None) -> bool:
     """``parent`` (the parent node of ``func``) is the call of ``func``."""
     return isinstance(parent, ast.Call) and parent.func is func
-
-
-def _is_name(node: ast.AST, name: str) -> bool:
-    return isinstance(node, ast.Name) and node.id == name

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from torch_tricks.doctor import Finding
-from torch_tricks.doctor.analysis import dotted
+from torch_tricks.doctor.analysis import called_method, dotted
 from torch_tricks.doctor.static import DoctorConfig, lint_paths, lint_source
 
 __all__ = ["FIXABLE", "Edit", "Unfixed", "FixResult", "FileFix", "FixError", "fix_source", "fix_paths"]
@@ -710,11 +710,6 @@ def _starred(call: ast.Call) -> bool:
     return any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords)
 
 
-def _is_method(call: ast.Call, name: str) -> bool:
-    """``call`` is ``<something>.name(...)``."""
-    return isinstance(call.func, ast.Attribute) and call.func.attr == name
-
-
 def _multiline(text: str) -> bool:
     return "\n" in text or "\r" in text
 
@@ -1183,7 +1178,7 @@ def _input_argument(call: ast.Call) -> ast.AST | None:
 
 def _is_functional_bce(doc: _Doc, call: ast.Call) -> bool:
     """``call`` is ``F.binary_cross_entropy(...)``, ``F`` an import of ``torch.nn.functional``."""
-    return _is_method(call, "binary_cross_entropy") and doc.resolve(call.func.value) == "torch.nn.functional"
+    return called_method(call) == "binary_cross_entropy" and doc.resolve(call.func.value) == "torch.nn.functional"
 
 
 def _sigmoid_input(doc: _Doc, slot: ast.AST | None) -> ast.AST | None:
@@ -1199,7 +1194,7 @@ def _sigmoid_input(doc: _Doc, slot: ast.AST | None) -> ast.AST | None:
 
 def _is_sigmoid_method(doc: _Doc, call: ast.Call) -> bool:
     """``call`` is ``x.sigmoid()``, ``x`` not an import (``torch.sigmoid()`` needs an argument)."""
-    return not call.args and _is_method(call, "sigmoid") and doc.resolve(call.func.value) is None
+    return not call.args and called_method(call) == "sigmoid" and doc.resolve(call.func.value) is None
 
 
 _PLANNERS: dict[str, Callable[[_Doc, Finding], _Fix]] = {

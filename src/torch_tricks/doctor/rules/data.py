@@ -8,8 +8,8 @@ from __future__ import annotations
 import ast
 from typing import Iterable, Iterator
 
-from torch_tricks.doctor.analysis import (FileAnalysis, LOOPS, dataloaders, is_backward, is_cuda_device, kwarg,
-                                          moves_batch_to_cuda, number, walk_local)
+from torch_tricks.doctor.analysis import (FileAnalysis, LOOPS, called_method, dataloaders, is_backward, is_cuda_device,
+                                          kwarg, moves_batch_to_cuda, number, walk_local)
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 
@@ -149,7 +149,7 @@ def _has_training_loop(f: FileAnalysis) -> bool:
 
 def _calls_set_epoch(f: FileAnalysis) -> bool:
     """The file calls ``.set_epoch()`` on something (a sampler, probably)."""
-    return any(isinstance(c.func, ast.Attribute) and c.func.attr == "set_epoch" for c in f.nodes[ast.Call])
+    return any(called_method(c) == "set_epoch" for c in f.nodes[ast.Call])
 
 
 def _shuffle_off(call: ast.Call) -> bool:

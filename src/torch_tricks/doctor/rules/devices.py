@@ -11,8 +11,8 @@ from collections import defaultdict
 from typing import Iterator
 
 from torch_tricks.doctor.analysis import (CLOCKS, FileAnalysis, Kind, LOOPS, MOVE_METHODS, NON_TENSOR_METHODS,
-                                          SAFE_BUILTINS, SYNC_FUNCS, SYNC_METHODS, is_step_loop, pos, rate_limited,
-                                          walk_local)
+                                          SAFE_BUILTINS, SYNC_FUNCS, SYNC_METHODS, called_method, is_step_loop, pos,
+                                          rate_limited, walk_local)
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 
@@ -133,7 +133,7 @@ def _waits_for_device(f: FileAnalysis, call: ast.Call) -> bool:
 
 def _copies_to_cpu(call: ast.Call) -> bool:
     """``x.to("cpu")``."""
-    return (isinstance(call.func, ast.Attribute) and call.func.attr == "to"
+    return (called_method(call) == "to"
             and any(isinstance(a, ast.Constant) and a.value == "cpu" for a in call.args))
 
 

@@ -9,8 +9,8 @@ import ast
 from typing import Iterator
 
 from torch_tricks.doctor.analysis import (LOOPS, NOWHERE, PARAMETER_FREE_MODULES, PARAMETER_FREE_NAME, FileAnalysis,
-                                          ancestors_until, dotted, is_backward, kwarg, looks_like_model, number,
-                                          optimizer_step, pos, walk_local)
+                                          ancestors_until, called_method, dotted, is_backward, is_false, is_name,
+                                          kwarg, looks_like_model, number, optimizer_step, pos, walk_local)
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 
@@ -55,28 +55,16 @@ def _puts_model_in_eval(f: FileAnalysis, call: ast.Call) -> bool:
     return not _parameter_free(f, model, k)  # Dropout, DropPath, an activation: autograd records nothing
 
 
-def _method_name(node: ast.AST) -> str | None:
-    """``name`` for a method call ``x.name(...)``, None for anything else."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        return node.func.attr
-    return None
-
-
 def _switches_to_eval(call: ast.Call) -> bool:
     """``x.eval()`` or ``x.train(False)``."""
-    name = _method_name(call)
+    name = called_method(call)
     if name == "eval":
         return not call.args and not call.keywords
     return name == "train" and len(call.args) == 1 and _first_arg_false(call)
 
 
 def _first_arg_false(call: ast.Call) -> bool:
-    return bool(call.args) and _is_false(call.args[0])
-
-
-def _is_false(node: ast.AST | None) -> bool:
-    """The literal ``False``."""
-    return isinstance(node, ast.Constant) and node.value is False
+    return bool(call.args) and is_false(call.args[0])
 
 
 def _forward_with_grad_after_eval(f: FileAnalysis, eval_call: ast.Call, scope: ast.AST) -> tuple[ast.AST, str] | None:
@@ -125,7 +113,7 @@ def _next_train(calls: list[ast.Call], eval_call: ast.Call, model: ast.AST) -> t
 
 def _switches_to_train(call: ast.Call, spelled: str) -> bool:
     """``call`` is ``model.train()`` (not ``train(False)``) on the model ``spelled`` (its ``ast.dump``)."""
-    return _method_name(call) == "train" and ast.dump(call.func.value) == spelled and not _first_arg_false(call)
+    return called_method(call) == "train" and ast.dump(call.func.value) == spelled and not _first_arg_false(call)
 
 
 def _model_calls(f: FileAnalysis, calls: list[ast.Call], model: ast.AST, after: ast.AST,
@@ -232,7 +220,7 @@ def _ungraded_forward(f: FileAnalysis, helper: ast.AST, name: str) -> ast.Call |
 
 def _first_forward(f: FileAnalysis, calls: list[ast.Call], name: str) -> ast.Call | None:
     """The first of ``calls`` that calls ``name`` outside no_grad."""
-    return next((x for x in calls if _is_name(x.func, name) and not f.no_grad(x)), None)
+    return next((x for x in calls if is_name(x.func, name) and not f.no_grad(x)), None)
 
 
 def _may_want_graph(f: FileAnalysis, helper: ast.AST, name: str, inner: list[ast.Call]) -> bool:
@@ -245,13 +233,9 @@ def _rebound(f: FileAnalysis, helper: ast.AST, name: str) -> bool:
     return any(b[1] != "param" for b in f.bindings.get(helper, {}).get(name, ()))
 
 
-def _is_name(node: ast.AST, name: str) -> bool:
-    return isinstance(node, ast.Name) and node.id == name
-
-
 def _trains(call: ast.Call, name: str) -> bool:
     """``call`` is ``name.train(...)``."""
-    return _method_name(call) == "train" and _is_name(call.func.value, name)
+    return called_method(call) == "train" and is_name(call.func.value, name)
 
 
 def _frozen(f: FileAnalysis, scope: ast.AST, model: str, before: tuple[int, int]) -> bool:
@@ -277,10 +261,10 @@ _CHAINED = ("eval", "train", "to", "cuda", "cpu")
 def _freezes_model(call: ast.Call, model: str) -> bool:
     """``call`` is ``model.requires_grad_(False)``, or ``model.eval().requires_grad_(False)`` (``.to(...)``,
     ``.cuda()`` ... between)."""
-    if not (_method_name(call) == "requires_grad_" and _false_flag(call)):
+    if not (called_method(call) == "requires_grad_" and _false_flag(call)):
         return False
     receiver = call.func.value
-    if _method_name(receiver) in _CHAINED:
+    if called_method(receiver) in _CHAINED:
         receiver = receiver.func.value  # model.eval().requires_grad_(False)
     return ast.dump(receiver) == model
 
@@ -295,7 +279,7 @@ def _over_parameters(loop: ast.AST, model: str, before: tuple[int, int]) -> bool
     """``loop`` is a ``for p in model.parameters():`` before ``before``."""
     if not (isinstance(loop, ast.For) and isinstance(loop.target, ast.Name) and pos(loop) < before):
         return False
-    return _method_name(loop.iter) == "parameters" and ast.dump(loop.iter.func.value) == model
+    return called_method(loop.iter) == "parameters" and ast.dump(loop.iter.func.value) == model
 
 
 def _freezes(stmt: ast.stmt, p: str) -> bool:
@@ -303,16 +287,16 @@ def _freezes(stmt: ast.stmt, p: str) -> bool:
     if isinstance(stmt, ast.Expr):
         return _freezes_by_call(stmt.value, p)
     return (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
-            and dotted(stmt.targets[0]) == f"{p}.requires_grad" and _is_false(stmt.value))
+            and dotted(stmt.targets[0]) == f"{p}.requires_grad" and is_false(stmt.value))
 
 
 def _freezes_by_call(node: ast.AST, p: str) -> bool:
     """``node`` is ``p.requires_grad_(False)``."""
-    return _method_name(node) == "requires_grad_" and dotted(node.func.value) == p and _false_flag(node)
+    return called_method(node) == "requires_grad_" and dotted(node.func.value) == p and _false_flag(node)
 
 
 def _false_flag(call: ast.Call) -> bool:
-    return _is_false(kwarg(call, "requires_grad", 0))
+    return is_false(kwarg(call, "requires_grad", 0))
 
 
 def _runs_under_no_grad(f: FileAnalysis, scope: ast.AST) -> bool:
@@ -323,7 +307,7 @@ def _runs_under_no_grad(f: FileAnalysis, scope: ast.AST) -> bool:
 def _called_without_grad(f: FileAnalysis, func: ast.AST) -> bool:
     """Some call of ``func`` in this file runs under no_grad (so its body does too)."""
     if isinstance(f.parent.get(func), ast.ClassDef):
-        calls = [c for c in f.nodes[ast.Call] if _method_name(c) == func.name]
+        calls = [c for c in f.nodes[ast.Call] if called_method(c) == func.name]
     else:
         calls = f.calls_by_name.get(func.name, [])
     return any(f.no_grad(c) for c in calls)
@@ -393,14 +377,14 @@ def _added_in_place(node: ast.AugAssign) -> tuple[ast.Name, ast.AST, str] | None
 def _added_and_rebound(node: ast.Assign) -> tuple[ast.Name, ast.AST, str] | None:
     target = node.targets[0] if len(node.targets) == 1 else None
     v = node.value
-    if isinstance(target, ast.Name) and isinstance(v, ast.BinOp) and isinstance(v.op, ast.Add) and _is_name(
+    if isinstance(target, ast.Name) and isinstance(v, ast.BinOp) and isinstance(v.op, ast.Add) and is_name(
             v.left, target.id):
         return v.left, v.right, "+"
     return None
 
 
 def _appended(call: ast.Call) -> tuple[ast.Name, ast.AST, str] | None:
-    if _method_name(call) == "append" and isinstance(call.func.value, ast.Name) and len(call.args) == 1:
+    if called_method(call) == "append" and isinstance(call.func.value, ast.Name) and len(call.args) == 1:
         return call.func.value, call.args[0], "append"
     return None
 
@@ -444,13 +428,13 @@ def _no_graph(f: FileAnalysis, value: ast.AST | None) -> bool:
 
 def _backward_called_on(f: FileAnalysis, name: ast.Name, b: tuple, scope: ast.AST) -> bool:
     """``scope`` calls ``name.backward()`` after the binding ``b`` of ``name``, on that binding."""
-    return any(is_backward(c) and _is_name(c.func.value, name.id) and pos(c) > b[0] and f.lookup(c.func.value) is b
+    return any(is_backward(c) and is_name(c.func.value, name.id) and pos(c) > b[0] and f.lookup(c.func.value) is b
                for c in f.calls_in(scope))
 
 
 def _off_graph(value: ast.AST | None) -> bool:
     """``value`` is a detached tensor or a Python number: ``x.item()``, ``x.detach()``, ``float(x)``."""
-    return _method_name(value) in ("item", "detach", "tolist", "cpu", "numpy") or (
+    return called_method(value) in ("item", "detach", "tolist", "cpu", "numpy") or (
         isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in ("float", "int"))
 
 
@@ -482,7 +466,7 @@ class AdamWeightDecay(StaticRule):
 def _coupled_weight_decay(f: FileAnalysis, adam: ast.Call) -> bool:
     """``adam`` has a nonzero weight decay, for all parameters or for a group, and does not decouple it."""
     decoupled = kwarg(adam, "decoupled_weight_decay")
-    if decoupled is not None and not _is_false(decoupled):
+    if decoupled is not None and not is_false(decoupled):
         return False
     return _nonzero(f, kwarg(adam, "weight_decay", 4)) or _group_weight_decay(f, adam)
 
@@ -550,7 +534,7 @@ def _scheduler_steps_first(f: FileAnalysis, loop: ast.AST) -> list[ast.Call]:
 
 def _step_calls(loop: ast.AST) -> list[ast.Call]:
     """The ``x.step()`` calls in ``loop``'s frame, in source order."""
-    return sorted((c for c in walk_local(loop) if _method_name(c) == "step"), key=pos)
+    return sorted((c for c in walk_local(loop) if called_method(c) == "step"), key=pos)
 
 
 def _unguarded_scheduler_step(f: FileAnalysis, step: ast.Call, loop: ast.AST) -> bool:
@@ -597,7 +581,7 @@ def _trains_without_train_call(calls: list[ast.Call]) -> bool:
 
 
 def _calls_train(calls: list[ast.Call]) -> bool:
-    return any(_method_name(c) == "train" for c in calls)
+    return any(called_method(c) == "train" for c in calls)
 
 
 def _eval_switches(f: FileAnalysis, calls: list[ast.Call]) -> Iterator[tuple[ast.Call, str | None]]:
@@ -612,7 +596,7 @@ def _eval_switches(f: FileAnalysis, calls: list[ast.Call]) -> Iterator[tuple[ast
 
 def _is_eval(call: ast.Call) -> bool:
     """``x.eval()``."""
-    return _method_name(call) == "eval" and not call.args
+    return called_method(call) == "eval" and not call.args
 
 
 def _helper_leaves_eval(f: FileAnalysis, name: str) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from typing import Iterator
 
-from torch_tricks.doctor.analysis import ACTS, FileAnalysis, is_loss, kwarg, number
+from torch_tricks.doctor.analysis import ACTS, FileAnalysis, called_method, is_false, is_loss, kwarg, number
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 
@@ -91,9 +91,7 @@ def _square_root_method(call: ast.Call, method: str) -> tuple[ast.AST, bool] | N
 def _method_of(q: str | None, call: ast.Call) -> str | None:
     """The name of the method ``call`` calls (``x.sum()``: "sum"), ``q`` its qualified name; None for
     a function of an import or a plain name."""
-    if q is None and isinstance(call.func, ast.Attribute):
-        return call.func.attr
-    return None
+    return called_method(call) if q is None else None
 
 
 def _on_tensor(f: FileAnalysis, arg: ast.AST) -> bool:
@@ -239,7 +237,7 @@ def _constant_call(f: FileAnalysis, expr: ast.Call, depth: int) -> bool:
 
 def _asks_for_grad(call: ast.Call) -> bool:
     """``call`` passes ``requires_grad=`` with a value other than False."""
-    return any(kw.arg == "requires_grad" and not _is_false(kw.value) for kw in call.keywords)
+    return any(kw.arg == "requires_grad" and not is_false(kw.value) for kw in call.keywords)
 
 
 def _constant_method_call(f: FileAnalysis, expr: ast.Call, method: str, depth: int) -> bool:
@@ -253,10 +251,6 @@ def _constant_method_call(f: FileAnalysis, expr: ast.Call, method: str, depth: i
         k = f.kind(a)
         return shape_only and (k is None or k.cat != "tensor")
     return _constant_tensor(f, expr.func.value, depth) and all(fine(a) for a in args)
-
-
-def _is_false(node: ast.AST | None) -> bool:
-    return isinstance(node, ast.Constant) and node.value is False
 
 
 _SHAPE_METHODS = frozenset("""view reshape repeat repeat_interleave expand permute transpose flatten unsqueeze squeeze
@@ -448,8 +442,8 @@ def _is_legacy_flag(kw: ast.keyword) -> bool:
 
 def _reduction_for(given: dict[str, ast.Constant]) -> str:
     """The ``reduction=`` that the legacy arguments ``given`` mean."""
-    if _is_false(given.get("reduce")):
+    if is_false(given.get("reduce")):
         return "reduction='none'"
-    if _is_false(given.get("size_average")):
+    if is_false(given.get("size_average")):
         return "reduction='sum'"
     return "reduction='mean'"

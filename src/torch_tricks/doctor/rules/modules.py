@@ -9,8 +9,8 @@ import re
 from typing import Callable, Iterator
 
 from torch_tricks.doctor.analysis import (CONTAINERS, DROPOUT_FNS, FileAnalysis, NOWHERE, STATELESS_MODULES,
-                                          backward_after, dotted, enclosing_function, forward_before, has_star_args,
-                                          pos, walk_local)
+                                          backward_after, called_method, dotted, enclosing_function, forward_before,
+                                          has_star_args, pos, walk_local)
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 
@@ -342,7 +342,7 @@ def _init_code(f: FileAnalysis, func: ast.AST | None) -> bool:
 
 def _applied(f: FileAnalysis, name: str) -> bool:
     """The function ``name`` is passed to some ``x.apply(...)``."""
-    return any(isinstance(c.func, ast.Attribute) and c.func.attr == "apply" and _passed(c, name)
+    return any(called_method(c) == "apply" and _passed(c, name)
                for c in f.nodes[ast.Call])
 
 

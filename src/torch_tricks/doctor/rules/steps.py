@@ -9,8 +9,8 @@ import re
 from typing import Iterator
 
 from torch_tricks.doctor.analysis import (LOOPS, SAFE_BUILTINS, SYNC_FUNCS, FileAnalysis, Kind, ancestors_until,
-                                          dotted, exclusive_branches, is_backward, kwarg, optimizer_step, pos,
-                                          rate_limited, walk_local)
+                                          called_method, dotted, exclusive_branches, is_backward, kwarg,
+                                          optimizer_step, pos, rate_limited, walk_local)
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 _GRAD_INPLACE = frozenset("zero_ zero_grad fill_ mul_ detach_ copy_ set_ requires_grad_".split())
@@ -34,7 +34,7 @@ def _category(f: FileAnalysis, node: ast.AST) -> str | None:
 
 def _is_method_call(node: ast.AST, *names: str) -> bool:
     """``node`` is a call ``x.name(...)`` of a method with one of ``names``."""
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
+    return called_method(node) in names
 
 
 def _zeroes_grads(f: FileAnalysis, node: ast.AST) -> bool:
