@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from torch_tricks.cli import main
 from torch_tricks.errors import UserError
+from torch_tricks.tuning import distributed as D
 from torch_tricks.tuning.distributed import MODES, check_world, recommend
 
 pytestmark = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -38,7 +39,7 @@ def _check_rows(d: dict, ranks: int = 2) -> dict:
     rows = {r["name"]: r for r in d["rows"]}
     assert set(rows) == ROWS
     assert d["processes"] == ranks and d["global_batch"] == 16 and d["per_rank_batch"] == 8
-    assert d["rounds"] >= 5
+    assert d["rounds"] >= 5 and isinstance(d["settled"], bool)
     full = _small_cnn_param_bytes()
     for name in MODES:
         r = rows[name]
@@ -205,3 +206,44 @@ def test_recommend_never_takes_a_mode_whose_loss_drifts_or_nothing_that_fits():
     res = _result(_row("one process", 1.0, 500), _row("ddp", 0.5, 400), _row("fsdp", 0.7, 300))
     rec, why = recommend(res, 400, local_ranks=2)
     assert rec is None and "nothing measured fits the memory limit" in why
+
+
+# -- when the rounds stop -------------------------------------------------------------------------
+
+def _lane(name, times, *, peak=100, everyone=True, step=True):
+    lane = D._Lane(name, "off" if not everyone else name, everyone, None, None)
+    lane.row.update(status="measured", peak_bytes=peak)
+    lane.times = list(times)
+    lane.step = (lambda batch: None) if step else None
+    return lane
+
+
+def test_the_rounds_are_settled_once_more_of_them_would_not_change_the_recommendation():
+    one = [1.0, 1.02, 0.98, 1.01] * 5
+    settled = D._settled
+    slower = [_lane("one process", one, everyone=False), _lane("ddp", [1.6 * t for t in one]),
+              _lane("fsdp", [2.5 * t for t in one])]
+    assert settled(slower, limit=1000, min_effect=0.02)  # no mode can beat one process: keep it
+    faster = [_lane("one process", one, everyone=False), _lane("ddp", [0.7 * t for t in one])]
+    assert settled(faster, limit=1000, min_effect=0.02)  # faster, and its ratio known to within 1%
+    noisy = [_lane("one process", one, everyone=False), _lane("ddp", [0.9 * t * (1.3 if i % 2 else 0.8)
+                                                                      for i, t in enumerate(one)])]
+    assert not settled(noisy, limit=1000, min_effect=0.02)  # might be faster: how much is not known yet
+    assert not settled(slower, limit=50, min_effect=0.02)  # one process over the limit: the modes race on time
+    failed = [_lane("one process", one, everyone=False), _lane("ddp", [0.7 * t for t in one]), *noisy[1:]]
+    failed[-1].step = None  # a mode that failed in the rounds is not waited for
+    assert settled(failed, limit=1000, min_effect=0.02)
+
+
+@pytest.mark.parametrize("answer_at, want", [(None, (60, False)), (2, (24, True))])
+def test_the_rounds_ask_from_the_settle_rounds_on_every_fifth_and_stop_when_settled(answer_at, want):
+    lanes = [_lane("one process", [], everyone=False), _lane("ddp", [])]
+    asked = []
+
+    def settled():
+        asked.append(len(lanes[0].times))
+        return len(asked) == answer_at
+
+    got = D._rounds(lanes, seed=0, rank=0, dev=torch.device("cpu"), deadline=float("inf"), settled=settled)
+    assert got == want and len(lanes[0].times) == len(lanes[1].times) == want[0]
+    assert asked == [20, 24, 29, 35, 42, 51][:len(asked)] and asked[-1] <= want[0]

@@ -20,7 +20,10 @@ ranks it was given. Either way every rank runs :func:`measure_modes` on the same
 * **drift**: the global loss of the first steps (the mean over ranks) against one
   process on the same batch: a mode that trains something else is caught here;
 * **time**: round-robin rounds, a new order every round, the same order on every rank
-  (seeded), each step between two barriers; rank 0 decides when to stop (its budget).
+  (seeded), each step between two barriers; rank 0 decides when to stop: when the answer is
+  settled (:func:`_settled`: one process fits, and every mode either cannot beat it beyond
+  the margin or is known to within half of it; checked from ``_SETTLE_ROUNDS`` rounds on,
+  whenever the rounds have grown by a fifth), else at its deadline or ``_MAX_ROUNDS``.
 
 :func:`recommend` picks, among the configurations that fit the per-rank memory limit and
 do not drift, the fastest; a mode only where it beats one process beyond the margin, and
@@ -59,7 +62,7 @@ __all__ = ["MODES", "DistJob", "launched_world", "check_world", "launch", "unsen
 
 MODES = ("ddp", "zero1", "fsdp")
 ONE_PROCESS, ONE_RANK = "one process", "one rank"
-_MIN_ROUNDS, _MAX_ROUNDS = 5, 60
+_MIN_ROUNDS, _SETTLE_ROUNDS, _MAX_ROUNDS = 5, 20, 60
 
 
 @dataclass
@@ -77,6 +80,7 @@ class DistJob:
     deadline: float = 0.0  # when the phase must end: time.time() on rank 0's host (spawning the ranks counts)
     seed: int = 0
     modes: tuple[str, ...] = MODES
+    min_effect: float = 0.02  # the smallest speed-up worth a mode (the tuner's MIN_EFFECT): when the rounds may stop
     threads: int | None = None  # intra-op threads per rank (CPU); None leaves them
     one_process_threads: int | None = None  # threads of the one-process lane (CPU)
     notes: list[str] = field(default_factory=list)
@@ -226,11 +230,13 @@ def measure_modes(job: DistJob) -> dict[str, Any]:
     for lane in lanes:
         _build_on_every_rank(lane, job, cfg, rank, world, build_end)
     # 2. the rounds: every live lane once per round, a new order each (the same on every rank)
-    rounds = _rounds([lane for lane in lanes if lane.row["status"] == "measured"], job.seed, rank, dev, deadline)
+    live = [lane for lane in lanes if lane.row["status"] == "measured"]
+    rounds, settled = _rounds(live, job.seed, rank, dev, deadline, lambda: _settled(lanes, job.limit, job.min_effect))
 
     # 3. rank 0's clock is the one that counts; the figures against the references
     result = {"status": "measured", "reason": "", "processes": world, "backend": dist.get_backend(),
               "device": dev.type, "global_batch": total, "per_rank_batch": per, "rounds": rounds,
+              "settled": settled,
               "threads_per_rank": job.threads or torch.get_num_threads(),
               "one_process_threads": job.one_process_threads or torch.get_num_threads(),
               "changes": dict(job.changes), "config": {k: v for k, v in cfg.items() if k != "device"},
@@ -324,16 +330,24 @@ def _fail(lane: _Lane, reason: str) -> None:
     lane.row.update(status="failed", reason=reason)
 
 
-def _rounds(live: list[_Lane], seed: int, rank: int, dev: torch.device, deadline: float) -> int:
-    """Every lane once per round, each step between two barriers, a new order each round (the same on
-    every rank), until ``deadline`` on rank 0's clock (at least ``_MIN_ROUNDS``, at most ``_MAX_ROUNDS``)."""
+def _rounds(live: list[_Lane], seed: int, rank: int, dev: torch.device, deadline: float,
+            settled: Callable[[], bool]) -> tuple[int, bool]:
+    """(rounds, whether they stopped settled): every lane once per round, each step between two barriers,
+    a new order each round (the same on every rank), until ``settled()`` (asked from ``_SETTLE_ROUNDS``
+    rounds on, whenever the rounds have grown by a fifth: not after every round, so a difference that is
+    not there is not found by looking too often), ``deadline`` or ``_MAX_ROUNDS``, on rank 0's clock and
+    answers (at least ``_MIN_ROUNDS``)."""
     rng = random.Random(seed)
     rounds = 0
     last_round = 0.0
+    asked_at = 0
+    is_settled = False
     while live:
+        if rounds >= _SETTLE_ROUNDS and rounds >= asked_at * 1.2:
+            asked_at, is_settled = rounds, settled()
         now = time.perf_counter()
-        more = rounds < _MIN_ROUNDS or (rounds < _MAX_ROUNDS and now + last_round < deadline)
-        if _decide(not more, src_only=True):  # rank 0's clock says stop
+        more = rounds < _MIN_ROUNDS or (rounds < _MAX_ROUNDS and now + last_round < deadline and not is_settled)
+        if _decide(not more, src_only=True):  # rank 0's clock and answers say stop
             break
         t_round = time.perf_counter()
         order = list(live)
@@ -342,7 +356,24 @@ def _rounds(live: list[_Lane], seed: int, rank: int, dev: torch.device, deadline
             _time_step(lane, rank, dev)
         rounds += 1
         last_round = time.perf_counter() - t_round
-    return rounds
+    return rounds, bool(_decide(is_settled, src_only=True)) if live else False
+
+
+def _settled(lanes: list[_Lane], limit: int, min_effect: float) -> bool:
+    """More rounds would not change the recommendation: one process was timed and fits ``limit``, and
+    every mode still timed either cannot beat it beyond ``min_effect`` (its ratio's optimistic end is at
+    or above ``1 - min_effect``) or has a ratio known to within ``min_effect / 2``. Where one process
+    does not fit, the pick among the modes is by their time alone: the rounds run on."""
+    one = lanes[0]
+    peak = one.row.get("peak_bytes")
+    if one.row.get("status") != "measured" or not one.times or peak is None or peak > limit:
+        return False
+    for lane in lanes:
+        if lane.everyone and lane.step is not None and lane.times:
+            ratio, half = paired_ratio(lane.times, one.times)
+            if math.isnan(ratio) or not (ratio - half >= 1 - min_effect or half <= min_effect / 2):
+                return False
+    return True
 
 
 def _time_step(lane: _Lane, rank: int, dev: torch.device) -> None:

@@ -263,7 +263,7 @@ class TuneReport:
         on = _changes_text(d.get("changes") or {})
         lines = [f"distributed: {n} processes ({d.get('launched_by', '')}; {where}), global batch "
                  f"{d.get('global_batch')} = {n} x {d.get('per_rank_batch')}, with {on}; {d.get('rounds')} "
-                 f"interleaved rounds; per-rank memory limit {_bytes(d.get('memory_limit_per_rank'))}"]
+                 f"interleaved rounds{' (settled)' if d.get('settled') else ''}; per-rank memory limit {_bytes(d.get('memory_limit_per_rank'))}"]
         if d.get("recommended"):
             lines.append(f"distributed: recommended {d['recommended']}: {d.get('why', '')}")
         lines += [f"note: {x}" for x in d.get("notes", [])]

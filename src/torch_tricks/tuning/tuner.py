@@ -1174,7 +1174,7 @@ class _Tune:
             loss_fn=self.kw.get("loss_fn"), optimizer_fn=self.kw.get("optimizer_fn"),
             config={**self.base_cfg, **changes}, changes=changes, limit=self.limit, budget_s=budget,
             deadline=time.time() + budget,
-            seed=int(self.base_cfg.get("seed", 0)), notes=notes,
+            seed=int(self.base_cfg.get("seed", 0)), notes=notes, min_effect=MIN_EFFECT,
             threads=threads, one_process_threads=one_process_threads)
 
     def _dist_threads(self, launched: bool) -> tuple[int | None, int | None]:
