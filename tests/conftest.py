@@ -14,3 +14,20 @@ def _seed():
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none here")
+
+
+@pytest.fixture(scope="session")
+def gloo_jobs(tmp_path_factory):
+    """One torchrun launch (2 gloo ranks) for the scripts that need no launch of their own:
+    tests/dist_scripts/dist_checks.py (test_train_distributed) then fit_ddp.py (test_train_fit_ddp),
+    through run_jobs.py (a launch costs seconds before any work: the launcher and both ranks import
+    torch). Their output folders, the launch's log and exit status: each module asserts on what it needs."""
+    from types import SimpleNamespace
+
+    import torchrun_launch as T
+
+    T.need_gloo()
+    checks, fit = tmp_path_factory.mktemp("dist_checks"), tmp_path_factory.mktemp("fit_ddp")
+    proc = T.start(T.SCRIPTS / "run_jobs.py", "dist_checks.py", str(checks), "---", "fit_ddp.py", str(fit))
+    log = T.wait(proc, timeout=240, ok=None)
+    return SimpleNamespace(checks=checks, fit=fit, log=log, returncode=proc.returncode)

@@ -161,7 +161,7 @@ def test_int8_on_a_trained_model_calibrated_on_real_data(capsys, tmp_path):
     assert code == 0, err
     out_path = tmp_path / "int8.pt2"
     code, out, err = run(capsys, "optimize", "--model", "small_cnn", "--weights", ckpt / "last.pt",
-                         "--data", "digits", "--steps", "fuse,int8", "--latency-batch", 1, "--latency-batch", 64,
+                         "--data", "digits", "--steps", "fuse,int8", "--latency-batch", 64,
                          "--warmup", 1, "--repeats", 2, "--out", out_path, "--json")
     assert code == 0, err
     d = json.loads(out)
@@ -171,7 +171,7 @@ def test_int8_on_a_trained_model_calibrated_on_real_data(capsys, tmp_path):
     assert int8["backend"] in ("pt2e", "fx") and int8["within_tolerance"]
     assert int8["agreement"]["top1_agreement"] >= 0.95  # on the 359 validation images
     assert int8["size_bytes"] * 3 < d["original"]["size_bytes"]
-    assert int8["latency_s"]["1"] > 0 and int8["latency_s"]["64"] > 0
+    assert int8["latency_s"]["64"] > 0  # one batch size: an int8 PT2E model compiles once per batch size
     assert d["saved"]["verify_max_abs_diff"] is not None and d["saved"]["verify_max_abs_diff"] < 1e-4
     assert out_path.is_file()
 

@@ -1,11 +1,9 @@
 """Tests for torch_tricks.train.distributed and torch_tricks.train.syncbn (catalogue T18, T19, T20).
 
-The multi-process checks run once per module: ``torchrun --standalone`` starts 2 CPU
-processes with gloo on tests/dist_scripts/dist_checks.py (``--standalone`` lets the
-rendezvous bind a free port itself, so parallel runs cannot collide on a port), each rank
-writes its measurements as JSON, and the tests below assert on them. The launch is bounded
-by a timeout and its whole process group is killed on expiry, so a hang fails the test
-instead of stalling the suite.
+The multi-process checks run once per session: ``torchrun --standalone`` starts 2 CPU
+processes with gloo on tests/dist_scripts/dist_checks.py (the ``gloo_jobs`` fixture of
+conftest.py, see tests/torchrun_launch.py), each rank writes its measurements as JSON, and
+the tests below assert on them.
 """
 
 from __future__ import annotations
@@ -26,39 +24,20 @@ import torch_tricks.train.distributed as D
 from torch_tricks.errors import UserError
 from torch_tricks.train.syncbn import CPUSyncBatchNorm, convert_sync_batchnorm
 
-SCRIPT = Path(__file__).parent / "dist_scripts" / "dist_checks.py"
-TIMEOUT_S = 150
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """Run the 2-process gloo checks once; the per-rank result dicts."""
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("this torch build has no gloo backend")
-    out = tmp_path_factory.mktemp("dist")
-    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT), str(out)]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers
-        log, _ = proc.communicate()
-        pytest.fail(f"2-process run did not finish in {TIMEOUT_S} s (hang?); log tail:\n{log[-3000:]}")
+def ranks(gloo_jobs):
+    """The per-rank result dicts of the 2-process gloo checks (run in the session's shared launch)."""
     results = []
     for r in range(2):
-        f = out / f"rank{r}.json"
-        assert f.is_file(), f"rank {r} wrote no result (exit {proc.returncode}); log tail:\n{log[-3000:]}"
+        f = gloo_jobs.checks / f"rank{r}.json"
+        assert f.is_file(), f"rank {r} wrote no result (exit {gloo_jobs.returncode}); log tail:\n{gloo_jobs.log[-3000:]}"
         res = json.loads(f.read_text())
         assert "error" not in res, f"rank {r} failed:\n{res['error']}"
         results.append(res)
-    assert proc.returncode == 0, log[-3000:]
+    assert gloo_jobs.returncode == 0, gloo_jobs.log[-3000:]
     return results
 
 

@@ -48,23 +48,10 @@ def global_batches(per_rank=PER_RANK, epochs=2):
     return batches
 
 
-def test_fit_under_torchrun_equals_single_process(tmp_path):
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("this torch build has no gloo backend")
-    script = Path(__file__).parent / "dist_scripts" / "fit_ddp.py"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", str(script), str(tmp_path)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish in 150 s; log tail:\n{log[-3000:]}")
-    assert proc.returncode == 0 and (tmp_path / "done").exists(), log[-3000:]
-    ddp = torch.load(tmp_path / "params.pt")
+def test_fit_under_torchrun_equals_single_process(gloo_jobs):
+    # fit_ddp.py ran in the session's shared torchrun launch (conftest.py: gloo_jobs)
+    assert gloo_jobs.returncode == 0 and (gloo_jobs.fit / "done").exists(), gloo_jobs.log[-3000:]
+    ddp = torch.load(gloo_jobs.fit / "params.pt")
 
     from torch_tricks.train import fit
 

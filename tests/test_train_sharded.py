@@ -3,12 +3,7 @@
 single-process run on the same global batches (atol 1e-5), plain and with checkpointing +
 accumulate=2; bad use is one line."""
 
-import contextlib
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from test_train_fit_ddp import PER_RANK, SEED, WORLD, dataset, global_batches  # the same data, the same order
+import torchrun_launch as T
+from test_train_fit_ddp import PER_RANK, SEED, dataset, global_batches  # the same data, the same order
 from torch_tricks.errors import UserError
 from torch_tricks.train.sharded_checkpoint import POINTER, last_sharded
 
@@ -52,34 +48,6 @@ def resume_config(**kw):
     return config(**{"epochs": 1, "batch_size": RESUME_PER_RANK, "log_every": 1, **kw})
 
 
-def _torchrun(script: Path, *args: str, timeout: float = 240, ok: bool = True) -> str:
-    return _wait(_start(script, *args), timeout, ok)
-
-
-def _start(script: Path, *args: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", str(script),
-           *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def _wait(proc: subprocess.Popen, timeout: float = 240, ok: bool = True) -> str:
-    """The launch's log, once it ended as ``ok`` says (its whole process group killed past ``timeout``)."""
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {timeout} s; log tail:\n{log[-3000:]}")
-    assert (proc.returncode == 0) == ok, log[-4000:]
-    return log
-
-
-SCRIPTS = Path(__file__).parent / "dist_scripts"
 MODES = ("zero1", "fsdp")
 
 
@@ -90,8 +58,7 @@ def launched(tmp_path_factory):
     fsdp against ddp, the uninterrupted runs the resumes are compared with, the own-loop runs that save
     mid-run), one per mode is killed while saving, and one runs every resume. What a killed run left on disk
     is read before anything touches it."""
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("this torch build has no gloo backend")
+    T.need_gloo()
     base = tmp_path_factory.mktemp("sharded")
     dirs = {m: {part: base / f"{part}-{m}" for part in ("fit", "resume", "tricks")} for m in MODES}
     for d in dirs.values():
@@ -105,12 +72,12 @@ def launched(tmp_path_factory):
     # a checkpoint every step; rank 0 killed (SIGKILL) while saving the next one, after every rank's shards are
     # written and before the pointer moves to them: the previous checkpoint is the one to load. These launches
     # need nothing of the first one's: all three run at once (what one waits on, another computes)
-    kills = {m: _start(SCRIPTS / "fit_sharded_resume.py", "killsave", str(d["resume"] / "ck"),
+    kills = {m: T.start(T.SCRIPTS / "fit_sharded_resume.py", "killsave", str(d["resume"] / "ck"),
                        str(d["resume"] / "stop.pt"), m) for m, d in dirs.items()}
-    log = _torchrun(SCRIPTS / "run_jobs.py", *first, timeout=480)
+    log = T.run(T.SCRIPTS / "run_jobs.py", *first, timeout=480)
     killed, saved = {}, {}
     for m, d in dirs.items():
-        _wait(kills[m], ok=False)
+        T.wait(kills[m], ok=False)
         ck = d["resume"] / "ck"
         killed[m] = _left_by_the_kill(ck)
         shutil.copytree(ck, d["resume"] / "ck_one")
@@ -119,7 +86,7 @@ def launched(tmp_path_factory):
     for m, d in dirs.items():
         last += ["fit_sharded_resume.py", "resume", str(d["resume"] / "ck"), str(d["resume"] / "resume.pt"), m, "---"]
         last += ["tricks_sharded_save.py", m, "resume", str(d["tricks"]), "---"]
-    _torchrun(SCRIPTS / "run_jobs.py", *last[:-1], timeout=480)
+    T.run(T.SCRIPTS / "run_jobs.py", *last[:-1], timeout=480)
     return SimpleNamespace(dirs=dirs, log=log, killed=killed, tricks_saved=saved, fsdp_vs_ddp=base / "fsdp_vs_ddp.pt")
 
 

@@ -6,7 +6,8 @@ Each launch costs seconds before any work (the launcher and every rank import to
 scripts that need no launch of their own (none of them kills a rank) share one. The process
 group is joined once and kept between jobs: each script's closing ``cleanup()`` only meets the
 other ranks here (a group destroyed and joined again within one torchrun job can read the old
-group's addresses from the job's store); the real ``cleanup`` runs after the last job.
+group's addresses from the job's store); the real ``cleanup`` runs after the last job. A script that
+exits (``sys.exit``) ends only itself; the launch exits with the first nonzero status.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ for arg in sys.argv[1:]:
         jobs.append([])
     else:
         jobs[-1].append(arg)
+status = 0
 for script, *args in jobs:
     sys.argv = [script, *args]
-    runpy.run_path(str(Path(__file__).parent / script), run_name="__main__")
+    try:
+        runpy.run_path(str(Path(__file__).parent / script), run_name="__main__")
+    except SystemExit as exc:  # a script's own exit ends that script, not the launch; the first failure is its status
+        status = status or (exc.code if isinstance(exc.code, int) else 1)
 leave()
+sys.exit(status)
