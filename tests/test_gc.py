@@ -3,7 +3,11 @@
 import gc
 import weakref
 
+import pytest
+
 from torch_tricks._gc import new_objects_only
+
+pytestmark = pytest.mark.usefixtures("gc_unfrozen")  # these tests start from no freeze (the suite's lifted)
 
 
 class _Node:

@@ -192,7 +192,7 @@ def test_leak_check_flags_outputs_kept_in_a_list():
     assert rep.leaking
 
 
-def test_leak_check_sees_a_tensor_made_before_it_that_starts_keeping_graphs():
+def test_leak_check_sees_a_tensor_made_before_it_that_starts_keeping_graphs(gc_unfrozen):
     """The tensors that existed before the check are frozen out of gc's scans: one of them that
     starts to carry a graph (an accumulator made before the loop) is still seen."""
     total = torch.zeros(())
@@ -204,7 +204,7 @@ def test_leak_check_sees_a_tensor_made_before_it_that_starts_keeping_graphs():
     assert rep.leaking and rep.graph_growth_per_step >= 1, rep.message
 
 
-def test_leak_check_leaves_a_callers_gc_freeze_alone():
+def test_leak_check_leaves_a_callers_gc_freeze_alone(gc_unfrozen):
     import gc
 
     def leak(state, loss, out):
