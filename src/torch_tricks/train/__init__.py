@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 # the modules whose import registers their tricks with torch_tricks.registry
-TRICK_MODULES = ("checkpoint", "distributed", "ema", "loop", "memory", "optim", "precision", "schedule",
+TRICK_MODULES = ("checkpoint", "distributed", "ema", "lm_loss", "loop", "memory", "optim", "precision", "schedule",
                  "sharding", "speed", "syncbn")
 
 _EXPORTS = {

@@ -51,6 +51,7 @@ class TrainConfig:
     checkpointing: str = ""  # T12: "" off | "blocks" | "sqrt" | a module-name glob
     inplace: bool = False  # T9
     memory_efficient_bn: bool = False  # T10
+    chunked_lm_loss: bool = False  # T28: a causal LM's loss from its hidden states chunk by chunk (no whole logits)
     auto_micro_batch: bool = False  # halve the micro-batch on out-of-memory, keep the effective batch
     grad_clip: float = 0.0  # max grad norm; 0 = off
     # weight averaging

@@ -19,7 +19,7 @@ loop gets. Each switch of :class:`TrainConfig` is applied at the one place it be
   uses), cudnn benchmark, a kept heap on CPU (process-wide, as in the tune that timed
   the step);
 * :meth:`prepare`: the model changes (in-place activations, memory-efficient BN,
-  activation checkpointing, BN momentum for accumulation, SyncBN under DDP, device,
+  activation checkpointing, a causal LM's chunked loss, BN momentum for accumulation, SyncBN under DDP, device,
   channels_last), then the wrappers (DDP, FSDP2 per block under ``distributed = fsdp``,
   compile); the optimizer (a ZeroRedundancyOptimizer under ``zero1``; built from the config
   with no-decay groups when you pass none; yours switched to its fused step in place, so
@@ -69,6 +69,7 @@ from torch_tricks.train.distributed import (
     wrap_ddp,
 )
 from torch_tricks.train.ema import EMA
+from torch_tricks.train.lm_loss import chunk_lm_loss
 from torch_tricks.train.memory import (
     checkpoint_blocks,
     checkpoint_sequential_sqrt,
@@ -408,6 +409,9 @@ class Tricks:
         if cfg.checkpointing:
             model = _with_checkpointing(model, cfg.checkpointing)
             applied.append(f"checkpointing={cfg.checkpointing}")
+        if cfg.chunked_lm_loss:
+            model = chunk_lm_loss(model)
+            applied.append("chunked_lm_loss")
         return model
 
     def _channels_last(self, model: nn.Module) -> nn.Module:
