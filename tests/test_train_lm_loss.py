@@ -186,3 +186,16 @@ def test_fit_with_chunked_lm_loss_makes_the_updates_plain_fit_makes():
     assert h1.config["chunked_lm_loss"] is True and is_chunked(chunked) and h0.steps == h1.steps == 3
     for (n, a), b, p0 in zip(plain.named_parameters(), chunked.parameters(), start.parameters()):
         assert _rel(b - p0, a - p0) <= 1e-4, n  # three SGD steps (momentum 0.9) from equal gradients
+
+
+def test_the_tune_measures_it_on_a_causal_lm_and_its_peak_is_lower():
+    from torch_tricks.tuning import tune
+
+    torch.manual_seed(0)
+    report = tune(lambda: _model("gpt2"), _batch(), budget_s=12, progress=False,
+                  skip=["compile", "ema", "deterministic", "mixed_precision", "checkpointing", "inplace_activations",
+                        "memory_efficient_bn", "gradient_accumulation", "fused_optimizer", "channels_last"])
+    row = next(r for r in report.results if r.name == "chunked_lm_loss")
+    assert row.status == "measured", row
+    assert row.peak_bytes < report.baseline.peak_bytes  # the logits (3 x 24 x 500 fp32, and their copies) are gone
+    assert row.loss_drift is not None and row.loss_drift <= 1e-5  # the same loss, step after step

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.registry import register_trick
 
-__all__ = ["chunked_lm_loss", "chunk_lm_loss", "lm_head_of", "is_chunked", "CHUNK_BYTES"]
+__all__ = ["chunked_lm_loss", "chunk_lm_loss", "lm_head_of", "why_not_chunkable", "is_chunked", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 32 * 2**20  # fp32 logits of one chunk: 167 tokens of GPT-2's vocabulary
 IGNORE_INDEX = -100
@@ -111,21 +111,27 @@ def chunk_lm_loss(model: nn.Module, *, chunk_tokens: int | None = None, check: b
     """
     if is_chunked(model):
         return model
-    head = lm_head_of(model)
-    if head is None:
-        raise UserError(f"chunked_lm_loss: {type(model).__name__} has no vocabulary head (no get_output_embeddings() "
-                        "Linear, no Linear named lm_head): it is for causal language models; switch chunked_lm_loss "
-                        "off")
-    if not _loss_through_loss_function(model):
-        raise UserError(f"chunked_lm_loss: {type(model).__name__}.forward does not compute its loss through "
-                        "transformers' loss_function, so it cannot be given the chunked one; switch "
-                        "chunked_lm_loss off")
+    why = why_not_chunkable(model)
+    if why:
+        raise UserError(f"chunked_lm_loss: {why}; switch chunked_lm_loss off")
     if check:
         _check_agreement(model, chunk_tokens)
     model._tt_chunk_tokens = chunk_tokens  # read by the hooks: a copy of the model carries it
     model.register_forward_pre_hook(_enter, with_kwargs=True)
     model.register_forward_hook(_leave, with_kwargs=True, always_call=True)
     return model
+
+
+def why_not_chunkable(model: nn.Module) -> str:
+    """Why :func:`chunk_lm_loss` cannot serve ``model`` ('' if it can, as far as its code shows)."""
+    name = type(model).__name__
+    if lm_head_of(model) is None:
+        return (f"{name} has no vocabulary head (no get_output_embeddings() Linear, no Linear named lm_head): it is "
+                "for causal language models")
+    if not _loss_through_loss_function(model):
+        return (f"{name}.forward does not compute its loss through transformers' loss_function, so it cannot be "
+                "given the chunked one")
+    return ""
 
 
 def is_chunked(model: nn.Module) -> bool:

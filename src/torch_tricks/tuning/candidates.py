@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch_tricks.errors import one_line
 from torch_tricks.registry import Trick, list_tricks, trick_name
 from torch_tricks.seed import CUBLAS_DETERMINISTIC_CONFIGS
+from torch_tricks.train.lm_loss import why_not_chunkable
 from torch_tricks.train.memory import default_blocks, inplace_activations, memory_efficient_bn_act
 from torch_tricks.train.precision import DTYPES, precision_support
 
@@ -258,6 +259,11 @@ def _mem_bn(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | 
     return Candidate(trick.name, {"memory_efficient_bn": True}, "memory")
 
 
+def _lm_loss(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+    """A causal LM whose loss goes through transformers' loss_function (the batch must carry its labels)."""
+    return why_not_chunkable(model) or Candidate(trick.name, {"chunked_lm_loss": True}, "memory")
+
+
 def _accumulate(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
     if batch < 2:
         return "the batch (1) cannot be split into micro-batches"
@@ -279,6 +285,7 @@ _MAKERS: dict[str, Callable[..., Candidate | str]] = {
     "inplace_activations": _inplace,
     "memory_efficient_bn": _mem_bn,
     "gradient_accumulation": _accumulate,
+    "chunked_lm_loss": _lm_loss,
     "cudnn_benchmark": _simple("cudnn_benchmark", "speed"),
     "ema": _simple("ema", "cost"),
     "deterministic": lambda *a: _deterministic(*a),
