@@ -17,9 +17,11 @@ is the median of the steps after the first. The first loss of each configuration
 plain's (the same weights and batch; bf16 within the drift tolerance) and the mean loss over
 the steps must stay within the drift tolerance of plain's.
 
-The rows: plain fp32; each memory trick alone; all of them together. Until the tune chooses
-the memory-optimal configuration (issue 21, T32), "all together" is the configuration the
-target is checked on. The script prints one line per configuration (peak and time as ratios
+The rows: plain fp32; each memory trick alone; combinations of them. Until the tune chooses
+the memory-optimal configuration (issue 21, T32), the target is checked on the combination
+with the lowest measured peak among those that train the same (the choice the tune will
+make by measurement: 8-bit state saves its bytes, but torchao's step makes fp32 temporaries
+of each parameter, which can set the peak once the activations and logits are gone). The script prints one line per configuration (peak and time as ratios
 to plain), PASS or FAIL for the LM's target, and writes ``benchmarks/memory.png``. The verdict
 is on memory and losses, which other processes on the machine do not change, so the load
 checks of ``benchmarks/_trust.py`` (they guard time ratios) do not gate it; the step times
@@ -49,7 +51,11 @@ CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
         "checkpointing": {"checkpointing": "blocks"},
         "bf16 autocast": {"precision": "bf16"},
         "chunked LM-head loss": {"chunked_lm_loss": True},
-        "all together": {"checkpointing": "blocks", "precision": "bf16", "chunked_lm_loss": True},
+        "8-bit AdamW state": {"optimizer_state": "8bit"},
+        "4-bit AdamW state": {"optimizer_state": "4bit"},
+        "ckpt + bf16 + chunked": {"checkpointing": "blocks", "precision": "bf16", "chunked_lm_loss": True},
+        "ckpt + bf16 + chunked + 8-bit": {"checkpointing": "blocks", "precision": "bf16", "chunked_lm_loss": True,
+                                          "optimizer_state": "8bit"},
     },
     "resnet50": {
         "plain fp32": {},
@@ -57,7 +63,10 @@ CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
         "bf16 autocast": {"precision": "bf16"},
         "in-place activations": {"inplace": True},
         "memory-efficient BN": {"memory_efficient_bn": True},
-        "all together": {"checkpointing": "blocks", "precision": "bf16", "inplace": True},
+        "8-bit AdamW state": {"optimizer_state": "8bit"},
+        "ckpt + bf16 + inplace": {"checkpointing": "blocks", "precision": "bf16", "inplace": True},
+        "ckpt + bf16 + inplace + 8-bit": {"checkpointing": "blocks", "precision": "bf16", "inplace": True,
+                                          "optimizer_state": "8bit"},
     },
 }
 TITLES = {"lm": "GPT-2-class LM (vocab 50257, 4 x 256, seq 512, batch 4, AdamW)",
@@ -80,13 +89,15 @@ def build(name: str) -> tuple[Any, Any]:
     return model, (torch.randn(16, 3, 128, 128, generator=g), torch.randint(0, 1000, (16,), generator=g))
 
 
-def child(name: str, config: dict[str, Any], steps: int, device: str) -> dict[str, Any]:
+def child(name: str, config: dict[str, Any], steps: int, device: str, *, warm: bool = True) -> dict[str, Any]:
     """One configuration in this (fresh) process: memory after building, step peak, step times, losses."""
     import torch
     import torch.nn.functional as F
 
     from torch_tricks.train import Tricks
 
+    if warm and config.get("optimizer_state"):
+        _warm_up(name, config, device)
     model, batch = build(name)
     tricks = Tricks({"device": device, "progress": False, "seed": 0, "nan_guard": False, **config})
     model, _ = tricks.prepare(model)
@@ -108,6 +119,24 @@ def child(name: str, config: dict[str, Any], steps: int, device: str) -> dict[st
     peak = (torch.cuda.max_memory_allocated(tricks.device) if cuda else _hwm()) - base
     return {"base_bytes": base, "peak_bytes": peak, "step_s": statistics.median(times[1:] or times),
             "losses": losses, "applied": tricks.applied}
+
+
+def _warm_up(name: str, config: dict[str, Any], device: str) -> None:
+    """One step on a throwaway copy, so that torchao's step is compiled (once per parameter shape, seconds to
+    tens of seconds on a CPU) before anything is measured; what it leaves is freed and handed back."""
+    import ctypes
+    import gc
+
+    child(name, config, 1, device, warm=False)
+    gc.collect()
+    if torch_device(device).type == "cpu":
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc: give the freed pages back, so they are not counted
+
+
+def torch_device(device: str) -> Any:
+    import torch
+
+    return torch.device("cuda" if device == "auto" and torch.cuda.is_available() else device.replace("auto", "cpu"))
 
 
 def run(name: str, label: str, config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -148,10 +177,14 @@ def report(name: str, rows: list[dict[str, Any]]) -> bool | None:
               f"{r.get('mean_loss_drift', 0):6.1%}")
     if name != "lm":
         return None
-    best = rows[-1]
-    ok = "error" not in best and best.get("same_training") and best["peak_ratio"] <= TARGET
-    print(f"  target: '{best['label']}' at most {TARGET:.2f}x plain's step peak, the same first loss and within "
-          f"{DRIFT:.0%} drift: {'PASS' if ok else 'FAIL'}")
+    combos = [r for r in rows if " + " in r["label"] and r.get("same_training")]
+    if not combos:
+        print("  target: no combination ran and trained the same: FAIL")
+        return False
+    best = min(combos, key=lambda r: r["peak_ratio"])
+    ok = best["peak_ratio"] <= TARGET
+    print(f"  target: the memory-optimal combination ('{best['label']}', the lowest measured peak of those that train "
+          f"the same) at most {TARGET:.2f}x plain's step peak: {best['peak_ratio']:.2f}x: {'PASS' if ok else 'FAIL'}")
     return bool(ok)
 
 

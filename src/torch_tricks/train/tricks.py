@@ -70,6 +70,7 @@ from torch_tricks.train.distributed import (
 )
 from torch_tricks.train.ema import EMA
 from torch_tricks.train.lm_loss import chunk_lm_loss
+from torch_tricks.train.optim_state import low_precision_state
 from torch_tricks.train.memory import (
     checkpoint_blocks,
     checkpoint_sequential_sqrt,
@@ -457,7 +458,7 @@ class Tricks:
         if isinstance(optimizer, torch.optim.Optimizer):
             return self._adopt_optimizer(optimizer)
         if callable(optimizer):
-            return optimizer(self._trainable())
+            return self._low_precision_state(optimizer(self._trainable()))
         if optimizer is not None:
             raise UserError(f"optimizer must be a torch.optim.Optimizer, a callable params -> optimizer, or None; "
                             f"got {type(optimizer).__name__}")
@@ -468,6 +469,9 @@ class Tricks:
         cfg = self.config
         if self._sharded_mode():
             raise UserError(f"under distributed = {cfg.distributed} Tricks builds the optimizer it shards: pass "
+                            "prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
+        if cfg.optimizer_state:
+            raise UserError(f"optimizer_state = {cfg.optimizer_state} builds the optimizer on quantized state: pass "
                             "prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
         if cfg.fused_optimizer:
             self._note_fast_step(_switch_to_fast_step(optimizer))
@@ -485,14 +489,23 @@ class Tricks:
             if cfg.no_decay_norm_bias
             else [{"params": self._trainable(), "weight_decay": cfg.weight_decay}]
         )
-        fast = None if cfg.fused_optimizer else False
+        fast = None if cfg.fused_optimizer and not cfg.optimizer_state else False
         opt = build_optimizer(
             groups, cfg.optimizer, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
             fused=fast, foreach=fast,
         )
+        if cfg.optimizer_state:
+            return self._low_precision_state(opt)
         if cfg.fused_optimizer:  # say which multi-tensor form PyTorch could give this optimizer here
             self._note_fast_step(_fast_step_kind(opt) or "")
         return opt
+
+    def _low_precision_state(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``opt`` on torchao's 8/4-bit state when ``optimizer_state`` asks (T29), else as it is."""
+        if not self.config.optimizer_state:
+            return opt
+        self.applied.append(f"optimizer_state={self.config.optimizer_state}")
+        return low_precision_state(opt, self.config.optimizer_state)
 
     def _lr(self) -> float:
         """``config.lr``, scaled to the global batch (all ranks, all micro-batches of a group) when ``scale_lr``."""
