@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from torch_tricks.errors import UserError, one_line
 
-__all__ = ["TrainConfig", "load_config", "DISTRIBUTED_MODES"]
+__all__ = ["TrainConfig", "load_config", "DISTRIBUTED_MODES", "why_not_in_backward"]
 
 DISTRIBUTED_MODES = ("auto", "ddp", "zero1", "fsdp", "off")  # TrainConfig.distributed (T18)
 
@@ -53,6 +53,7 @@ class TrainConfig:
     memory_efficient_bn: bool = False  # T10
     chunked_lm_loss: bool = False  # T28: a causal LM's loss from its hidden states chunk by chunk (no whole logits)
     optimizer_state: str = ""  # T29: "" (the optimizer's own) | 8bit | 4bit (torchao; adam/adamw)
+    optimizer_in_backward: bool = False  # T30: each parameter stepped in backward, its gradient freed at once
     auto_micro_batch: bool = False  # halve the micro-batch on out-of-memory, keep the effective batch
     grad_clip: float = 0.0  # max grad norm; 0 = off
     # weight averaging
@@ -114,6 +115,14 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UserError(f"bad training config: {message}")
+        if self.optimizer_in_backward:
+            why = why_not_in_backward(accumulate=self.accumulate, grad_clip=self.grad_clip, precision=self.precision,
+                                      distributed=False)
+            if not why and self.auto_micro_batch:
+                why = ("optimizer_in_backward steps at every backward, so auto_micro_batch cannot split a batch into "
+                       "micro-batches: switch one of them off")
+            if why:
+                raise UserError(f"bad training config: {why}")
         return self
 
 
@@ -219,4 +228,19 @@ def _to_str(value: Any) -> str:
 _CONVERTERS: dict[Any, Any] = {bool: _to_bool, int: _to_int, float: float, str: _to_str}
 
 
-
+def why_not_in_backward(*, accumulate: int, grad_clip: float, precision: str, distributed: bool) -> str:
+    """Why the optimizer step cannot move into backward (T30) under these settings ('' if it can); here, torch-free,
+    for :meth:`TrainConfig.validate`."""
+    if accumulate > 1:
+        return (f"optimizer_in_backward steps at every backward, so it cannot accumulate {accumulate} micro-batches: "
+                "set accumulate = 1 (or switch optimizer_in_backward off)")
+    if grad_clip:
+        return ("optimizer_in_backward steps each parameter before the others' gradients exist, so global-norm "
+                "clipping (grad_clip) cannot be applied: set grad_clip = 0 (or switch optimizer_in_backward off)")
+    if precision == "fp16":
+        return ("optimizer_in_backward cannot run under fp16: its grad scaler must see every gradient before a step; "
+                "use bf16 (no scaler), or switch optimizer_in_backward off")
+    if distributed:
+        return ("optimizer_in_backward steps on the local gradient, before DDP/ZeRO/FSDP reduce it across ranks: "
+                "switch it off under torchrun")
+    return ""

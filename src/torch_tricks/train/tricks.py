@@ -59,7 +59,7 @@ from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError
 from torch_tricks.seed import seed_everything, seeded_generator, worker_init_fn
 from torch_tricks.train.checkpoint import _atomic_torch_save
-from torch_tricks.train.config import TrainConfig, load_config
+from torch_tricks.train.config import TrainConfig, load_config, why_not_in_backward
 from torch_tricks.train.distributed import (
     any_rank,
     barrier,
@@ -69,6 +69,7 @@ from torch_tricks.train.distributed import (
     wrap_ddp,
 )
 from torch_tricks.train.ema import EMA
+from torch_tricks.train.in_backward import optimizer_in_backward
 from torch_tricks.train.lm_loss import chunk_lm_loss
 from torch_tricks.train.optim_state import low_precision_state
 from torch_tricks.train.memory import (
@@ -348,6 +349,10 @@ class Tricks:
                             f"got {type(obj).__name__}")
         if self.scheduler is not None:
             raise UserError("prepare() got two lr schedulers: give one")
+        if self.config.optimizer_in_backward:
+            raise UserError("optimizer_in_backward steps with one optimizer per parameter, which a scheduler bound to "
+                            "your optimizer does not reach: pass prepare() no scheduler (config.schedule), or build "
+                            "it on the optimizer prepare() returns")
         self.scheduler = obj
         return obj
 
@@ -449,10 +454,23 @@ class Tricks:
 
     def _build_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         opt = self._build_local_optimizer(optimizer)
+        if self.config.optimizer_in_backward:
+            return self._in_backward(opt)
         if self.dist is not None and self.config.distributed == "zero1":
             opt = zero1_optimizer(opt)
             self.applied.append("zero1")
         return opt
+
+    def _in_backward(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``opt`` stepped inside backward, one parameter at a time (T30); refused across ranks."""
+        cfg = self.config
+        across = self._ddp is not None or self._fsdp is not None or (self.dist is not None and cfg.distributed == "zero1")
+        why = why_not_in_backward(accumulate=cfg.accumulate, grad_clip=cfg.grad_clip, precision=cfg.precision,
+                                  distributed=across)
+        if why:
+            raise UserError(why)
+        self.applied.append("optimizer_in_backward")
+        return optimizer_in_backward(opt)
 
     def _build_local_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         if isinstance(optimizer, torch.optim.Optimizer):

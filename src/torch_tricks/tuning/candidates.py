@@ -286,6 +286,7 @@ _MAKERS: dict[str, Callable[..., Candidate | str]] = {
     "memory_efficient_bn": _mem_bn,
     "gradient_accumulation": _accumulate,
     "chunked_lm_loss": _lm_loss,
+    "optimizer_in_backward": _simple("optimizer_in_backward", "memory"),
     "cudnn_benchmark": _simple("cudnn_benchmark", "speed"),
     "ema": _simple("ema", "cost"),
     "deterministic": lambda *a: _deterministic(*a),

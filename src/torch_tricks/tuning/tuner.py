@@ -58,6 +58,7 @@ from torch_tricks.device import synchronize
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.registry import get_trick
 from torch_tricks.seed import seed_everything
+from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.distributed import cleanup, init_distributed
 from torch_tricks.tuning import distributed as D
 from torch_tricks.tuning.candidates import Candidate, training_candidates
@@ -676,7 +677,7 @@ class _Tune:
     def _add_while_faster(self, current: Result, good: list[Result], end: float) -> None:
         """Each next trick on top of ``current``, kept (as the best) where the pair beats it beyond the noise."""
         for k, nxt in enumerate(good):
-            if set(nxt.changes) & set(current.changes):
+            if set(nxt.changes) & set(current.changes) or not _valid_together({**current.changes, **nxt.changes}):
                 continue
             combo = self._combination(current, nxt, good[k:], end)
             if combo is not None and self._beats_what_it_extends(combo):
@@ -1438,10 +1439,19 @@ def _compatible(rows: list[Result]) -> tuple[list[Result], dict[str, Any]]:
     changes: dict[str, Any] = {}
     chosen: list[Result] = []
     for r in rows:
-        if not set(r.changes) & set(changes):
+        if not set(r.changes) & set(changes) and _valid_together({**changes, **r.changes}):
             changes.update(r.changes)
             chosen.append(r)
     return chosen, changes
+
+
+def _valid_together(changes: dict[str, Any]) -> bool:
+    """The switches can be on together (``optimizer_in_backward`` with ``accumulate`` cannot, for one)."""
+    try:
+        TrainConfig().replace(**changes).validate()
+    except UserError:
+        return False
+    return True
 
 
 def _ratio_or_inf(r: Result) -> float:

@@ -1,0 +1,115 @@
+"""T30: the optimizer step fused into backward, so no gradient outlives its step.
+
+A plain step holds every gradient at once: after backward and until ``optimizer.step()``,
+as many bytes as the trainable parameters. PyTorch's recipe ("How to save memory by fusing
+the optimizer step into the backward pass") steps each parameter as soon as its gradient is
+accumulated (``Tensor.register_post_accumulate_grad_hook``) and frees that gradient at once,
+so at most the gradients backward is still producing are alive. :func:`optimizer_in_backward`
+turns a built optimizer into one per parameter (the same class, the parameter's group's
+settings) behind an :class:`InBackwardOptimizer`: a ``torch.optim.Optimizer`` whose
+``param_groups`` and ``state`` are the per-parameter optimizers' own (an lr scheduler on it
+reaches them; its ``state_dict`` saves and restores them; its ``step`` and ``zero_grad`` have
+nothing left to do). ``Tricks`` does it under ``optimizer_in_backward = true``.
+
+It cannot be right where the whole gradient is needed before any step: accumulation over
+micro-batches (each backward would step), global-norm clipping (the norm needs every
+gradient), the fp16 grad scaler (it unscales and checks all gradients first), DDP / ZeRO /
+FSDP (their gradients are reduced across ranks after the local accumulation the hook sees),
+or an lr scheduler bound to the optimizer you built (the steps are taken by others):
+``Tricks`` refuses each with one line. The NaN guard still stops the run on a non-finite
+loss, but after the step it could not wait for.
+
+Written here rather than with ``torch.distributed.optim._apply_optimizer_in_backward``
+(private, and its optimizers are not reachable by a scheduler or a state dict).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from torch_tricks.errors import UserError
+from torch_tricks.registry import register_trick
+from torch_tricks.train.config import why_not_in_backward
+
+__all__ = ["InBackwardOptimizer", "optimizer_in_backward", "why_not_in_backward"]
+
+
+@register_trick(
+    "optimizer_in_backward",
+    ids=("T30",),
+    kind="train",
+    trades="each parameter stepped as soon as its gradient is ready, the gradient freed at once: the gradients "
+           "never all exist, for one optimizer call per parameter",
+    needs="no accumulation, no global-norm clipping, no fp16 scaler, one process (no DDP/ZeRO/FSDP)",
+    config_key="optimizer_in_backward",
+    measured_in="benchmarks/memory.py",
+)
+def optimizer_in_backward(optimizer: torch.optim.Optimizer) -> "InBackwardOptimizer":
+    """Step ``optimizer``'s parameters inside backward, one optimizer per parameter (see the module doc)."""
+    if isinstance(optimizer, InBackwardOptimizer):
+        return optimizer
+    if any(optimizer.state.values()):
+        raise UserError("optimizer_in_backward: the optimizer has stepped already; convert it before the first step")
+    return InBackwardOptimizer(optimizer)
+
+
+class InBackwardOptimizer(torch.optim.Optimizer):
+    """One optimizer per parameter, stepped from its gradient hook; this object holds their groups and state."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        cls = type(optimizer)
+        self.inner_class = cls.__name__
+        self.optimizers: list[torch.optim.Optimizer] = []
+        groups = []
+        for group in optimizer.param_groups:
+            settings = {k: v for k, v in group.items() if k != "params"}
+            for p in group["params"]:
+                if p.requires_grad:
+                    opt = cls([{"params": [p], **settings}])
+                    self.optimizers.append(opt)
+                    groups.append(opt.param_groups[0])
+        if not groups:
+            raise UserError("optimizer_in_backward: the optimizer has no trainable parameter")
+        super().__init__([{"params": g["params"]} for g in groups], {})
+        self._link(groups)
+        self._handles = [opt.param_groups[0]["params"][0].register_post_accumulate_grad_hook(
+            functools.partial(_step_and_free, opt)) for opt in self.optimizers]
+
+    def _link(self, groups: list[dict[str, Any]]) -> None:
+        """This object's groups and state are the per-parameter optimizers' (one dict each, one shared state)."""
+        self.param_groups = groups
+        for opt, group in zip(self.optimizers, groups):
+            opt.param_groups = [group]
+            opt.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Nothing left to do: each parameter was stepped in backward (a closure is called for its loss)."""
+        if closure is not None:
+            with torch.enable_grad():
+                return closure()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The gradients were freed as they were used; any left (a parameter no backward reached) too."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._link(self.param_groups)  # the load made new group dicts and a new state: hand them to the optimizers
+
+    def remove(self) -> None:
+        """Take the hooks off (the parameters are then stepped by no one)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _step_and_free(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    opt.step()
+    opt.zero_grad(set_to_none=True)
