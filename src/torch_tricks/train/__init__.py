@@ -12,8 +12,8 @@ import importlib
 from typing import Any
 
 # the modules whose import registers their tricks with torch_tricks.registry
-TRICK_MODULES = ("checkpoint", "distributed", "ema", "in_backward", "lm_loss", "loop", "memory", "optim",
-                 "optim_state", "precision", "schedule", "sharding", "speed", "syncbn")
+TRICK_MODULES = ("checkpoint", "distributed", "ema", "in_backward", "lm_loss", "loop", "memory", "offload",
+                 "optim", "optim_state", "precision", "schedule", "sharding", "speed", "syncbn")
 
 _EXPORTS = {
     "fit": "loop", "History": "loop", "TrainingDiverged": "tricks", "Tricks": "tricks",

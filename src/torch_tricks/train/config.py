@@ -54,6 +54,7 @@ class TrainConfig:
     chunked_lm_loss: bool = False  # T28: a causal LM's loss from its hidden states chunk by chunk (no whole logits)
     optimizer_state: str = ""  # T29: "" (the optimizer's own) | 8bit | 4bit (torchao; adam/adamw)
     optimizer_in_backward: bool = False  # T30: each parameter stepped in backward, its gradient freed at once
+    offload_activations: bool = False  # T31 (CUDA): saved activations wait in pinned host memory
     auto_micro_batch: bool = False  # halve the micro-batch on out-of-memory, keep the effective batch
     grad_clip: float = 0.0  # max grad norm; 0 = off
     # weight averaging

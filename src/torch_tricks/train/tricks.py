@@ -71,6 +71,8 @@ from torch_tricks.train.distributed import (
 from torch_tricks.train.ema import EMA
 from torch_tricks.train.in_backward import optimizer_in_backward
 from torch_tricks.train.lm_loss import chunk_lm_loss
+from torch_tricks.train.offload import check_device as check_offload_device
+from torch_tricks.train.offload import offload_activations
 from torch_tricks.train.optim_state import low_precision_state
 from torch_tricks.train.memory import (
     checkpoint_blocks,
@@ -147,13 +149,16 @@ class Tricks:
         return (self.model, self.optimizer, *out)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The forward's context: the config's precision, and DDP's ``no_sync`` unless this micro-batch ends its group."""
+        """The forward's context: the config's precision, DDP's ``no_sync`` unless this micro-batch ends its group,
+        and the activation offload when switched on."""
         stack = contextlib.ExitStack()
         if self._ddp is not None:
             stack.enter_context(no_sync_if(self._ddp, not self.sync_gradients))
         if self._fsdp is not None:  # no reduce-scatter before a group's last micro-batch
             self._fsdp.set_requires_gradient_sync(self.sync_gradients)
         stack.enter_context(precision_autocast(self.config.precision, self.device))
+        if self.config.offload_activations:
+            stack.enter_context(offload_activations())
         return stack
 
     def backward(self, loss: torch.Tensor, *, weight: float | None = None) -> torch.Tensor:
@@ -360,6 +365,9 @@ class Tricks:
         cfg = self.config
         self._init_process()
         check_precision(cfg.precision, self.device)
+        if cfg.offload_activations:
+            check_offload_device(self.device)
+            self.applied.append("offload_activations")
         if cfg.precision != "fp32":
             self.applied.append(f"precision={cfg.precision}")
         seed_everything(cfg.seed + (self.dist.rank if self.dist else 0), deterministic=cfg.deterministic,

@@ -287,6 +287,7 @@ _MAKERS: dict[str, Callable[..., Candidate | str]] = {
     "gradient_accumulation": _accumulate,
     "chunked_lm_loss": _lm_loss,
     "optimizer_in_backward": _simple("optimizer_in_backward", "memory"),
+    "offload_activations": _simple("offload_activations", "memory"),
     "cudnn_benchmark": _simple("cudnn_benchmark", "speed"),
     "ema": _simple("ema", "cost"),
     "deterministic": lambda *a: _deterministic(*a),
