@@ -199,3 +199,22 @@ def test_the_tune_measures_it_on_a_causal_lm_and_its_peak_is_lower():
     assert row.status == "measured", row
     assert row.peak_bytes < report.baseline.peak_bytes  # the logits (3 x 24 x 500 fp32, and their copies) are gone
     assert row.loss_drift is not None and row.loss_drift <= 1e-5  # the same loss, step after step
+
+
+def test_with_checkpointing_accumulation_and_bf16_in_fit():
+    from torch_tricks.train import TrainConfig, fit
+
+    batches = [_batch() for _ in range(4)]
+    cfg = TrainConfig(epochs=1, optimizer="sgd", lr=0.1, device="cpu", progress=False, log_every=1, accumulate=2,
+                      checkpointing="blocks")
+    plain, chunked, start = _model("llama"), _model("llama"), _model("llama")
+    fit(plain, batches, config=cfg)
+    h = fit(chunked, batches, config=cfg.replace(chunked_lm_loss=True))
+    assert h.steps == 2 and h.config["checkpointing"] == "blocks"
+    for (n, a), b, p0 in zip(plain.named_parameters(), chunked.parameters(), start.parameters()):
+        assert _rel(b - p0, a - p0) <= 1e-4, n
+    bf = _model("llama")
+    hb = fit(bf, batches, config=cfg.replace(chunked_lm_loss=True, precision="bf16"))
+    hp = fit(_model("llama"), batches, config=cfg.replace(precision="bf16"))
+    b, p = hb.final["train_loss"], hp.final["train_loss"]
+    assert abs(b - p) / p <= DRIFT_TOLERANCE["loss"], (b, p)

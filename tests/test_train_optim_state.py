@@ -110,3 +110,26 @@ def test_without_torchao_it_is_one_line_naming_the_install(monkeypatch, capsys):
     code = main(["train", "--model", "mlp", "--max-steps", "1", "--optimizer-state", "8bit", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "needs torchao" in err, err
+
+
+def test_a_saved_8bit_state_loads_back_as_it_was(tmp_path):
+    _, tricks = _train("8bit", steps=3)
+    tricks.save(tmp_path / "t.pt")
+    fresh = Tricks(device="cpu", progress=False, nan_guard=False, lr=3e-3, weight_decay=0.01, optimizer_state="8bit")
+    _, opt = fresh.prepare(_gpt2())
+    fresh.load(tmp_path / "t.pt")  # weights_only: torchao's state classes are allowed globals
+    assert fresh.step_count == 3
+    saved = list(tricks.optimizer.state.values())
+    loaded = list(opt.state.values())
+    assert len(loaded) == len(saved) > 0
+    quantized = 0
+    for a, b in zip(saved, loaded):
+        for key in ("exp_avg", "exp_avg_sq"):
+            quantized += type(b[key]).__name__ == "OptimState8bit"
+            torch.testing.assert_close(_values(b[key]), _values(a[key]), rtol=0, atol=0)
+    assert quantized > 0
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """A state tensor's values: a quantized one dequantized."""
+    return t.dequantize() if type(t) is not torch.Tensor else t.float()
