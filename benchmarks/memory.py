@@ -170,13 +170,13 @@ def judge(rows: list[dict[str, Any]]) -> None:
 def report(name: str, rows: list[dict[str, Any]]) -> bool | None:
     """Print the model's table; the target's verdict for the LM (None for the others)."""
     print(f"\n{TITLES[name]}")
-    print(f"  {'configuration':<24} {'step peak':>12} {'x plain':>8} {'step time':>10} {'x plain':>8}  "
+    print(f"  {'configuration':<36} {'step peak':>12} {'x plain':>8} {'step time':>10} {'x plain':>8}  "
           f"{'first loss':>10} {'drift':>7}")
     for r in rows:
         if "error" in r:
-            print(f"  {r['label']:<24} failed: {r['error']}")
+            print(f"  {r['label']:<36} failed: {r['error']}")
             continue
-        print(f"  {r['label']:<24} {r['peak_bytes'] / 2**20:9.0f} MiB {r.get('peak_ratio', 0):7.2f}x "
+        print(f"  {r['label']:<36} {r['peak_bytes'] / 2**20:9.0f} MiB {r.get('peak_ratio', 0):7.2f}x "
               f"{r['step_s']:9.3f}s {r.get('time_ratio', 0):7.2f}x  {r['losses'][0]:10.4f} "
               f"{r.get('mean_loss_drift', 0):6.1%}")
     if name != "lm":
@@ -208,9 +208,9 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> Path | None:
             ax.text(r["peak_ratio"], i, f" {r['peak_ratio']:.2f}x mem, {r['time_ratio']:.2f}x time", va="center")
         if name == "lm":
             ax.axvline(TARGET, color="tab:red", linestyle="--", label=f"target {TARGET:.2f}x")
-            ax.legend(loc="lower right")
+            ax.legend(loc="center right")
         ax.invert_yaxis()
-        ax.set_xlim(0, 1.6)
+        ax.set_xlim(0, 2.1)
         ax.set_xlabel("step peak memory / plain fp32")
         ax.set_title(TITLES[name], fontsize=9)
     fig.tight_layout()
