@@ -738,3 +738,47 @@ def test_the_summary_says_its_parts_in_order():
     for line, start in zip(lines, starts):
         assert line.startswith(start), (line, start)
     assert "pays back after 304 steps, beyond the 100 steps the tune assumes for a run" in lines[6]
+
+
+_FRESH_PEAK = """
+import json, sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_tune import TinyNet, _batch
+from torch_tricks.tuning.measure import measure_memory
+from torch_tricks.tuning.tuner import _tiled
+torch.manual_seed(0)
+cfg, sizes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+print(json.dumps([measure_memory(TinyNet(), cfg, _tiled(_batch(16, 32), n), loss_fn=None, optimizer_fn=None,
+                                 per_sample=False).peak_bytes for n in sizes]))
+"""
+
+
+def test_the_largest_batch_stated_was_run_and_runs_again_in_a_fresh_process_under_the_limit(short_races):
+    """No straight-line estimates: the report's largest batch is a batch a step ran at under the limit, and the
+    next size it ran did not fit; a fresh process measures the same."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    batch = _batch(16, 32)
+    cfg = {"device": "cpu", "fused_optimizer": False}
+    plain = measure_memory(TinyNet(), cfg, batch, loss_fn=None, optimizer_fn=None)
+    limit = int(plain.state_bytes + 3.0 * (plain.peak_bytes - plain.state_bytes))  # room for ~3x the batch
+    report = tune(TinyNet, batch, budget_s=40, memory_limit=limit, progress=False,
+                  skip=["compile", "mixed_precision", "ema", "deterministic", "channels_last", "fused_optimizer"])
+    bb = report.best_batch
+    assert bb is not None and bb.max_batch and bb.max_batch > 16, bb
+    assert bb.max_batch_bound is None or bb.max_batch < bb.max_batch_bound
+    line = next(x for x in report.to_text().splitlines() if x.startswith("largest batch under the limit"))
+    assert f"{bb.max_batch} with {bb.name}" in line and "straight" not in line and "each a step run at" in line, line
+    sizes = [bb.max_batch] + ([bb.max_batch_bound] if bb.max_batch_bound else [])
+    cfg = {**cfg, "seed": 0, "batch_size": 16, **bb.changes}
+    code = _FRESH_PEAK.format(tests=str(Path(__file__).parent))
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cfg), json.dumps(sizes)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    peaks = json.loads(out.stdout.strip().splitlines()[-1])
+    assert peaks[0] <= limit, (peaks, limit)  # the stated largest batch fits in a fresh process too
+    if len(peaks) > 1:
+        assert peaks[1] > limit  # and the first size that did not fit does not

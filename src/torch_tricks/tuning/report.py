@@ -72,7 +72,9 @@ class Result:
     state_bytes: int | None = None  # live between steps: weights, optimizer state, EMA ...
     activation_bytes: int | None = None  # kept by one forward for its backward (one micro-batch)
     bytes_per_sample: float | None = None
-    max_batch: int | None = None  # under the memory limit: straight line from the batch and half of it
+    max_batch: int | None = None  # the largest batch a step ran at under the memory limit (measured; None: not searched)
+    max_batch_bound: int | None = None  # the smallest batch run that did not fit (None: none did, or none was run)
+    max_batch_guess: int | None = None  # a straight line through the batch and half of it: where the search starts
     grad_drift: float | None = None  # ||g - g_fp32|| / ||g_fp32|| of the first step (reported, does not decide)
     loss_drift: float | None = None  # max |loss - fp32 loss| over the drift steps / the first fp32 loss
     losses: list[float] = field(default_factory=list)
@@ -163,7 +165,7 @@ class TuneReport:
         return cfg
 
     def _tuned_batch(self, which: str, best: Result | None) -> int:
-        """The batch measured, or for the largest-batch configuration its estimated largest batch."""
+        """The batch measured, or for the largest-batch configuration the largest batch that ran under the limit."""
         if which == "throughput" or not (best and best.max_batch):
             return self.batch
         return best.max_batch
@@ -220,7 +222,7 @@ class TuneReport:
     def _chosen_for_batch(self) -> str:
         best = self.best_batch
         return "the largest batch under the memory limit: " + (best.name if best else "plain") + (
-            f"; batch_size is a straight-line estimate ({best.max_batch}), not a run at that size"
+            f"; batch_size {best.max_batch} ran a step under the limit{_bound_text(best)}"
             if best and best.max_batch else "")
 
     def _toml_reasons(self) -> list[str]:
@@ -475,8 +477,8 @@ class TuneReport:
             return None
         if r is self.best_batch:
             return ("largest batch", f"the configuration that fits the most samples under the memory limit "
-                    f"({r.max_batch}, a straight-line estimate): tricks-largest-batch.toml; memory only, "
-                    "not timed", "")
+                    f"({r.max_batch}, a step run at that batch{_bound_text(r)}): tricks-largest-batch.toml; memory "
+                    "only, not timed", "")
         return "not recommended", r.verdict or "memory only: not timed", ""
 
     def _explain_goal(self, r: Result) -> tuple[str, str, str] | None:
@@ -802,9 +804,9 @@ class TuneReport:
 
     def _largest_batch_line(self, bb: Result) -> str:
         b = self.baseline
-        return (f"largest batch under the limit: {bb.max_batch} with {bb.name}"
-                + (f" (plain: {b.max_batch})" if b and b.max_batch is not None and bb is not b else "")
-                + " (straight-line estimate from the batch and half of it)")
+        return (f"largest batch under the limit: {bb.max_batch} with {bb.name}{_bound_text(bb)}"
+                + (f" (plain: {b.max_batch}{_bound_text(b)})" if b and b.max_batch is not None and bb is not b else "")
+                + " (each a step run at that batch, its peak measured)")
 
     def _data_lines(self) -> list[str]:
         if not self.data:
@@ -882,7 +884,8 @@ class TuneReport:
                   "others; the verdict says when it left and why. **Peak memory**: "
                   "tensor bytes from building the model copy through two steps (weights, gradients, optimizer "
                   "state, activations, the batch). **Activations**: what one forward keeps alive for backward. "
-                  "**Max batch**: under the memory limit, a straight line through the batch and half of it. "
+                  "**Max batch**: the largest batch at which a step ran under the memory limit (searched for the "
+                  "largest-batch configuration and plain: a bisection on real steps, bounded by the budget). "
                   f"**Drift**, against fp32 from the same seed and batch: the relative gradient difference of the "
                   f"first step (reported only: a fresh deep net's early gradients are chaotic), and the largest loss "
                   f"difference over {n_drift} steps relative to the first fp32 loss, which decides "
@@ -1404,3 +1407,10 @@ def _deploy_size(s: dict[str, Any]) -> list[str]:
     if s.get("size_bytes") and s.get("original_size_bytes"):
         return [f"size {s['size_bytes'] / s['original_size_bytes']:.2f}x"]
     return []
+
+
+def _bound_text(r: Result) -> str:
+    """', not at N' where a larger batch was run and did not fit, else ', larger not run'."""
+    if r.max_batch_bound is not None:
+        return f", not at {r.max_batch_bound}"
+    return ", larger not run"

@@ -19,7 +19,10 @@ The plan, inside ``budget_s``:
    raced against it side by side until that is settled or its share is spent. If the
    plain step does not fit the memory limit: first the single tricks that fit, else the
    memory tricks together, then with micro-batches (accumulation), until one fits;
-5. the largest batch: all memory tricks that cut bytes per sample, together;
+5. the largest batch: all memory tricks that cut bytes per sample, together; its largest batch
+   under the limit (and plain's) then *run*: a search on tiled batches, each a build and two
+   steps with the peak measured (a straight line through two batch sizes only says where to
+   start: attention and logits grow faster than linearly in a sequence);
 6. ``compile`` on top of the best configuration (one compilation), raced against it,
    if the budget has room for it (also when it was not planned at the start, if the
    races settled early and saved the time);
@@ -104,6 +107,9 @@ _MIN_ROUNDS = 5
 _SETTLE_ROUNDS = 30
 _SIDE_SETTLE_ROUNDS = 12
 _MAX_ROUNDS = 150
+# The search for the largest batch under the memory limit (per configuration searched: the largest-batch one and plain).
+_BATCH_PROBES = 6
+_BATCH_SEARCH_SHARE = 0.25
 _MAX_SIDE_ROUNDS = 100
 
 
@@ -877,7 +883,51 @@ class _Tune:
             together = self._memory_tricks_together(chosen, changes)
             if together is not None and _max_batch(together) > _max_batch(best):
                 best = together
+        for r in ([best, base] if best is not base else [base]):
+            self._search_largest_batch(r)
         report.best_batch = best
+
+    def _search_largest_batch(self, res: Result) -> None:
+        """``res``'s largest batch under the limit, run: steps at growing, then bisected batches (the example
+        batch tiled), each a fresh copy's build + two steps with its peak measured, until the boundary is known
+        within 5%, ``_BATCH_PROBES`` runs were made, or the next would not end within ``_BATCH_SEARCH_SHARE`` of
+        the budget left (a step's time grows with the batch): then the largest batch is "at least" the last that
+        fit, and the report says larger was not run."""
+        cfg = {**self.base_cfg, **res.changes}
+        n0 = B.batch_size(self.batches[0])
+        fits0 = res.peak_bytes is not None and res.peak_bytes <= self.limit
+        lo, hi = (n0, None) if fits0 else (0, n0)
+        guess = res.max_batch_guess or 2 * n0
+        guess = max(guess, n0 + 1) if fits0 else min(max(guess, 1), max(n0 - 1, 1))
+        per_sample_s = (res.step_s or self.report.baseline.step_s or 0.0) / max(n0, 1)
+        until = time.perf_counter() + _BATCH_SEARCH_SHARE * max(self.left(self.train_end - self.compile_reserve), 0)
+        for _ in range(_BATCH_PROBES):
+            if hi is not None and hi - lo <= max(1, lo // 20):
+                break
+            b = guess if hi is None else (lo + hi) // 2 if lo else min(guess, hi - 1)
+            b = min(b, self._affordable_batch(per_sample_s, until))
+            if b <= lo or (hi is not None and b >= hi):
+                break
+            try:
+                m = measure_memory(self.model, cfg, _tiled(self.batches[0], b), per_sample=False, **self.kw)
+                fits = m.peak_bytes <= self.limit
+            except Exception as exc:  # out of memory on the device, or the model refuses the batch
+                if not _is_oom(exc):
+                    break
+                fits = False
+            if fits:
+                lo, guess = b, 2 * b
+            else:
+                hi, guess = b, max(b // 2, 1)
+        res.max_batch = lo or None
+        res.max_batch_bound = hi
+
+    def _affordable_batch(self, per_sample_s: float, until: float) -> int:
+        """The largest batch whose memory run (a build and a few steps) ends well before ``until``."""
+        left = until - time.perf_counter()
+        if per_sample_s <= 0:
+            return 1 << 30
+        return max(int((left / 4 - self.setup_s) / per_sample_s), 0)
 
     def _memory_tricks_together(self, chosen: list[Result], changes: dict[str, Any]) -> Result | None:
         """The memory of ``chosen`` together (``changes``): measured already while looking for a fit, else
@@ -902,7 +952,7 @@ class _Tune:
 
     def _measured_for_memory(self, changes: dict[str, Any]) -> Result | None:
         """The combination of exactly ``changes`` measured already, with its largest batch (None: none)."""
-        return next((r for r in self.report.combos if r.changes == changes and r.max_batch is not None), None)
+        return next((r for r in self.report.combos if r.changes == changes and r.max_batch_guess is not None), None)
 
     def _try_compile(self, res: Result) -> None:
         """``compile`` on top of the best configuration so far (one compilation), raced against it and plain."""
@@ -1108,12 +1158,12 @@ class _Tune:
 
     # -- measurements ------------------------------------------------------------------------
     def _memory_into(self, res: Result, cfg: dict[str, Any]) -> None:
-        """Peak, state and activation memory, and the largest batch under the limit (straight-line estimate)."""
+        """Peak, state and activation memory, and where the search for the largest batch under the limit starts."""
         m = measure_memory(self.model, cfg, self.batches[0], **self.kw)
         res.peak_bytes, res.state_bytes, res.activation_bytes = m.peak_bytes, m.state_bytes, m.activation_bytes
         res.bytes_per_sample = m.bytes_per_sample
         if m.bytes_per_sample and int(cfg.get("accumulate", 1)) == 1:
-            res.max_batch = max(m.micro_batch + int((self.limit - m.peak_bytes) // m.bytes_per_sample), 0)
+            res.max_batch_guess = max(m.micro_batch + int((self.limit - m.peak_bytes) // m.bytes_per_sample), 0)
         if res.status == "pending":
             res.status = "measured"
 
@@ -1400,7 +1450,7 @@ def _median(xs: list[float]) -> float:
 
 def _cuts_bytes_per_sample(r: Result, base: Result) -> bool:
     """``r`` was measured, cuts the plain step's bytes per sample by 5% or more, and does not drift."""
-    return (r.status == "measured" and r.bytes_per_sample is not None and r.max_batch is not None
+    return (r.status == "measured" and r.bytes_per_sample is not None and r.max_batch_guess is not None
             and r.bytes_per_sample < base.bytes_per_sample * 0.95 and _drift_ok(r))
 
 
@@ -1431,7 +1481,8 @@ def _all_ids(rows: list[Result]) -> tuple[str, ...]:
 
 
 def _max_batch(r: Result) -> int:
-    return r.max_batch or 0
+    """Its largest batch: run where searched, else the straight line (to choose which to search)."""
+    return r.max_batch or r.max_batch_guess or 0
 
 
 def _compatible(rows: list[Result]) -> tuple[list[Result], dict[str, Any]]:
@@ -1461,3 +1512,17 @@ def _ratio_or_inf(r: Result) -> float:
 
 def _gib(n: float | None) -> str:
     return human_bytes(n) if n is not None else "n/a"
+
+
+def _tiled(batch: Any, n: int) -> Any:
+    """``batch`` repeated along dim 0 to ``n`` samples (tensors without a batch dimension as they are)."""
+    def tile(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:
+            return t
+        reps = -(-n // t.shape[0])
+        return t.repeat(reps, *([1] * (t.dim() - 1)))[:n]
+    return B.map_tensors(batch, tile)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
