@@ -765,8 +765,9 @@ def test_the_largest_batch_stated_was_run_and_runs_again_in_a_fresh_process_unde
     cfg = {"device": "cpu", "fused_optimizer": False}
     plain = measure_memory(TinyNet(), cfg, batch, loss_fn=None, optimizer_fn=None)
     limit = int(plain.state_bytes + 3.0 * (plain.peak_bytes - plain.state_bytes))  # room for ~3x the batch
-    report = tune(TinyNet, batch, budget_s=40, memory_limit=limit, progress=False,
-                  skip=["compile", "mixed_precision", "ema", "deterministic", "channels_last", "fused_optimizer"])
+    report = tune(TinyNet, batch, budget_s=20, memory_limit=limit, progress=False,
+                  skip=["compile", "mixed_precision", "ema", "deterministic", "channels_last", "fused_optimizer",
+                        "optimizer_in_backward", "inplace_activations", "gradient_accumulation"])
     bb = report.best_batch
     assert bb is not None and bb.max_batch and bb.max_batch > 16, bb
     assert bb.max_batch_bound is None or bb.max_batch < bb.max_batch_bound
@@ -782,3 +783,10 @@ def test_the_largest_batch_stated_was_run_and_runs_again_in_a_fresh_process_unde
     assert peaks[0] <= limit, (peaks, limit)  # the stated largest batch fits in a fresh process too
     if len(peaks) > 1:
         assert peaks[1] > limit  # and the first size that did not fit does not
+
+
+def test_without_a_memory_limit_on_a_cpu_the_largest_batch_is_not_searched_and_says_so(tuned):
+    report = tuned[0]
+    assert report.memory_limit_source != "given"
+    assert all(r.max_batch is None for r in report.results + report.combos + [report.baseline])
+    assert any(n.startswith("largest batch: not searched") and "--memory-limit" in n for n in report.notes)

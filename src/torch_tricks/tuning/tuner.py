@@ -883,9 +883,13 @@ class _Tune:
             together = self._memory_tricks_together(chosen, changes)
             if together is not None and _max_batch(together) > _max_batch(best):
                 best = together
+        report.best_batch = best
+        if report.memory_limit_source != "given" and torch.device(self.base_cfg["device"]).type != "cuda":
+            report.notes.append("largest batch: not searched (the limit is this host's RAM, not one you gave): give "
+                                "--memory-limit to have it run")
+            return
         for r in ([best, base] if best is not base else [base]):
             self._search_largest_batch(r)
-        report.best_batch = best
 
     def _search_largest_batch(self, res: Result) -> None:
         """``res``'s largest batch under the limit, run: steps at growing, then bisected batches (the example
