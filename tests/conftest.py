@@ -1,4 +1,5 @@
 import gc
+import importlib.util
 import os
 
 import pytest
@@ -42,7 +43,8 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 @pytest.fixture(scope="session")
 def gloo_jobs(tmp_path_factory):
     """One torchrun launch (2 gloo ranks) for the scripts that need no launch of their own:
-    tests/dist_scripts/dist_checks.py (test_train_distributed) then fit_ddp.py (test_train_fit_ddp),
+    tests/dist_scripts/dist_checks.py (test_train_distributed), fit_ddp.py (test_train_fit_ddp) and, with
+    transformers installed, lm_loss_ddp.py (test_train_lm_loss),
     through run_jobs.py (a launch costs seconds before any work: the launcher and both ranks import
     torch). Their output folders, the launch's log and exit status: each module asserts on what it needs."""
     from types import SimpleNamespace
@@ -50,7 +52,10 @@ def gloo_jobs(tmp_path_factory):
     import torchrun_launch as T
 
     T.need_gloo()
-    checks, fit = tmp_path_factory.mktemp("dist_checks"), tmp_path_factory.mktemp("fit_ddp")
-    proc = T.start(T.SCRIPTS / "run_jobs.py", "dist_checks.py", str(checks), "---", "fit_ddp.py", str(fit))
+    checks, fit, lm = (tmp_path_factory.mktemp(n) for n in ("dist_checks", "fit_ddp", "lm_loss_ddp"))
+    jobs = ["dist_checks.py", str(checks), "---", "fit_ddp.py", str(fit)]
+    if importlib.util.find_spec("transformers") is not None:
+        jobs += ["---", "lm_loss_ddp.py", str(lm)]
+    proc = T.start(T.SCRIPTS / "run_jobs.py", *jobs)
     log = T.wait(proc, timeout=240, ok=None)
-    return SimpleNamespace(checks=checks, fit=fit, log=log, returncode=proc.returncode)
+    return SimpleNamespace(checks=checks, fit=fit, lm=lm, log=log, returncode=proc.returncode)

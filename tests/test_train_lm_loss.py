@@ -218,3 +218,20 @@ def test_with_checkpointing_accumulation_and_bf16_in_fit():
     hp = fit(_model("llama"), batches, config=cfg.replace(precision="bf16"))
     b, p = hb.final["train_loss"], hp.final["train_loss"]
     assert abs(b - p) / p <= DRIFT_TOLERANCE["loss"], (b, p)
+
+
+def test_under_ddp_fit_with_the_chunked_loss_makes_the_single_process_updates(gloo_jobs):
+    """Two gloo ranks (the session's shared torchrun launch), each on the same batches: DDP averages equal
+    gradients, so the parameters are one process's plain fit's."""
+    from torch_tricks.train import TrainConfig, fit
+
+    assert gloo_jobs.returncode == 0 and (gloo_jobs.lm / "params.pt").exists(), gloo_jobs.log[-3000:]
+    applied = (gloo_jobs.lm / "applied.txt").read_text()
+    assert "chunked_lm_loss" in applied and "logits None under DDP: True" in applied, applied
+    ddp = torch.load(gloo_jobs.lm / "params.pt")
+    single, start = _model("gpt2"), _model("gpt2")
+    fit(single, [_batch() for _ in range(3)], config=TrainConfig(epochs=1, optimizer="sgd", lr=0.1, device="cpu",
+                                                                 progress=False))
+    for (n, p), p0 in zip(single.named_parameters(), start.parameters()):
+        key = n if n in ddp else n.replace("transformer.wte", "lm_head")
+        assert _rel(ddp[key] - p0.detach(), p.detach() - p0.detach()) <= 1e-4, n
