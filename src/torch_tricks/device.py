@@ -20,7 +20,7 @@ from torch import nn
 
 from torch_tricks.errors import UserError
 
-__all__ = ["resolve", "parse", "check_available", "no_cuda_message", "synchronize", "module_device"]
+__all__ = ["resolve", "parse", "check_available", "no_cuda_message", "synchronize", "module_device", "is_oom"]
 
 
 def resolve(device: torch.device | str | int | None = "auto", *, what: str = "device") -> torch.device:
@@ -109,6 +109,15 @@ def _synchronize_accelerator(dev: torch.device) -> None:
     backend = getattr(torch, dev.type, None)  # torch.mps / torch.xpu
     if backend is not None and hasattr(backend, "synchronize"):
         backend.synchronize()
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` says the device ran out of memory: CUDA's OutOfMemoryError, or a RuntimeError saying so
+    (on a CPU, the allocator's "can't allocate memory")."""
+    if isinstance(exc, torch.OutOfMemoryError if hasattr(torch, "OutOfMemoryError") else torch.cuda.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 def module_device(model: nn.Module, fallback: Iterable[Any] = ()) -> torch.device:

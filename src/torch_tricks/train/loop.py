@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset, DistributedSampler, RandomSampler
 
 from torch_tricks import batches as B
-from torch_tricks.device import synchronize
+from torch_tricks.device import is_oom, synchronize
 from torch_tricks.errors import UserError
 from torch_tricks.outputs import get_loss, primary_output
 from torch_tricks.registry import register_trick
@@ -410,7 +410,7 @@ class _Trainer:
             tricks.backward(loss, weight=weight)
             del out, loss
         except Exception as exc:
-            if not _is_oom(exc):
+            if not is_oom(exc):
                 raise
             return True
         return False
@@ -687,13 +687,6 @@ def _model_inputs(batch: Any) -> Any:
     if b.kwargs:
         return {k: v for k, v in b.kwargs.items() if k != "labels"}
     return b.args[0] if len(b.args) == 1 else b.args
-
-
-def _is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError if hasattr(torch, "OutOfMemoryError") else torch.cuda.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 def _set_epoch(loader: Any, epoch: int, seed: int) -> None:

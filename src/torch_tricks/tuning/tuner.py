@@ -57,7 +57,7 @@ from torch_tricks._gc import new_objects_only
 from torch_tricks.batches import example_batch  # the CLI's way in, re-exported
 from torch_tricks.data.loader_tune import tune_loader_path
 from torch_tricks.device import resolve as resolve_device
-from torch_tricks.device import synchronize
+from torch_tricks.device import is_oom, synchronize
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.registry import get_trick
 from torch_tricks.seed import seed_everything
@@ -916,7 +916,7 @@ class _Tune:
                 m = measure_memory(self.model, cfg, _tiled(self.batches[0], b), per_sample=False, **self.kw)
                 fits = m.peak_bytes <= self.limit
             except Exception as exc:  # out of memory on the device, or the model refuses the batch
-                if not _is_oom(exc):
+                if not is_oom(exc):
                     break
                 fits = False
             if fits:
@@ -1526,7 +1526,3 @@ def _tiled(batch: Any, n: int) -> Any:
         reps = -(-n // t.shape[0])
         return t.repeat(reps, *([1] * (t.dim() - 1)))[:n]
     return B.map_tensors(batch, tile)
-
-
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
