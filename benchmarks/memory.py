@@ -17,7 +17,7 @@ is the median of the steps after the first. The first loss of each configuration
 plain's (the same weights and batch; bf16 within the drift tolerance) and the mean loss over
 the steps must stay within the drift tolerance of plain's.
 
-The rows: plain fp32; each memory trick alone; combinations of them. Until the tune chooses
+The rows: plain fp32; each memory trick alone; combinations of them (on CUDA also activation offload, T31). Until the tune chooses
 the memory-optimal configuration (issue 21, T32), the target is checked on the combination
 with the lowest measured peak among those that train the same (the choice the tune will
 make by measurement: 8-bit state saves its bytes, but torchao's step makes fp32 temporaries
@@ -72,6 +72,12 @@ CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
         "ckpt + bf16 + inplace + 8-bit": {"checkpointing": "blocks", "precision": "bf16", "inplace": True,
                                           "optimizer_state": "8bit"},
     },
+}
+# Activation offload (T31) moves saved activations to pinned host memory: a CUDA trick, refused on a CPU.
+CUDA_ONLY: dict[str, dict[str, dict[str, Any]]] = {
+    "lm": {"activation offload": {"offload_activations": True},
+           "bf16 + chunked + offload": {"precision": "bf16", "chunked_lm_loss": True, "offload_activations": True}},
+    "resnet50": {"activation offload": {"offload_activations": True}},
 }
 TITLES = {"lm": "GPT-2-class LM (vocab 50257, 4 x 256, seq 512, batch 4, AdamW)",
           "resnet50": "ResNet-50 (3x128x128, batch 16, AdamW)"}
@@ -231,10 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tqdm import tqdm
 
-    jobs = [(name, label, cfg) for name in args.models for label, cfg in CONFIGS[name].items()]
+    on_cuda = torch_device(args.device).type == "cuda"
+    jobs = [(name, label, cfg) for name in args.models
+            for label, cfg in {**CONFIGS[name], **(CUDA_ONLY[name] if on_cuda else {})}.items()]
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in args.models}
     for name, label, cfg in tqdm(jobs, desc="configurations (a fresh process each)", file=sys.stderr):
         results[name].append(run(name, label, cfg, args))
+        if args.json:  # each row as it comes: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=1))
     verdicts = []
     for name, rows in results.items():
         judge(rows)

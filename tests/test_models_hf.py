@@ -253,3 +253,22 @@ def test_a_model_larger_than_the_memory_is_refused_before_it_is_built(monkeypatc
     assert main(["summary", "--model", "hf:llama"]) == 2  # LLaMA-7B's default config, sized on the meta device
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "6.74e+09 parameters, 25.1 GiB of weights" in err and "--hf-config" in err
+
+
+def test_grouped_query_attention_is_counted_with_torchs_older_attention_formula(monkeypatch):
+    """torch 2.11 (a GPU machine's image) refused GQA in its attention formula: 'query/key/value shapes are
+    incompatible', and the summary of any Llama-family model failed. The count equals the one torch 2.13 gives."""
+    import torch.utils.flop_counter as fc
+
+    from torch_tricks.inspect import flops as flops_mod
+
+    model, _ = load_model("hf:llama", hf_config=LLAMA)
+    x = tokens(LLAMA["vocab_size"])
+    expected = summary(model, x).totals["macs"]
+
+    def strict(q, k, v):  # torch < 2.13: as many key/value heads as query heads
+        assert q[1] == k[1] == v[1], "sdpa_flop_count: query/key/value shapes are incompatible"
+        return fc.sdpa_flop_count(q, k, v)
+
+    monkeypatch.setattr(flops_mod, "sdpa_flop_count", strict)
+    assert summary(model, x).totals["macs"] == expected

@@ -54,12 +54,14 @@ def test_same_seed_same_draws():
     assert info["deterministic"] is False
 
 
-def test_deterministic_mode_toggles_and_restores():
+def test_deterministic_mode_toggles_and_restores(monkeypatch):
+    # CUDA not started in this process (on a GPU machine an earlier test in the same worker may have started it)
+    monkeypatch.setattr(seed_mod, "_cuda_initialized", lambda: False)
     before = torch.are_deterministic_algorithms_enabled()
     info = seed_everything(0, deterministic=True)
     assert torch.are_deterministic_algorithms_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
-    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # CUDA never started here
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert info["env"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and info["problems"] == []
     assert info["previous"]["deterministic_algorithms"] is before
     restore_determinism(info)

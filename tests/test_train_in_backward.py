@@ -134,3 +134,18 @@ def test_the_tune_never_combines_it_with_accumulation():
     rows = [Row(optimizer_in_backward=True), Row(accumulate=2), Row(checkpointing="blocks")]
     chosen, changes = _compatible(rows)
     assert changes == {"optimizer_in_backward": True, "checkpointing": "blocks"} and rows[1] not in chosen
+
+
+def test_the_tunes_drift_check_reads_the_gradients_without_stepping():
+    """Found on a GPU run's tune: reading the first batch's gradients (the drift check, the probe) let the
+    hooks step and free them, so the tune saw zero gradients and a run one step ahead ("drifts 23%")."""
+    from torch_tricks.tuning.measure import build_runner
+
+    batches = _batches(3)
+    kw = {"loss_fn": F.cross_entropy, "optimizer_fn": None}
+    plain = build_runner("plain", _net(), {"device": "cpu"}, batches, **kw)
+    inb = build_runner("inb", _net(), {"device": "cpu", "optimizer_in_backward": True}, batches, **kw)
+    assert inb.losses == pytest.approx(plain.losses, rel=1e-5)
+    for a, b in zip(plain.grads, inb.grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    assert sum(float(g.abs().sum()) for g in inb.grads) > 0

@@ -235,3 +235,23 @@ def test_under_ddp_fit_with_the_chunked_loss_makes_the_single_process_updates(gl
     for (n, p), p0 in zip(single.named_parameters(), start.parameters()):
         key = n if n in ddp else n.replace("transformer.wte", "lm_head")
         assert _rel(ddp[key] - p0.detach(), p.detach() - p0.detach()) <= 1e-4, n
+
+
+def test_the_tune_leaves_it_out_where_the_loss_is_computed_outside_the_model():
+    """Found on a GPU run: `tune --input long:512:50257` (positional ids, next-token targets outside the
+    model) measured it as a switch that changed nothing; it is skipped there, saying what would change it."""
+    from torch_tricks import batches as B
+    from torch_tricks.outputs import get_loss
+    from torch_tricks.tuning.candidates import training_candidates
+
+    model, batch = _model("gpt2"), _batch()
+    positional = (batch["input_ids"], batch["labels"])
+    assert B.labels_go_in(model, batch, get_loss("auto"))
+    assert not B.labels_go_in(model, positional, get_loss("auto")) and not B.labels_go_in(model, batch, get_loss("ce"))
+    for labels_in, measured in [(True, True), (False, False)]:
+        cands, skipped = training_candidates(model, (batch["input_ids"],), torch.device("cpu"), batch=B,
+                                             labels_in_forward=labels_in)
+        assert any(c.name == "chunked_lm_loss" for c in cands) is measured
+        if not measured:
+            why = next(s.reason for s in skipped if s.name == "chunked_lm_loss")
+            assert "outside the model" in why and "--input input_ids=" in why

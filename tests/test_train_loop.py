@@ -140,8 +140,13 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     expected = _train_rows(full)
     assert len(expected) == steps
 
+    # the killed and the resumed run take this process's thread count: CPU sums split over another number of
+    # threads round differently, and a test may have changed this process's (a 16-core GPU machine's suite run
+    # had the resumed losses off by 1e-3 from the first step compared)
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     proc = subprocess.Popen(_cli("--max-steps", str(steps), "--log-dir", str(part), "--checkpoint-dir", str(part),
-                                 "--checkpoint-every", "1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                 "--checkpoint-every", "1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env)
     deadline = time.time() + 240
     while time.time() < deadline:
         if (part / "metrics.csv").exists() and len(_train_rows(part)) >= 25:
@@ -159,7 +164,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
 
     resumed = subprocess.run(_cli("--max-steps", str(steps), "--log-dir", str(part), "--checkpoint-dir", str(part),
                                   "--checkpoint-every", "1", "--resume", "--out", str(tmp_path / "h.json")),
-                             check=True, timeout=300, capture_output=True, text=True)
+                             check=True, timeout=300, capture_output=True, text=True, env=env)
     import json
 
     history = json.loads((tmp_path / "h.json").read_text())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections import namedtuple
 
@@ -178,8 +179,12 @@ def test_keep_heap_stops_a_fresh_process_stepping_into_fresh_pages():
         assert out[1] == str(keep)  # applied exactly when asked
         return float(out[0])
 
-    default, kept = faults(False), faults(True)
-    assert default > 200, default  # the cost exists ...
+    default = faults(False)
+    if default <= 200:  # seen on a GPU machine's image: 0 faults per step with the defaults
+        tuned = {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD"))}
+        pytest.skip(f"this machine's allocator keeps freed memory already ({default:.0f} minor faults per step "
+                    f"without keep_heap; environment: {tuned or 'no malloc settings'}): nothing for it to remove")
+    kept = faults(True)  # the cost exists (above) ...
     assert kept < default / 4, (kept, default)  # ... and keep_heap removes most of it
 
 

@@ -790,3 +790,36 @@ def test_without_a_memory_limit_on_a_cpu_the_largest_batch_is_not_searched_and_s
     assert report.memory_limit_source != "given"
     assert all(r.max_batch is None for r in report.results + report.combos + [report.baseline])
     assert any(n.startswith("largest batch: not searched") and "--memory-limit" in n for n in report.notes)
+
+
+class _SlowFullBatch(nn.Module):
+    """Sleeps on full-batch (16) calls: on the first only (a one-time cost, as CUDA's first bf16 step has),
+    or on every one (a trick that is slow)."""
+
+    def __init__(self, every: bool) -> None:
+        super().__init__()
+        self.lin, self.every, self.slept = nn.Linear(8, 3), every, 0
+
+    def forward(self, x):
+        if x.shape[0] == 16 and (self.every or not self.slept):
+            self.slept += 1
+            time.sleep(0.6)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_a_slow_first_full_step_is_judged_on_the_next_one(every):
+    """Found on an H200: GPT-2's first bf16 step (cuBLAS's kernel choice, the allocator growing) took 13x
+    plain's and the tune called bf16 slower without measuring it. A one-time cost passes; a slow step does not."""
+    from torch_tricks.tuning.measure import TooSlow, build_runner
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g))] * 2
+    kw = {"loss_fn": nn.functional.cross_entropy, "optimizer_fn": None, "first_limit_s": 0.3}
+    if every:
+        with pytest.raises(TooSlow) as e:
+            build_runner("slow", _SlowFullBatch(True), {"device": "cpu"}, batches, **kw)
+        assert e.value.what == "first" and e.value.seconds > 0.3
+    else:
+        r = build_runner("once", _SlowFullBatch(False), {"device": "cpu"}, batches, **kw)
+        assert r.first_call_s > 0.3 and len(r.losses) == 3  # measured, its first call kept as it was

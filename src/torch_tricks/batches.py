@@ -34,7 +34,7 @@ from torch_tricks.outputs import get_loss, primary_output
 from torch_tricks.train.speed import to_channels_last
 
 __all__ = ["Batch", "unpack", "forward", "call", "count", "batch_size", "split", "to_device", "takes_labels",
-           "example_batch"]
+           "labels_go_in", "example_batch"]
 
 
 @dataclass
@@ -113,6 +113,11 @@ def to_device(batch: Any, device: torch.device, *, channels_last: bool = False) 
     if channels_last:
         moved = to_channels_last(moved)
     return moved
+
+
+def labels_go_in(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None) -> bool:
+    """Whether :func:`call` passes ``batch``'s ``labels`` into ``model``'s forward (for its own loss)."""
+    return "labels" in unpack(batch).kwargs and _labels_go_in(model, loss_fn)
 
 
 def takes_labels(model: nn.Module) -> bool:

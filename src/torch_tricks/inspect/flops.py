@@ -152,9 +152,33 @@ _EXTRA_FORMULAS[_aten._trilinear] = shape_wrapper(_trilinear_flops)
 def _op_flops(func, args, kwargs, out) -> int:
     packet = func._overloadpacket
     formula = flop_registry.get(packet, _EXTRA_FORMULAS.get(packet))
-    if formula is not None:
+    if formula is None:
+        return 0
+    try:
         return int(formula(*args, **kwargs, out_val=out))
-    return 0
+    except AssertionError:
+        # torch before 2.13 counts attention only with as many key/value heads as query heads: grouped-query
+        # attention (Llama, Mistral, Qwen ...) broadcasts its fewer K/V heads, so it is counted as if expanded
+        gqa = _kv_heads_expanded(args) if "attention" in packet.__name__ else None
+        if gqa is None:
+            raise
+        return int(formula(*gqa, **kwargs, out_val=out))
+
+
+def _kv_heads_expanded(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``args`` with each 4-d tensor of fewer heads (dim 1) than the most, a divisor of it, replaced by a
+    shape-only (meta) tensor of that many heads; None when no head count differs."""
+    heads = [a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    h = max(heads, default=0)
+    if not heads or all(n == h for n in heads):
+        return None
+
+    def widen(a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] != h and h % a.shape[1] == 0:
+            return torch.empty((a.shape[0], h, *a.shape[2:]), dtype=a.dtype, device="meta")
+        return a
+
+    return tuple(widen(a) for a in args)
 
 
 def _flat_tensors(tree: Any) -> list[torch.Tensor]:

@@ -25,8 +25,9 @@ Written here rather than with ``torch.distributed.optim._apply_optimizer_in_back
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -34,7 +35,7 @@ from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 from torch_tricks.train.config import why_not_in_backward
 
-__all__ = ["InBackwardOptimizer", "optimizer_in_backward", "why_not_in_backward"]
+__all__ = ["InBackwardOptimizer", "optimizer_in_backward", "paused", "why_not_in_backward"]
 
 
 @register_trick(
@@ -75,8 +76,25 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             raise UserError("optimizer_in_backward: the optimizer has no trainable parameter")
         super().__init__([{"params": g["params"]} for g in groups], {})
         self._link(groups)
+        self._paused = False
         self._handles = [opt.param_groups[0]["params"][0].register_post_accumulate_grad_hook(
-            functools.partial(_step_and_free, opt)) for opt in self.optimizers]
+            functools.partial(self._step_and_free, opt)) for opt in self.optimizers]
+
+    def _step_and_free(self, opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
+        if self._paused:
+            return
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Backward inside keeps its gradients and steps nothing: for reading the gradients themselves
+        (the tune's drift check, a probe step), which would otherwise be freed and stepped with."""
+        was, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = was
 
     def _link(self, groups: list[dict[str, Any]]) -> None:
         """This object's groups and state are the per-parameter optimizers' (one dict each, one shared state)."""
@@ -110,6 +128,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._handles = []
 
 
-def _step_and_free(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+def paused(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
+    """:meth:`InBackwardOptimizer.paused` for an optimizer stepped in backward; nothing for any other."""
+    return optimizer.paused() if isinstance(optimizer, InBackwardOptimizer) else contextlib.nullcontext()

@@ -47,6 +47,7 @@ from torch_tricks.train.checkpoint import load_checkpoint, previous_checkpoints,
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.distributed import all_reduce_sum, any_rank, barrier, watch_ranks
 from torch_tricks.train.ema import SWA
+from torch_tricks.train.in_backward import paused as paused_in_backward
 from torch_tricks.train.precision import autocast
 from torch_tricks.train.sharded_checkpoint import POINTER, load_sharded, save_sharded, sharded_to_resume
 from torch_tricks.train.tricks import Tricks, TrainingDiverged, _len, as_config, run_length
@@ -199,7 +200,8 @@ class TrainStep:
         """The gradients of one forward/backward on ``batch`` (no optimizer step), unscaled, as float32."""
         t = self._trainer
         t.tricks.zero_grad()
-        t._accumulate(micro_batches(batch, self.config.accumulate))
+        with paused_in_backward(t.optimizer):  # the step in backward would take and free the gradients
+            t._accumulate(micro_batches(batch, self.config.accumulate))
         scale = float(t.scaler.get_scale()) if t.scaler.is_enabled() else 1.0
         # the grads are handed over (set_to_none below drops the model's references): no copy when unscaled
         grads = [(p.grad.float() / scale if scale != 1.0 else p.grad.float()) if p.grad is not None

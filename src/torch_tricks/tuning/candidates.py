@@ -82,10 +82,13 @@ def training_candidates(
     batch: int,
     own_optimizer: bool = False,
     skip: Sequence[str] = (),
+    labels_in_forward: bool = True,
 ) -> tuple[list[Candidate], list[Skipped]]:
     """The candidates for ``model`` on ``device``, and every other registered trick as skipped (or failed).
 
     ``skip``: trick names the caller leaves out (reported as skipped, with that reason).
+    ``labels_in_forward``: the batch's labels go into the model's forward for its own loss (what
+    ``chunked_lm_loss`` serves; a loss computed outside the model is left as it is).
     A trick whose applicability check itself raises is reported with status ``failed``.
     """
     cands: list[Candidate] = []
@@ -93,6 +96,8 @@ def training_candidates(
     skip = set(skip) | {trick_name(n) for n in skip}  # an earlier name (int8_static) skips the trick (int8)
     for trick in list_tricks():
         made, why = _make(trick, skip, model, inputs, device, batch, own_optimizer)
+        if isinstance(made, Candidate) and made.changes.get("chunked_lm_loss") and not labels_in_forward:
+            made = Skipped(trick.name, trick.ids, trick.kind, _LOSS_OUTSIDE)
         _file_made(made, trick, why, skip, cands, skipped)
     return cands, skipped
 
@@ -257,6 +262,11 @@ def _mem_bn(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | 
         return ("no BatchNorm -> activation pair it can convert (in an nn.Sequential, or a BatchNorm whose "
                 "only user is an inplace ReLU)")
     return Candidate(trick.name, {"memory_efficient_bn": True}, "memory")
+
+
+_LOSS_OUTSIDE = ("the loss is computed outside the model (positional inputs, or --loss other than auto): it "
+                 "chunks the model's own loss of model(input_ids=..., labels=...); what would change it: name the "
+                 "input (--input input_ids=long:SEQ:VOCAB) with --loss auto")
 
 
 def _lm_loss(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
