@@ -765,7 +765,7 @@ def test_the_largest_batch_stated_was_run_and_runs_again_in_a_fresh_process_unde
     cfg = {"device": "cpu", "fused_optimizer": False}
     plain = measure_memory(TinyNet(), cfg, batch, loss_fn=None, optimizer_fn=None)
     limit = int(plain.state_bytes + 3.0 * (plain.peak_bytes - plain.state_bytes))  # room for ~3x the batch
-    report = tune(TinyNet, batch, budget_s=20, memory_limit=limit, progress=False,
+    report = tune(TinyNet, batch, budget_s=12, memory_limit=limit, progress=False,
                   skip=["compile", "mixed_precision", "ema", "deterministic", "channels_last", "fused_optimizer",
                         "optimizer_in_backward", "inplace_activations", "gradient_accumulation"])
     bb = report.best_batch
