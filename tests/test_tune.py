@@ -823,3 +823,62 @@ def test_a_slow_first_full_step_is_judged_on_the_next_one(every):
     else:
         r = build_runner("once", _SlowFullBatch(False), {"device": "cpu"}, batches, **kw)
         assert r.first_call_s > 0.3 and len(r.losses) == 3  # measured, its first call kept as it was
+
+
+_LM = {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 64, "vocab_size": 2000}
+
+_FRESH_LM_RUN = """
+import json, sys
+import torch
+from torch_tricks import Tricks
+from torch_tricks.inspect.memory import LiveTensors
+from torch_tricks.models import load_model
+hf, toml = json.loads(sys.argv[1]), sys.argv[2]
+ids = torch.randint(0, hf["vocab_size"], (8, 64), generator=torch.Generator().manual_seed(1))
+torch.manual_seed(0)
+with LiveTensors() as live:  # the tune's measure on a CPU: the model, its optimizer and state, the steps
+    tricks = Tricks(toml, device="cpu", progress=False)
+    model, _ = tricks.prepare(load_model("hf:gpt2", hf_config=hf)[0])
+    k = tricks.config.accumulate
+    for _ in range(5):
+        for part in ids.chunk(k):
+            with tricks.autocast():
+                loss = model(input_ids=part, labels=part).loss
+            tricks.backward(loss)
+            tricks.step()
+print(json.dumps({"peak": live.peak_bytes, "steps": tricks.step_count, "applied": tricks.applied}))
+"""
+
+
+def test_an_lm_tuned_at_60_percent_of_plains_peak_trains_in_a_fresh_process_under_the_limit(tmp_path, short_races):
+    """Issue 21: the tune recommends the fastest configuration measured to fit (combinations of the tricks
+    that cut the peak, not only one trick or accumulation), and the recommendation, read from tricks.toml by
+    a fresh process, trains 5 steps under the limit."""
+    import subprocess
+    import sys
+
+    from torch_tricks.cli import main
+    from torch_tricks.models import load_model
+
+    ids = torch.randint(0, _LM["vocab_size"], (8, 64), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    plain = measure_memory(load_model("hf:gpt2", hf_config=_LM)[0], {"device": "cpu", "fused_optimizer": False},
+                           {"input_ids": ids, "labels": ids}, loss_fn=None, optimizer_fn=None, per_sample=False)
+    limit = int(0.6 * plain.peak_bytes)
+    code = main(["tune", "--model", "hf:gpt2", "--hf-config", ",".join(f"{k}={v}" for k, v in _LM.items()),
+                 "--input", "input_ids=long:64:2000", "--batch", "8", "--memory-limit", str(limit),
+                 "--budget-seconds", "10", "--no-progress", "--json", "--out", str(tmp_path),
+                 *(a for t in ("compile", "ema", "deterministic", "optimizer_in_backward", "channels_last")
+                   for a in ("--skip", t))])
+    assert code == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    chosen = report["recommended"]
+    assert report["fits_with"], report["notes"]  # plain does not fit: a configuration that does was found
+    toml = tmp_path / "tricks.toml"
+    out = subprocess.run([sys.executable, "-c", _FRESH_LM_RUN, json.dumps(_LM), str(toml)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    run = json.loads(out.stdout.strip().splitlines()[-1])
+    assert run["steps"] == 5 and run["peak"] <= limit, (run, limit, chosen)
+    switched = [k for k, v in chosen.items() if v is True] + [k for k in ("checkpointing",) if chosen.get(k)]
+    assert switched or chosen["precision"] != "fp32" or chosen["accumulate"] > 1, chosen  # something to fit

@@ -28,7 +28,8 @@ __all__ = ["Result", "TuneReport"]
 # The two ways to use a tune's result, shown in tricks.toml's header and report.md.
 # The config keys the tuner decides; tricks.toml states every one of them.
 TUNED_KEYS = ("precision", "channels_last", "checkpointing", "compile", "fused_optimizer", "inplace",
-              "memory_efficient_bn", "accumulate", "cudnn_benchmark", "ema", "deterministic")
+              "memory_efficient_bn", "accumulate", "cudnn_benchmark", "ema", "deterministic", "chunked_lm_loss",
+              "optimizer_in_backward", "offload_activations")
 
 HOW_TO_APPLY = """\
 use it: torch-tricks train --config tricks.toml     or     fit(model, data, config="tricks.toml")
