@@ -37,6 +37,10 @@ def add_commands(sub: Any) -> None:
     sp.add_argument("--budget-seconds", type=float, default=120.0, help="wall-clock budget (default 120)")
     sp.add_argument("--memory-limit", metavar="SIZE",
                     help="e.g. 8GiB or 512MiB (default: the GPU's memory, or 80%% of the RAM available)")
+    sp.add_argument("--fit", metavar="TARGET",
+                    help="what the recommendation must fit under the memory limit: batch=N (tune at batch N), "
+                         "seq=N (at sequence length N, token models) or seq (also run the longest sequence that "
+                         "fits, for plain and the recommendation; needs --memory-limit on a CPU)")
     sp.add_argument("--skip", action="append", metavar="TRICK", help="leave this trick out (repeatable)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--steps", type=int, metavar="N",
@@ -98,7 +102,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     report = tune(model, batch, loss_fn, optimizer=args.optimizer, lr=args.lr, device=args.device,
                   budget_s=args.budget_seconds, memory_limit=limit, data=args.data, deploy=args.deploy,
                   seed=args.seed, progress=args.progress and rank == 0, name=args.model, skip=args.skip or (),
-                  processes=args.processes, steps=args.steps)
+                  processes=args.processes, steps=args.steps, fit=args.fit)
     if rank != 0:
         return 0
     text = report.to_text()

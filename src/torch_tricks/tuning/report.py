@@ -76,6 +76,8 @@ class Result:
     max_batch: int | None = None  # the largest batch a step ran at under the memory limit (measured; None: not searched)
     max_batch_bound: int | None = None  # the smallest batch run that did not fit (None: none did, or none was run)
     max_batch_guess: int | None = None  # a straight line through the batch and half of it: where the search starts
+    max_seq: int | None = None  # --fit seq: the longest sequence a step ran at under the limit (None: not searched)
+    max_seq_bound: int | None = None  # the shortest sequence run that did not fit (None: none did, or none was run)
     grad_drift: float | None = None  # ||g - g_fp32|| / ||g_fp32|| of the first step (reported, does not decide)
     loss_drift: float | None = None  # max |loss - fp32 loss| over the drift steps / the first fp32 loss
     losses: list[float] = field(default_factory=list)
@@ -126,6 +128,7 @@ class TuneReport:
     best_throughput: Result | None = None
     best_batch: Result | None = None
     fits_with: str | None = None  # when the plain step is over the memory limit: what fits
+    seq_positions: int | None = None  # --fit seq: the model's positions (the longest sequence searched)
     noise: float = math.nan  # relative: the A/A disagreement of the plain step with itself
     aa_ratio: float = math.nan  # plain (again) / plain, median of per-round ratios
     aa_half_ci: float = math.nan
@@ -801,7 +804,21 @@ class TuneReport:
             lines.append(f"memory: the plain step does not fit under the limit; it fits with {self.fits_with}")
         if bb is not None and bb.max_batch is not None:
             lines.append(self._largest_batch_line(bb))
+        if self.baseline is not None and self.baseline.max_seq is not None:
+            lines.append(self._longest_seq_line())
         return lines
+
+    def _longest_seq_line(self) -> str:
+        """--fit seq: plain's longest sequence and the recommendation's, both run, and their ratio."""
+        b, cap = self.baseline, self.seq_positions
+        parts, seen = [f"plain {b.max_seq}{_seq_bound_text(b, cap)}"], [b]
+        for r, role in ((self.best_throughput, "recommended"), (self.best_batch, "memory tricks together")):
+            if r is not None and r.max_seq is not None and all(r is not x for x in seen):
+                seen.append(r)
+                ratio = f", {r.max_seq / b.max_seq:.2f}x plain's" if b.max_seq else ""
+                parts.append(f"{r.name} ({role}) {r.max_seq}{_seq_bound_text(r, cap)}{ratio}")
+        return ("longest sequence under the limit: " + "; ".join(parts)
+                + " (each a step run at that length, its peak measured)")
 
     def _largest_batch_line(self, bb: Result) -> str:
         b = self.baseline
@@ -1408,6 +1425,15 @@ def _deploy_size(s: dict[str, Any]) -> list[str]:
     if s.get("size_bytes") and s.get("original_size_bytes"):
         return [f"size {s['size_bytes'] / s['original_size_bytes']:.2f}x"]
     return []
+
+
+def _seq_bound_text(r: Result, positions: int | None) -> str:
+    """', not at N' where a longer sequence was run and did not fit; the model's positions where it was reached."""
+    if r.max_seq_bound is not None:
+        return f", not at {r.max_seq_bound}"
+    if positions is not None and r.max_seq == positions:
+        return f" (all of the model's {positions} positions)"
+    return ", longer not run"
 
 
 def _bound_text(r: Result) -> str:

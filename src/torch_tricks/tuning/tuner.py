@@ -66,6 +66,7 @@ from torch_tricks.seed import seed_everything
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.distributed import cleanup, init_distributed
 from torch_tricks.tuning import distributed as D
+from torch_tricks.tuning import fit as fit_mod
 from torch_tricks.tuning.candidates import Candidate, training_candidates
 from torch_tricks.tuning.measure import (
     Runner,
@@ -135,6 +136,7 @@ def tune(
     skip: Sequence[str] = (),
     processes: int | None = None,
     steps: int | None = None,
+    fit: str | None = None,
     _channel: Any = None,
 ) -> TuneReport:
     """Measure the training tricks on ``model_fn()`` with ``example_batch``, one batch of fit's.
@@ -168,8 +170,12 @@ def tune(
     dev = resolve_device(device)
     parts = B.unpack(example_batch)  # a UserError for what is not a batch
     _check_skip_and_data(skip, data)
+    fit_t = fit_mod.parse_fit(fit)
     seed_everything(seed)
     model = _build_model(model_fn)
+    if fit_t is not None:  # tuned at the target's batch or sequence length
+        example_batch = fit_mod.apply_fit(fit_t, example_batch, model)
+        parts = B.unpack(example_batch)
     inputs_t = parts.inputs
     batch = B.batch_size(example_batch)
     world, dist_world = _worlds(processes, batch, dev)
@@ -178,6 +184,9 @@ def tune(
             optimizer=optimizer, lr=lr, device=device, budget_s=budget_s, memory_limit=memory_limit, data=data,
             deploy=deploy, seed=seed, progress=progress, name=name, skip=skip, steps=steps), budget_s)
     limit, limit_source = _memory_limit(memory_limit, dev)
+    if fit_t is not None and fit_t.search_seq and limit_source != "given" and dev.type != "cuda":
+        raise UserError("--fit seq searches the longest sequence under --memory-limit: give one (on a CPU the "
+                        "host's RAM is no limit to search against: each run there is large and slow)")
     base_cfg = {"optimizer": optimizer, "lr": lr, "fused_optimizer": False, "device": str(dev), "seed": seed,
                 "batch_size": batch}
     own_opt = optimizer_fn is not None
@@ -200,7 +209,7 @@ def tune(
     bar = tqdm(total=total, desc="tune", unit="phase", disable=not progress, leave=False)
     with new_objects_only():  # the collections around every memory measurement skip the caller's objects
         _run_job(_Tune(model, batches, base_cfg, kw, limit, report, bar, t_start, float(budget_s), bool(data),
-                       bool(deploy), dist_world=dist_world, channel=_channel), cands, data)
+                       bool(deploy), dist_world=dist_world, channel=_channel, fit=fit_t), cands, data)
     report.elapsed_s = time.perf_counter() - t_start
     report.explain()  # every row's reason (the views take it again from the figures)
     return report
@@ -341,8 +350,10 @@ class _Tune:
     """One tune's state: the runners, the deadlines of its phases, the report it fills."""
 
     def __init__(self, model, batches, base_cfg, kw, limit, report: TuneReport, bar, t0: float, budget: float,
-                 data: bool, deploy: bool, dist_world: int = 0, channel: Any = None) -> None:
+                 data: bool, deploy: bool, dist_world: int = 0, channel: Any = None,
+                 fit: fit_mod.FitTarget | None = None) -> None:
         self.model, self.batches, self.base_cfg, self.kw = model, batches, base_cfg, kw
+        self.fit = fit
         self.limit, self.report, self.bar = limit, report, bar
         self.deadline = t0 + budget
         # the distributed rows, data and deploy get fixed shares of the budget; training gets the rest
@@ -579,6 +590,9 @@ class _Tune:
         self.bar.update(1)
         self.phase("largest batch")
         self._largest_batch()
+        if self.fit is not None and self.fit.search_seq:
+            self.phase("longest sequence")
+            self._longest_seq()
         self.phase_s["combinations"] = time.perf_counter() - t_combo
         self.bar.update(1)
 
@@ -930,32 +944,58 @@ class _Tune:
         for r in ([best, base] if best is not base else [base]):
             self._search_largest_batch(r)
 
+    def _longest_seq(self) -> None:
+        """``--fit seq``: the longest sequence under the limit for plain, for the recommendation and for the
+        memory tricks together (the largest-batch configuration: what a long context needs), each run."""
+        report = self.report
+        rows: list[Result] = []
+        for r in (report.baseline, report.best_throughput, report.best_batch):
+            if r is not None and all(r is not x for x in rows):
+                rows.append(r)
+        for i, r in enumerate(rows):  # asked for: together most of the time left, in equal parts
+            self._search_longest_seq(r, share=0.6 / (len(rows) - i))
+        report.seq_positions = fit_mod.max_positions(self.model)
+
     def _search_largest_batch(self, res: Result) -> None:
-        """``res``'s largest batch under the limit, run: steps at growing, then bisected batches (the example
-        batch tiled), each a fresh copy's build + two steps with its peak measured, until the boundary is known
-        within 5%, ``_BATCH_PROBES`` runs were made, or the next would not end within ``_BATCH_SEARCH_SHARE`` of
-        the budget left (a step's time grows with the batch): then the largest batch is "at least" the last that
-        fit, and the report says larger was not run."""
-        cfg = {**self.base_cfg, **res.changes}
+        """``res``'s largest batch under the limit, run (:meth:`_search_largest`, the example batch tiled)."""
         n0 = B.batch_size(self.batches[0])
+        res.max_batch, res.max_batch_bound = self._search_largest(
+            res, n0, res.max_batch_guess or 2 * n0, lambda b: fit_mod.tiled(self.batches[0], b))
+
+    def _search_longest_seq(self, res: Result, share: float) -> None:
+        """``res``'s longest sequence under the limit, run (:meth:`_search_largest`, the ids tiled along the
+        sequence), up to the model's positions, within ``share`` of the time left."""
+        t0 = fit_mod.sequence_length(self.batches[0])
+        res.max_seq, res.max_seq_bound = self._search_largest(
+            res, t0, 2 * t0, lambda t: fit_mod.with_sequence_length(self.batches[0], t),
+            cap=fit_mod.max_positions(self.model), share=share)
+
+    def _search_largest(self, res: Result, n0: int, guess: int, resize: Callable[[int], Any],
+                        cap: int | None = None, share: float = _BATCH_SEARCH_SHARE) -> tuple[int | None, int | None]:
+        """(the largest size that ran under the limit, the smallest that did not) for ``res``'s configuration:
+        steps at growing, then bisected sizes (``resize(n)`` the example batch at size n; ``n0`` its own size),
+        each a fresh copy's build + two steps with its peak measured, until the boundary is known within 5%,
+        ``_BATCH_PROBES`` runs were made, ``cap`` was reached, or the next would not end within
+        ``share`` of the budget left (a step's time grows with the size): then the largest is "at least" the
+        last that fit, and the report says larger was not run."""
+        cfg = {**self.base_cfg, **res.changes}
         fits0 = res.peak_bytes is not None and res.peak_bytes <= self.limit
         lo, hi = (n0, None) if fits0 else (0, n0)
-        guess = res.max_batch_guess or 2 * n0
         guess = max(guess, n0 + 1) if fits0 else min(max(guess, 1), max(n0 - 1, 1))
-        # a run at batch b: about b / n0 times plain's memory run (the fixed part makes it an overestimate)
-        per_sample_s = (self.memory_s or res.step_s or self.report.baseline.step_s or 0.0) / max(n0, 1)
-        until = time.perf_counter() + _BATCH_SEARCH_SHARE * max(self.left(self.train_end - self.compile_reserve), 0)
+        # a run at size b: about b / n0 times plain's memory run (the fixed part makes it an overestimate)
+        per_unit_s = (self.memory_s or res.step_s or self.report.baseline.step_s or 0.0) / max(n0, 1)
+        until = time.perf_counter() + share * max(self.left(self.train_end - self.compile_reserve), 0)
         for _ in range(_BATCH_PROBES):
-            if hi is not None and hi - lo <= max(1, lo // 20):
+            if (hi is not None and hi - lo <= max(1, lo // 20)) or (cap is not None and lo >= cap):
                 break
             b = guess if hi is None else (lo + hi) // 2 if lo else min(guess, hi - 1)
-            b = min(b, self._affordable_batch(per_sample_s, until))
+            b = min(b, self._affordable_batch(per_unit_s, until), cap or b)
             if b <= lo or (hi is not None and b >= hi):
                 break
             try:
-                m = measure_memory(self.model, cfg, _tiled(self.batches[0], b), per_sample=False, **self.kw)
+                m = measure_memory(self.model, cfg, resize(b), per_sample=False, **self.kw)
                 fits = m.peak_bytes <= self.limit
-            except Exception as exc:  # out of memory on the device, or the model refuses the batch
+            except Exception as exc:  # out of memory on the device, or the model refuses the size
                 if not is_oom(exc):
                     break
                 fits = False
@@ -963,8 +1003,7 @@ class _Tune:
                 lo, guess = b, 2 * b
             else:
                 hi, guess = b, max(b // 2, 1)
-        res.max_batch = lo or None
-        res.max_batch_bound = hi
+        return lo or None, hi
 
     def _affordable_batch(self, per_sample_s: float, until: float) -> int:
         """The largest batch whose memory run (a build and a few steps) takes at most half the time to ``until``.
@@ -1561,11 +1600,4 @@ def _gib(n: float | None) -> str:
     return human_bytes(n) if n is not None else "n/a"
 
 
-def _tiled(batch: Any, n: int) -> Any:
-    """``batch`` repeated along dim 0 to ``n`` samples (tensors without a batch dimension as they are)."""
-    def tile(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0:
-            return t
-        reps = -(-n // t.shape[0])
-        return t.repeat(reps, *([1] * (t.dim() - 1)))[:n]
-    return B.map_tensors(batch, tile)
+_tiled = fit_mod.tiled  # the example batch at another batch size (tests reach it here)
