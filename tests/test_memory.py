@@ -276,7 +276,7 @@ def test_memory_to_text_is_what_the_cli_prints(capsys, monkeypatch):
 
     rep = _report()
     monkeypatch.setattr(memory, "memory_report", lambda *a, **k: rep)
-    assert main(["memory", "--model", "mlp", "--batch", "2"]) == 0
+    assert main(["memory", "--model", "mlp", "--batch", "2", "--no-advice"]) == 0
     assert capsys.readouterr().out == rep.to_text("mlp", 2) + "\n"
     text = rep.to_text("mlp", 2)
     assert text.startswith("mlp, batch 2, cpu:\n")

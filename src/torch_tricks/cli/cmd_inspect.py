@@ -31,6 +31,9 @@ def add_commands(sub: Any) -> None:
     sp.add_argument("--optimizer", default="adamw", help="sgd, adam or adamw (default adamw)")
     sp.add_argument("--leak-steps", type=int, default=0,
                     help="also run this many training steps and check that memory stops growing")
+    sp.add_argument("--no-advice", dest="advice", action="store_false",
+                    help="leave out the largest share's trick and its measured saving (two more training steps); "
+                         "for a causal LM, --loss auto counts its loss and logits apart")
     sp.set_defaults(func=cmd_memory)
 
     sp = sub.add_parser("time", help="forward, forward+backward and training-step time (synchronised median)")
@@ -105,11 +108,19 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from torch_tricks.inspect.memory import leak_check, memory_report
     from torch_tricks.inspect.step import Workloads
 
-    model, inputs = load(args)
-    inputs, target, loss_fn = measured_step(args, model, inputs)
+    model, load_inputs = load(args)
+    inputs, target, loss_fn = measured_step(args, model, load_inputs)
     rep = memory_report(model, inputs, optimizer=args.optimizer, loss_fn=loss_fn, target=target)
     data = {"model": args.model, "batch": args.batch, "loss": args.loss or "sum of output means", **rep.to_dict()}
     text = rep.to_text(args.model, args.batch)
+    if args.advice:
+        from torch_tricks.batches import example_batch
+        from torch_tricks.tuning.memory_advice import advise_memory
+
+        batch, train_loss = example_batch(model, load_inputs, seed=0, loss=args.loss or "auto")
+        advice = advise_memory(model, rep, batch, train_loss, device=args.device, optimizer=args.optimizer)
+        data["advice"] = advice.to_dict()
+        text += "\n\n" + advice.to_text()
     if args.leak_steps:
         wl = Workloads(model, inputs, loss_fn=loss_fn, optimizer=args.optimizer, target=target)
         leak = leak_check(wl.step, steps=args.leak_steps, device=args.device)
