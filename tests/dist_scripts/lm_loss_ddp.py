@@ -1,8 +1,10 @@
-"""T28 under DDP: ``fit`` with ``chunked_lm_loss`` on 2 gloo ranks, every rank on the same batches.
+"""T28 under DDP and FSDP: ``fit`` with ``chunked_lm_loss`` on 2 gloo ranks, every rank on the same batches.
 
 Usage: torchrun --standalone --nproc_per_node=2 lm_loss_ddp.py OUT_DIR
 Rank 0 writes OUT_DIR/params.pt (the trained parameters) and OUT_DIR/applied.txt (the switches fit applied,
-and whether a forward with labels through DDP returned no logits: the chunked loss served it).
+and whether a forward with labels through DDP returned no logits: the chunked loss served it); then the same
+fit under FSDP (SGD: its fused step has no sharded form, foreach serves) writes OUT_DIR/fsdp_params.pt (the
+full parameters) and OUT_DIR/fsdp_applied.txt.
 """
 
 from __future__ import annotations
@@ -29,4 +31,13 @@ if torch.distributed.get_rank() == 0:
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / "params.pt")
     (out / "applied.txt").write_text(",".join(h.applied) + f"\nlogits None under DDP: {logits_none}")
 del wrapped
+sharded = _model("gpt2")
+hf = fit(sharded, [_batch() for _ in range(3)], config=TrainConfig(epochs=1, optimizer="sgd", lr=0.1, device="cpu",
+                                                                  progress=False, chunked_lm_loss=True,
+                                                                  distributed="fsdp"))
+full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in sharded.state_dict().items()}
+if torch.distributed.get_rank() == 0:
+    torch.save(full, out / "fsdp_params.pt")
+    (out / "fsdp_applied.txt").write_text(",".join(hf.applied))
 cleanup()
