@@ -138,9 +138,12 @@ def tune_choice(name: str, budget_s: float, device: str) -> dict[str, Any]:
     from torch_tricks import tune
 
     model, batch = build(name)
-    report = tune(lambda: model, batch, device=device, budget_s=budget_s, progress=False, skip=["compile"])
+    report = tune(lambda: model, batch, device=device, budget_s=budget_s, progress=False,
+                  skip=["compile", "deterministic", "ema"])  # no memory in them: the budget goes to the rest
     best = report.best_batch
-    return {"name": best.name if best is not None else "plain", "changes": dict(best.changes) if best else {}}
+    return {"name": best.name if best is not None else "plain", "changes": dict(best.changes) if best else {},
+            "notes": report.notes + report.choice_notes if hasattr(report, "choice_notes") else report.notes,
+            "phase_s": report.phase_s}
 
 
 def _warm_up(name: str, config: dict[str, Any], device: str) -> None:
@@ -260,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--tune-budget", type=float, default=90.0,
+    p.add_argument("--tune-budget", type=float, default=240.0,
                    help="seconds of the tune that names each model's memory-optimal configuration (0: no tune)")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG_JSON"), help=argparse.SUPPRESS)
     p.add_argument("--tune-child", metavar="MODEL", help=argparse.SUPPRESS)

@@ -220,39 +220,28 @@ def test_with_checkpointing_accumulation_and_bf16_in_fit():
     assert abs(b - p) / p <= DRIFT_TOLERANCE["loss"], (b, p)
 
 
-def test_under_ddp_fit_with_the_chunked_loss_makes_the_single_process_updates(gloo_jobs):
+@pytest.mark.parametrize("mode,params,applied_file,needles", [
+    ("ddp", "params.pt", "applied.txt", ("chunked_lm_loss", "logits None under DDP: True")),
+    ("fsdp", "fsdp_params.pt", "fsdp_applied.txt", ("chunked_lm_loss", "fsdp")),
+])
+def test_on_two_ranks_fit_with_the_chunked_loss_makes_the_single_process_updates(gloo_jobs, mode, params,
+                                                                                applied_file, needles):
     """Two gloo ranks (the session's shared torchrun launch), each on the same batches: DDP averages equal
-    gradients, so the parameters are one process's plain fit's."""
+    gradients, and FSDP2 gathers its sharded parameters for the forward the chunked loss runs in, so the (full)
+    parameters are one process's plain fit's. The FSDP run first found fit under FSDP with SGD on a CPU
+    crashing at the first step (a fused SGD step has no sharded form)."""
     from torch_tricks.train import TrainConfig, fit
 
-    assert gloo_jobs.returncode == 0 and (gloo_jobs.lm / "params.pt").exists(), gloo_jobs.log[-3000:]
-    applied = (gloo_jobs.lm / "applied.txt").read_text()
-    assert "chunked_lm_loss" in applied and "logits None under DDP: True" in applied, applied
-    ddp = torch.load(gloo_jobs.lm / "params.pt")
+    assert gloo_jobs.returncode == 0 and (gloo_jobs.lm / params).exists(), gloo_jobs.log[-3000:]
+    applied = (gloo_jobs.lm / applied_file).read_text()
+    assert all(n in applied for n in needles), (mode, applied)
+    ranks = torch.load(gloo_jobs.lm / params)
     single, start = _model("gpt2"), _model("gpt2")
     fit(single, [_batch() for _ in range(3)], config=TrainConfig(epochs=1, optimizer="sgd", lr=0.1, device="cpu",
                                                                  progress=False))
     for (n, p), p0 in zip(single.named_parameters(), start.parameters()):
-        key = n if n in ddp else n.replace("transformer.wte", "lm_head")
-        assert _rel(ddp[key] - p0.detach(), p.detach() - p0.detach()) <= 1e-4, n
-
-
-def test_under_fsdp_fit_with_the_chunked_loss_makes_the_single_process_updates(gloo_jobs):
-    """The same two ranks under FSDP2 (sharded parameters, gathered for the forward the chunked loss runs in):
-    the full parameters after fit are one process's plain fit's. It first found fit under FSDP with SGD on a
-    CPU crashing at the first step (a fused SGD step has no sharded form)."""
-    from torch_tricks.train import TrainConfig, fit
-
-    assert gloo_jobs.returncode == 0 and (gloo_jobs.lm / "fsdp_params.pt").exists(), gloo_jobs.log[-3000:]
-    applied = (gloo_jobs.lm / "fsdp_applied.txt").read_text()
-    assert "chunked_lm_loss" in applied and "fsdp" in applied, applied
-    sharded = torch.load(gloo_jobs.lm / "fsdp_params.pt")
-    single, start = _model("gpt2"), _model("gpt2")
-    fit(single, [_batch() for _ in range(3)], config=TrainConfig(epochs=1, optimizer="sgd", lr=0.1, device="cpu",
-                                                                 progress=False))
-    for (n, p), p0 in zip(single.named_parameters(), start.parameters()):
-        key = n if n in sharded else n.replace("transformer.wte", "lm_head")
-        assert _rel(sharded[key] - p0.detach(), p.detach() - p0.detach()) <= 1e-4, n
+        key = n if n in ranks else n.replace("transformer.wte", "lm_head")
+        assert _rel(ranks[key] - p0.detach(), p.detach() - p0.detach()) <= 1e-4, (mode, n)
 
 
 def test_the_tune_leaves_it_out_where_the_loss_is_computed_outside_the_model():

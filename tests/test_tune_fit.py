@@ -1,4 +1,5 @@
-"""tune --fit (issue 21, T32): batch=N and seq=N tune at that size; seq runs the longest sequence that fits
+"""tune under a memory limit and --fit (issue 21, T32): at 60% of plain's peak the recommendation trains in a
+fresh process under the limit; batch=N and seq=N tune at that size; seq runs the longest sequence that fits
 for plain, the recommendation and the memory tricks together, and a fresh process confirms the stated length
 fits (and the first one that did not, does not); bad targets are one line and exit 2."""
 
@@ -63,45 +64,105 @@ def test_fit_batch_tunes_at_that_batch(capsys):
     assert code == 0 and json.loads(out)["batch"] == 24
 
 
-_FRESH = """
+_LM = {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 1024, "vocab_size": 2000}
+
+_FRESH_PEAKS = """
 import json, sys
 import torch
 from torch_tricks.models import load_model
 from torch_tricks.tuning.measure import measure_memory
-cfg, lengths = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+hf, cfg, lengths = (json.loads(a) for a in sys.argv[1:4])
 torch.manual_seed(0)
-model = load_model("hf:gpt2", hf_config={"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 1024,
-                                         "vocab_size": 2000})[0]
+model = load_model("hf:gpt2", hf_config=hf)[0]
 peaks = []
 for t in lengths:
-    ids = torch.randint(0, 2000, (4, t), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, hf["vocab_size"], (8, t), generator=torch.Generator().manual_seed(1))
     peaks.append(measure_memory(model, cfg, {"input_ids": ids, "labels": ids}, loss_fn=None, optimizer_fn=None,
                                 per_sample=False).peak_bytes)
 print(json.dumps(peaks))
 """
 
+_FRESH_RUN = """
+import json, sys
+import torch
+from torch_tricks import Tricks
+from torch_tricks.inspect.memory import LiveTensors
+from torch_tricks.models import load_model
+hf, toml = json.loads(sys.argv[1]), sys.argv[2]
+ids = torch.randint(0, hf["vocab_size"], (8, 64), generator=torch.Generator().manual_seed(1))
+torch.manual_seed(0)
+with LiveTensors() as live:  # the tune's measure on a CPU: the model, its optimizer and state, the steps
+    tricks = Tricks(toml, device="cpu", progress=False)
+    model, _ = tricks.prepare(load_model("hf:gpt2", hf_config=hf)[0])
+    for _ in range(5):
+        for part in ids.chunk(tricks.config.accumulate):
+            with tricks.autocast():
+                loss = model(input_ids=part, labels=part).loss
+            tricks.backward(loss)
+            tricks.step()
+print(json.dumps({"peak": live.peak_bytes, "steps": tricks.step_count, "applied": tricks.applied}))
+"""
 
-def test_fit_seq_runs_the_longest_sequence_for_plain_and_the_memory_tricks(tmp_path, capsys):
-    limit = 24 << 20
-    code = main(["tune", "--model", "hf:gpt2", "--hf-config", HF, "--input", "input_ids=long:64:2000", "--batch", "4",
-                 "--memory-limit", str(limit), "--fit", "seq", "--budget-seconds", "10", "--no-progress",
-                 "--out", str(tmp_path), *_SKIP])
-    text = capsys.readouterr().out
+
+def _fresh(code: str, *args: str) -> object:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def lm_tuned_at_60_percent(tmp_path_factory):
+    """One tune of a small GPT-2 (batch 8, sequence 64) with --memory-limit at 60% of plain's measured peak
+    and --fit seq: (limit, report.json, the printed text, the output folder)."""
+    import contextlib
+    import io
+
+    from torch_tricks.models import load_model
+    from torch_tricks.tuning.measure import measure_memory
+
+    ids = torch.randint(0, _LM["vocab_size"], (8, 64), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    plain = measure_memory(load_model("hf:gpt2", hf_config=_LM)[0], {"device": "cpu", "fused_optimizer": False},
+                           {"input_ids": ids, "labels": ids}, loss_fn=None, optimizer_fn=None, per_sample=False)
+    limit = int(0.6 * plain.peak_bytes)
+    out = tmp_path_factory.mktemp("fit")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["tune", "--model", "hf:gpt2", "--hf-config", ",".join(f"{k}={v}" for k, v in _LM.items()),
+                     "--input", "input_ids=long:64:2000", "--batch", "8", "--memory-limit", str(limit),
+                     "--fit", "seq", "--budget-seconds", "15", "--no-progress", "--out", str(out),
+                     *(a for t in ("compile", "ema", "deterministic", "optimizer_in_backward") for a in ("--skip", t))])
     assert code == 0
+    return limit, json.loads((out / "report.json").read_text()), buf.getvalue(), out
+
+
+def test_an_lm_tuned_at_60_percent_of_plains_peak_trains_in_a_fresh_process_under_the_limit(lm_tuned_at_60_percent):
+    """The tune recommends the fastest configuration measured to fit (combinations of the tricks that cut the
+    peak, not only one trick or accumulation), and the recommendation, read from tricks.toml by a fresh
+    process, trains 5 steps under the limit."""
+    limit, report, _, out = lm_tuned_at_60_percent
+    chosen = report["recommended"]
+    assert report["fits_with"], report["notes"]  # plain does not fit: a configuration that does was found
+    run = _fresh(_FRESH_RUN, json.dumps(_LM), str(out / "tricks.toml"))
+    assert run["steps"] == 5 and run["peak"] <= limit, (run, limit, chosen)
+    switched = [k for k, v in chosen.items() if v is True] + [k for k in ("checkpointing",) if chosen.get(k)]
+    assert switched or chosen["precision"] != "fp32" or chosen["accumulate"] > 1, chosen  # something to fit
+
+
+def test_fit_seq_runs_the_longest_sequence_for_plain_and_the_memory_tricks(lm_tuned_at_60_percent):
+    """Plain (which does not fit at 64) and the memory tricks together, each length a step run: a fresh process
+    measures the stated length under the limit and the first length that did not fit over it."""
+    limit, report, text, _ = lm_tuned_at_60_percent
     line = next(x for x in text.splitlines() if x.startswith("longest sequence under the limit: plain "))
-    report = json.loads((tmp_path / "report.json").read_text())
     plain = report["baseline"]
     together = next(r for r in report["results"] + report["combinations"] if r["name"] == report["best_batch"])
     assert plain["max_seq"] and together["max_seq"] and together["name"] != "plain"
-    assert together["max_seq"] > plain["max_seq"] >= 64  # the memory tricks fit a longer context
+    assert together["max_seq"] > plain["max_seq"] and plain["max_seq"] < 64, line  # plain does not fit at 64
     assert f"{together['max_seq'] / plain['max_seq']:.2f}x plain's" in line, line
-    for row in (plain, together):  # each stated length was run: a fresh process measures it under the limit
+    for row in (plain, together):
         lengths = [row["max_seq"]] + ([row["max_seq_bound"]] if row["max_seq_bound"] else [])
-        cfg = {"device": "cpu", "fused_optimizer": False, "seed": 0, "batch_size": 4, **row["changes"]}
-        out = subprocess.run([sys.executable, "-c", _FRESH, json.dumps(cfg), json.dumps(lengths)],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        peaks = json.loads(out.stdout.strip().splitlines()[-1])
+        cfg = {"device": "cpu", "fused_optimizer": False, "seed": 0, "batch_size": 8, **row["changes"]}
+        peaks = _fresh(_FRESH_PEAKS, json.dumps(_LM), json.dumps(cfg), json.dumps(lengths))
         assert peaks[0] <= limit, (row["name"], peaks, limit)
         if len(peaks) > 1:
             assert peaks[1] > limit, (row["name"], peaks, limit)

@@ -111,6 +111,7 @@ _SETTLE_ROUNDS = 30
 _SIDE_SETTLE_ROUNDS = 12
 _MAX_ROUNDS = 150
 # The search for the largest batch under the memory limit (per configuration searched: the largest-batch one and plain).
+_MEMORY_RUN_MARGIN = 1.5  # a combination's memory run, in plain's memory runs (more switches, a little more)
 _FIT_COMBO_TRIES = 3  # combinations of peak cutters measured for a faster fit under the limit
 _BATCH_PROBES = 6
 _BATCH_SEARCH_SHARE = 0.25
@@ -375,6 +376,7 @@ class _Tune:
         self.compile_row: Result | None = None
         self.compile_skip_reason = ""
         self.memory_s = 0.0  # what plain's memory run at the example batch took (the largest-batch search's unit)
+        self.memory_reserve = 0.0  # kept back from the race and the combinations for the memory tricks together
 
     def _setup_candidate(self, res: Result, c: Candidate, setup_end: float, retry: bool = True) -> None:
         """Drift and memory of one candidate, unless its probe step says it is far too slow (or too slow for the budget)."""
@@ -568,10 +570,14 @@ class _Tune:
         self.bar.update(1)
 
     def _kept_from_the_race(self, lanes: list[Lane]) -> float:
-        """Seconds kept back from the race of the single tricks: compile's, and one combination's where two
-        contenders could make one."""
+        """Seconds kept back from the race of the single tricks: compile's, one combination's where two
+        contenders could make one, and the memory tricks' together (one memory run: the largest batch's
+        configuration) where two of them cut the bytes per sample."""
         contenders = sum(1 for lane in lanes[2:] if lane.contender)
-        return self.compile_reserve + (self._combo_need() if contenders >= 2 else 0.0)
+        base = self.report.baseline
+        cutters = [r for r in self.singles_res if base.bytes_per_sample and _cuts_bytes_per_sample(r, base)]
+        self.memory_reserve = _MEMORY_RUN_MARGIN * self.memory_s if len(_compatible(cutters)[0]) >= 2 else 0.0
+        return (self.compile_reserve + (self._combo_need() if contenders >= 2 else 0.0)) + self.memory_reserve
 
     def _singles_lanes(self) -> list[Lane]:
         """The plain step and its A/A twin, then each single trick (a contender unless it cannot win)."""
@@ -675,7 +681,7 @@ class _Tune:
         report.best_throughput = base
         plain_fits = self._fits(base)
         good = self._faster_speed_tricks(plain_fits)
-        end = self.train_end - self.compile_reserve
+        end = self.train_end - self.compile_reserve - self.memory_reserve  # the memory tricks' run comes next
         if not plain_fits:
             self.choice_notes.append(
                 f"the plain step needs {_gib(base.peak_bytes)} at batch {report.batch}, over the memory limit "
@@ -1022,7 +1028,7 @@ class _Tune:
         same = self._measured_for_memory(changes)
         if same is not None:
             return same
-        if time.perf_counter() + self.setup_s >= self.train_end - self.compile_reserve:
+        if time.perf_counter() + _MEMORY_RUN_MARGIN * self.memory_s >= self.train_end - self.compile_reserve:
             report.notes.append("memory tricks not combined for the largest batch: over --budget-seconds")
             return None
         combo = Result("+".join(sorted(r.name for r in chosen)), "memory", changes, _all_ids(chosen))
