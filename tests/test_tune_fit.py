@@ -66,30 +66,19 @@ def test_fit_batch_tunes_at_that_batch(capsys):
 
 _LM = {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 1024, "vocab_size": 2000}
 
-_FRESH_PEAKS = """
-import json, sys
-import torch
-from torch_tricks.models import load_model
-from torch_tricks.tuning.measure import measure_memory
-hf, cfg, lengths = (json.loads(a) for a in sys.argv[1:4])
-torch.manual_seed(0)
-model = load_model("hf:gpt2", hf_config=hf)[0]
-peaks = []
-for t in lengths:
-    ids = torch.randint(0, hf["vocab_size"], (8, t), generator=torch.Generator().manual_seed(1))
-    peaks.append(measure_memory(model, cfg, {"input_ids": ids, "labels": ids}, loss_fn=None, optimizer_fn=None,
-                                per_sample=False).peak_bytes)
-print(json.dumps(peaks))
-"""
-
-_FRESH_RUN = """
+_FRESH = """
 import json, sys
 import torch
 from torch_tricks import Tricks
 from torch_tricks.inspect.memory import LiveTensors
 from torch_tricks.models import load_model
-hf, toml = json.loads(sys.argv[1]), sys.argv[2]
-ids = torch.randint(0, hf["vocab_size"], (8, 64), generator=torch.Generator().manual_seed(1))
+from torch_tricks.tuning.measure import measure_memory
+hf, toml, rows = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+
+def ids_of(t):
+    return torch.randint(0, hf["vocab_size"], (8, t), generator=torch.Generator().manual_seed(1))
+
+ids = ids_of(64)
 torch.manual_seed(0)
 with LiveTensors() as live:  # the tune's measure on a CPU: the model, its optimizer and state, the steps
     tricks = Tricks(toml, device="cpu", progress=False)
@@ -100,7 +89,12 @@ with LiveTensors() as live:  # the tune's measure on a CPU: the model, its optim
                 loss = model(input_ids=part, labels=part).loss
             tricks.backward(loss)
             tricks.step()
-print(json.dumps({"peak": live.peak_bytes, "steps": tricks.step_count, "applied": tricks.applied}))
+run = {"peak": live.peak_bytes, "steps": tricks.step_count, "applied": tricks.applied}
+torch.manual_seed(0)
+fresh = load_model("hf:gpt2", hf_config=hf)[0]
+peaks = [[measure_memory(fresh, cfg, {"input_ids": ids_of(t), "labels": ids_of(t)}, loss_fn=None, optimizer_fn=None,
+                         per_sample=False).peak_bytes for t in lengths] for cfg, lengths in rows]
+print(json.dumps({"run": run, "peaks": peaks}))
 """
 
 
@@ -136,33 +130,45 @@ def lm_tuned_at_60_percent(tmp_path_factory):
     return limit, json.loads((out / "report.json").read_text()), buf.getvalue(), out
 
 
-def test_an_lm_tuned_at_60_percent_of_plains_peak_trains_in_a_fresh_process_under_the_limit(lm_tuned_at_60_percent):
+def _seq_rows(report: dict) -> list[dict]:
+    """Plain and the memory tricks together (the largest-batch configuration), as the report states them."""
+    together = next(r for r in report["results"] + report["combinations"] if r["name"] == report["best_batch"])
+    return [report["baseline"], together]
+
+
+@pytest.fixture(scope="module")
+def fresh_checks(lm_tuned_at_60_percent):
+    """One fresh process: the recommendation from tricks.toml trained 5 steps (peak), and each stated longest
+    sequence (and the first length that did not fit) measured as the tune measures."""
+    _, report, _, out = lm_tuned_at_60_percent
+    rows = [({"device": "cpu", "fused_optimizer": False, "seed": 0, "batch_size": 8, **r["changes"]},
+             [r["max_seq"]] + ([r["max_seq_bound"]] if r["max_seq_bound"] else [])) for r in _seq_rows(report)]
+    return _fresh(_FRESH, json.dumps(_LM), str(out / "tricks.toml"), json.dumps(rows))
+
+
+def test_an_lm_tuned_at_60_percent_of_plains_peak_trains_in_a_fresh_process_under_the_limit(lm_tuned_at_60_percent,
+                                                                                            fresh_checks):
     """The tune recommends the fastest configuration measured to fit (combinations of the tricks that cut the
     peak, not only one trick or accumulation), and the recommendation, read from tricks.toml by a fresh
     process, trains 5 steps under the limit."""
-    limit, report, _, out = lm_tuned_at_60_percent
-    chosen = report["recommended"]
+    limit, report, _, _ = lm_tuned_at_60_percent
+    chosen, run = report["recommended"], fresh_checks["run"]
     assert report["fits_with"], report["notes"]  # plain does not fit: a configuration that does was found
-    run = _fresh(_FRESH_RUN, json.dumps(_LM), str(out / "tricks.toml"))
     assert run["steps"] == 5 and run["peak"] <= limit, (run, limit, chosen)
     switched = [k for k, v in chosen.items() if v is True] + [k for k in ("checkpointing",) if chosen.get(k)]
     assert switched or chosen["precision"] != "fp32" or chosen["accumulate"] > 1, chosen  # something to fit
 
 
-def test_fit_seq_runs_the_longest_sequence_for_plain_and_the_memory_tricks(lm_tuned_at_60_percent):
+def test_fit_seq_runs_the_longest_sequence_for_plain_and_the_memory_tricks(lm_tuned_at_60_percent, fresh_checks):
     """Plain (which does not fit at 64) and the memory tricks together, each length a step run: a fresh process
     measures the stated length under the limit and the first length that did not fit over it."""
     limit, report, text, _ = lm_tuned_at_60_percent
     line = next(x for x in text.splitlines() if x.startswith("longest sequence under the limit: plain "))
-    plain = report["baseline"]
-    together = next(r for r in report["results"] + report["combinations"] if r["name"] == report["best_batch"])
+    plain, together = _seq_rows(report)
     assert plain["max_seq"] and together["max_seq"] and together["name"] != "plain"
     assert together["max_seq"] > plain["max_seq"] and plain["max_seq"] < 64, line  # plain does not fit at 64
     assert f"{together['max_seq'] / plain['max_seq']:.2f}x plain's" in line, line
-    for row in (plain, together):
-        lengths = [row["max_seq"]] + ([row["max_seq_bound"]] if row["max_seq_bound"] else [])
-        cfg = {"device": "cpu", "fused_optimizer": False, "seed": 0, "batch_size": 8, **row["changes"]}
-        peaks = _fresh(_FRESH_PEAKS, json.dumps(_LM), json.dumps(cfg), json.dumps(lengths))
+    for row, peaks in zip((plain, together), fresh_checks["peaks"]):
         assert peaks[0] <= limit, (row["name"], peaks, limit)
         if len(peaks) > 1:
             assert peaks[1] > limit, (row["name"], peaks, limit)

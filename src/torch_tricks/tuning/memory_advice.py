@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from torch_tricks._format import human_bytes
-from torch_tricks._optional import available
+from torch_tricks._optional import available, install_hint
 from torch_tricks.errors import one_line
 from torch_tricks.inspect.memory import MemoryReport
 from torch_tricks.train.lm_loss import lm_head_of
@@ -120,7 +120,7 @@ def _trick_for(share: str, model: nn.Module, optimizer: str) -> tuple[str | None
             return None, (), {}, f"low-bit state is for Adam/AdamW, not {optimizer}"
         why = ("not measured here: torchao's step is compiled, and a compiled step does not run inside the "
                "tensor counter of this measure; benchmarks/memory.py measures it in a fresh process"
-               if available("torchao") else "needs torchao: pip install torch-tricks[deploy]")
+               if available("torchao") else f"needs torchao: {install_hint('deploy')}")
         return "low_precision_optimizer_state", ("T29",), {"optimizer_state": "8bit"}, why
     if share == "gradients":
         return "optimizer_in_backward", ("T30",), {"optimizer_in_backward": True}, ""
