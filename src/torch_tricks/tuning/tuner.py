@@ -992,24 +992,23 @@ class _Tune:
         per_unit_s = (self.memory_s or res.step_s or self.report.baseline.step_s or 0.0) / max(n0, 1)
         until = time.perf_counter() + share * max(self.left(self.train_end - self.compile_reserve), 0)
         for _ in range(_BATCH_PROBES):
-            if (hi is not None and hi - lo <= max(1, lo // 20)) or (cap is not None and lo >= cap):
-                break
-            b = guess if hi is None else (lo + hi) // 2 if lo else min(guess, hi - 1)
-            b = min(b, self._affordable_batch(per_unit_s, until), cap or b)
+            b = _next_size(lo, hi, guess, cap)
+            b = min(b, self._affordable_batch(per_unit_s, until)) if b else 0
             if b <= lo or (hi is not None and b >= hi):
                 break
-            try:
-                m = measure_memory(self.model, cfg, resize(b), per_sample=False, **self.kw)
-                fits = m.peak_bytes <= self.limit
-            except Exception as exc:  # out of memory on the device, or the model refuses the size
-                if not is_oom(exc):
-                    break
-                fits = False
-            if fits:
-                lo, guess = b, 2 * b
-            else:
-                hi, guess = b, max(b // 2, 1)
+            fits = self._fits_at(cfg, resize(b))
+            if fits is None:
+                break
+            lo, hi, guess = (b, hi, 2 * b) if fits else (lo, b, max(b // 2, 1))
         return lo or None, hi
+
+    def _fits_at(self, cfg: dict[str, Any], batch: Any) -> bool | None:
+        """Whether a memory run of ``cfg`` on ``batch`` peaks under the limit; an out-of-memory error is a no,
+        any other (the model refuses the size) None: the search stops there."""
+        try:
+            return measure_memory(self.model, cfg, batch, per_sample=False, **self.kw).peak_bytes <= self.limit
+        except Exception as exc:
+            return False if is_oom(exc) else None
 
     def _affordable_batch(self, per_sample_s: float, until: float) -> int:
         """The largest batch whose memory run (a build and a few steps) takes at most half the time to ``until``.
@@ -1544,6 +1543,15 @@ def _cuts_bytes_per_sample(r: Result, base: Result) -> bool:
     """``r`` was measured, cuts the plain step's bytes per sample by 5% or more, and does not drift."""
     return (r.status == "measured" and r.bytes_per_sample is not None and r.max_batch_guess is not None
             and r.bytes_per_sample < base.bytes_per_sample * 0.95 and _drift_ok(r))
+
+
+def _next_size(lo: int, hi: int | None, guess: int, cap: int | None) -> int:
+    """The next size a search runs: ``guess`` while no size failed, then bisection; 0 when the boundary is
+    known within 5% or ``cap`` was reached."""
+    if (hi is not None and hi - lo <= max(1, lo // 20)) or (cap is not None and lo >= cap):
+        return 0
+    b = guess if hi is None else (lo + hi) // 2 if lo else min(guess, hi - 1)
+    return min(b, cap) if cap else b
 
 
 def _fit_name(names: list[str]) -> str:
