@@ -746,7 +746,7 @@ import torch
 sys.path.insert(0, {tests!r})
 from test_tune import TinyNet, _batch
 from torch_tricks.tuning.measure import measure_memory
-from torch_tricks.tuning.tuner import _tiled
+from torch_tricks.tuning.fit import tiled as _tiled
 torch.manual_seed(0)
 cfg, sizes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 print(json.dumps([measure_memory(TinyNet(), cfg, _tiled(_batch(16, 32), n), loss_fn=None, optimizer_fn=None,

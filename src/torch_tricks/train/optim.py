@@ -447,7 +447,7 @@ def _fused_possible(
             return False, f"torch {torch.__version__} has no fused kernels for {p.device.type}"
         if not torch.is_floating_point(p):
             return False, f"fused steps need floating point parameters, got {p.dtype}"
-    if cls not in _FUSED_ON_DTENSOR and any(_is_dtensor(p) for p in params):
+    if cls not in _FUSED_ON_DTENSOR and any(hasattr(p, "to_local") for p in params):  # DTensor parameters
         # fit under FSDP on a CPU crashed at the first step: "aten._fused_sgd_ has no sharding strategy"
         return False, f"sharded (DTensor) parameters: torch has no sharded fused {cls.__name__} step"
     return True, ""
@@ -455,10 +455,6 @@ def _fused_possible(
 
 # The optimizers whose fused step DTensor (FSDP2's sharded parameters) has a sharding rule for.
 _FUSED_ON_DTENSOR = (torch.optim.Adam, torch.optim.AdamW)
-
-
-def _is_dtensor(p: torch.Tensor) -> bool:
-    return type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
 
 
 def _fused_devices() -> list[str]:

@@ -110,9 +110,9 @@ _MIN_ROUNDS = 5
 _SETTLE_ROUNDS = 30
 _SIDE_SETTLE_ROUNDS = 12
 _MAX_ROUNDS = 150
-# The search for the largest batch under the memory limit (per configuration searched: the largest-batch one and plain).
 _MEMORY_RUN_MARGIN = 1.5  # a combination's memory run, in plain's memory runs (more switches, a little more)
 _FIT_COMBO_TRIES = 3  # combinations of peak cutters measured for a faster fit under the limit
+# The search for the largest batch under the memory limit (per configuration searched: the largest-batch one and plain).
 _BATCH_PROBES = 6
 _BATCH_SEARCH_SHARE = 0.25
 _MAX_SIDE_ROUNDS = 100
@@ -1614,4 +1614,3 @@ def _gib(n: float | None) -> str:
     return human_bytes(n) if n is not None else "n/a"
 
 
-_tiled = fit_mod.tiled  # the example batch at another batch size (tests reach it here)
