@@ -29,6 +29,7 @@ are printed beside it, from configurations run one after another, as steady as t
 
     python benchmarks/memory.py                      # both models, 20 steps each configuration
     python benchmarks/memory.py --models lm --steps 10 --tune-budget 60
+    python benchmarks/memory.py --models lm --device cuda --rows offload --tune-budget 0
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
         "chunked LM-head loss": {"chunked_lm_loss": True},
         "8-bit AdamW state": {"optimizer_state": "8bit"},
         "4-bit AdamW state": {"optimizer_state": "4bit"},
+        "bf16 AdamW state": {"optimizer_state": "bf16"},
         "optimizer step in backward": {"optimizer_in_backward": True},
         "ckpt + bf16 + chunked": {"checkpointing": "blocks", "precision": "bf16", "chunked_lm_loss": True},
         "ckpt + bf16 + chunked + in-backward": {"checkpointing": "blocks", "precision": "bf16", "chunked_lm_loss": True,
@@ -67,6 +69,7 @@ CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
         "in-place activations": {"inplace": True},
         "memory-efficient BN": {"memory_efficient_bn": True},
         "8-bit AdamW state": {"optimizer_state": "8bit"},
+        "bf16 AdamW state": {"optimizer_state": "bf16"},
         "optimizer step in backward": {"optimizer_in_backward": True},
         "ckpt + bf16 + inplace": {"checkpointing": "blocks", "precision": "bf16", "inplace": True},
         "ckpt + bf16 + inplace + 8-bit": {"checkpointing": "blocks", "precision": "bf16", "inplace": True,
@@ -267,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds of the tune that names each model's memory-optimal configuration (0: no tune)")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG_JSON"), help=argparse.SUPPRESS)
     p.add_argument("--tune-child", metavar="MODEL", help=argparse.SUPPRESS)
+    p.add_argument("--rows", nargs="+", metavar="LABEL",
+                   help="only the configurations whose label contains one of these (plain fp32 always runs)")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
     if args.child:
@@ -279,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
 
     on_cuda = torch_device(args.device).type == "cuda"
     jobs = [(name, label, cfg) for name in args.models
-            for label, cfg in {**CONFIGS[name], **(CUDA_ONLY[name] if on_cuda else {})}.items()]
+            for label, cfg in {**CONFIGS[name], **(CUDA_ONLY[name] if on_cuda else {})}.items()
+            if not args.rows or label == "plain fp32" or any(r in label for r in args.rows)]
     if args.tune_budget > 0:
         for name in tqdm(args.models, desc="the tune's memory-optimal configuration", file=sys.stderr):
             choice = run_tune(name, args)

@@ -118,7 +118,23 @@ def tricks_markdown() -> str:
                 "| id | name | trades | needs | switch it on | measured in |",
                 "| --- | --- | --- | --- | --- | --- |"]
         out += [_trick_row(t) for t in rows]
-    return "\n".join(out) + "\n"
+    return "\n".join(out + _places_section()) + "\n"
+
+
+def _places_section() -> list[str]:
+    """Where each ``[train]`` key goes in each trainer (torch_tricks.integrations.mapping, the one table)."""
+    from torch_tricks.integrations.mapping import TARGETS, place_table
+
+    rows = place_table()
+    targets = [t for t in TARGETS if t in rows[0]]
+    out = ["", "## Where each key of `[train]` goes", "",
+           "The table of `torch_tricks.integrations.mapping`: for every key of `tricks.toml`, where it goes",
+           "in each trainer (a keyword of its own object, a line of your script, or torch-tricks' callback for",
+           "it). A value with no place there is refused with one line, never dropped.", "",
+           "| key | " + " | ".join(TARGETS[t] for t in targets) + " |",
+           "| --- | " + " | ".join("---" for _ in targets) + " |"]
+    out += [f"| `{r['key']}` | " + " | ".join(_cell(r[t]) for t in targets) + " |" for r in rows]
+    return out
 
 
 def _id_rows(tricks: list) -> list[str]:

@@ -52,7 +52,7 @@ class TrainConfig:
     inplace: bool = False  # T9
     memory_efficient_bn: bool = False  # T10
     chunked_lm_loss: bool = False  # T28: a causal LM's loss from its hidden states chunk by chunk (no whole logits)
-    optimizer_state: str = ""  # T29: "" (the optimizer's own) | 8bit | 4bit (torchao; adam/adamw)
+    optimizer_state: str = ""  # T29: "" (the optimizer's own) | 8bit | 4bit (torchao) | bf16; adam/adamw
     optimizer_in_backward: bool = False  # T30: each parameter stepped in backward, its gradient freed at once
     offload_activations: bool = False  # T31 (CUDA): saved activations wait in pinned host memory
     auto_micro_batch: bool = False  # halve the micro-batch on out-of-memory, keep the effective batch
@@ -107,10 +107,10 @@ class TrainConfig:
             (self.distributed in DISTRIBUTED_MODES,
              f"distributed must be {', '.join(DISTRIBUTED_MODES[:-1])} or off, not {self.distributed!r}"),
             (not self.resume or bool(self.checkpoint_dir), "resume needs checkpoint_dir"),
-            (self.optimizer_state in ("", "8bit", "4bit"),
-             f"optimizer_state must be 8bit, 4bit or empty (the optimizer's own), not {self.optimizer_state!r}"),
+            (self.optimizer_state in ("", "8bit", "4bit", "bf16"),
+             f"optimizer_state must be 8bit, 4bit, bf16 or empty (the optimizer's own), not {self.optimizer_state!r}"),
             (not self.optimizer_state or self.optimizer in ("adam", "adamw"),
-             f"optimizer_state = {self.optimizer_state} needs optimizer = adamw or adam (torchao quantizes their "
+             f"optimizer_state = {self.optimizer_state} needs optimizer = adamw or adam (it stores their two "
              f"moments), not {self.optimizer!r}"),
         ]
         for ok, message in checks:

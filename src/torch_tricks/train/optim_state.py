@@ -1,4 +1,5 @@
-"""T29: the optimizer's state in 8 or 4 bits (torchao), a quarter or an eighth of AdamW's 8 bytes a parameter.
+"""T29: the optimizer's state in 8 or 4 bits (torchao) or in bf16, a quarter, an eighth or half of AdamW's 8 bytes a
+parameter.
 
 AdamW keeps two fp32 moments per parameter: for a model of N parameters, 8N bytes that live
 through the whole run, as much as the weights and gradients together. torchao's
@@ -6,15 +7,18 @@ through the whole run, as much as the weights and gradients together. torchao's
 (blocks of 256 / 128 values, each with its own scale; tensors under 4,096 values stay fp32,
 as in bitsandbytes) and compute each update in fp32. :func:`low_precision_state` rebuilds an
 Adam or AdamW with the same parameter groups and hyper-parameters on that state;
-``Tricks`` does it under ``optimizer_state = "8bit" | "4bit"``. :func:`state_bytes` measures
-what the state really holds (a quantized state's codes and scales).
+``Tricks`` does it under ``optimizer_state = "8bit" | "4bit" | "bf16"``. :func:`state_bytes`
+measures what the state really holds (a quantized state's codes and scales).
+
+``"bf16"`` keeps both moments in bfloat16 for fp32 weights, rounded stochastically
+(:class:`Bf16StateAdam`): no torchao and no compilation, 4 bytes a parameter.
 
 torchao compiles its per-parameter step (``torch.compile``, once per parameter shape): on a
 CPU the first step costs seconds to tens of seconds of compilation with a cold inductor
 cache, then each step is about as fast as the loop's. Under
 ``torch.compiler.set_stance("force_eager")`` it runs uncompiled.
 
-Written here rather than used directly: the optimizers are torchao's; this module only
+Written here rather than used directly: the 8 and 4-bit optimizers are torchao's; this module only
 carries an optimizer's groups and settings over, and counts the quantized state's bytes.
 """
 
@@ -29,17 +33,17 @@ from torch_tricks._optional import install_hint, require
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 
-__all__ = ["STATES", "low_precision_state", "state_bytes", "available"]
+__all__ = ["STATES", "Bf16StateAdam", "low_precision_state", "state_bytes", "available"]
 
-STATES = ("8bit", "4bit")
+STATES = ("8bit", "4bit", "bf16")
 _CLASSES = {("adamw", "8bit"): "AdamW8bit", ("adamw", "4bit"): "AdamW4bit", ("adam", "8bit"): "Adam8bit",
             ("adam", "4bit"): "Adam4bit"}
 
 
 def available(device: torch.device) -> tuple[bool, str]:
-    """torchao is installed (its optimizers run on CPU and CUDA)."""
+    """bf16 state runs everywhere; 8 and 4 bits need torchao (its optimizers run on CPU and CUDA)."""
     if not module_available("torchao.optim"):
-        return False, f"needs torchao: {install_hint('deploy')}"
+        return True, f"bf16 state only: 8 and 4 bits need torchao ({install_hint('deploy')})"
     return True, ""
 
 
@@ -47,15 +51,16 @@ def available(device: torch.device) -> tuple[bool, str]:
     "low_precision_optimizer_state",
     ids=("T29",),
     kind="train",
-    trades="Adam/AdamW moments kept block-quantized in 8 or 4 bits (2 or 1 bytes a parameter instead of 8), the "
-           "update still in fp32; torchao compiles its step (seconds on first use)",
-    needs="torchao; Adam or AdamW",
+    trades="Adam/AdamW moments kept block-quantized in 8 or 4 bits (2 or 1 bytes a parameter instead of 8; torchao "
+           "compiles its step, seconds on first use) or in bf16 rounded stochastically (4 bytes); the update in fp32",
+    needs="Adam or AdamW; torchao for 8 and 4 bits",
     config_key="optimizer_state",
     measured_in="benchmarks/memory.py",
     available=available,
 )
 def low_precision_state(optimizer: torch.optim.Optimizer, bits: str = "8bit") -> torch.optim.Optimizer:
-    """torchao's Adam/AdamW on ``bits`` state over ``optimizer``'s parameter groups and settings (a new one).
+    """torchao's Adam/AdamW on ``bits`` state (``"bf16"``: :class:`Bf16StateAdam`) over ``optimizer``'s parameter
+    groups and settings (a new one).
 
     ``optimizer`` must be a ``torch.optim.Adam`` or ``AdamW`` that has not stepped yet (its
     state would be lost); its groups keep their lr, betas, eps, weight decay and amsgrad.
@@ -66,6 +71,12 @@ def low_precision_state(optimizer: torch.optim.Optimizer, bits: str = "8bit") ->
     kind = _adam_kind(optimizer)
     if any(optimizer.state.values()):
         raise UserError("low_precision_state: the optimizer has stepped already; convert it before the first step")
+    if bits == "bf16":
+        groups = [_group(g, lr_tensor=False) for g in optimizer.param_groups]
+        if any(g.get("amsgrad") for g in groups):
+            raise UserError("optimizer_state = bf16 has no amsgrad: build the optimizer with amsgrad=False, or use "
+                            "8bit / 4bit state")
+        return Bf16StateAdam(groups, decoupled=kind == "adamw")
     ao = require("torchao.optim", "deploy", f"optimizer_state = {bits}")
     cls = getattr(ao, _CLASSES[(kind, bits)])
     groups = [_group(g) for g in optimizer.param_groups]
@@ -79,6 +90,97 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(_tensor_bytes(v, seen) for s in optimizer.state.values() for v in s.values())
 
 
+class Bf16StateAdam(torch.optim.Optimizer):
+    """Adam (``decoupled=False``) or AdamW whose two moments are stored in bfloat16: 4 bytes a parameter, not 8.
+
+    Each step reads a moment into fp32, updates it and the parameter in fp32, and stores it back
+    rounded *stochastically* to bf16 (up or down with the probability of the distance), so that the
+    stored moment equals the fp32 one in expectation. Round-to-nearest would stall: with beta2 = 0.999
+    the second moment moves 0.1% a step, under bf16's 0.4% resolution. Large tensors are updated in
+    slices (``2**18`` values on a CPU, ``2**22`` on a GPU, where each slice costs kernel launches), so
+    the fp32 copies of a step stay a few MiB, not a copy of the largest weight. The rounding draws
+    from its own generator (``seed``), not the global one. A loaded state keeps its moments in bf16
+    (``Optimizer.load_state_dict`` casts them to the parameter's dtype; they are cast back, exactly).
+
+    Written here rather than taken from torchao: torchao's AdamW keeps its state in the parameter's
+    dtype (bf16 state only for bf16 weights, its stochastic rounding a private function), and
+    ``torch.optim.AdamW`` updates its state in the state's dtype.
+    """
+
+    SLICE = 1 << 18
+    SLICE_GPU = 1 << 22
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, decoupled: bool = True, seed: int = 0) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                                  "amsgrad": False, "decoupled": decoupled})
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(torch.bfloat16)
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        if p.grad.is_sparse:
+            raise UserError("optimizer_state = bf16 does not take sparse gradients: use the optimizer's own state")
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+        state["step"] += 1
+        t = float(state["step"])
+        lr, (beta1, beta2), wd = float(group["lr"]), group["betas"], group["weight_decay"]
+        hyper = (lr, beta1, beta2, wd, group["eps"], 1 - beta1 ** t, 1 - beta2 ** t, group["decoupled"])
+        parts = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+        if all(x.is_contiguous() for x in parts):
+            parts = tuple(x.view(-1) for x in parts)
+            n = self.SLICE if p.device.type == "cpu" else self.SLICE_GPU
+            for i in range(0, parts[0].numel(), n):
+                self._update_slice(*(x[i:i + n] for x in parts), hyper)
+        else:
+            self._update_slice(*parts, hyper)
+
+    def _update_slice(self, p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                      hyper: tuple[float, ...]) -> None:
+        lr, beta1, beta2, wd, eps, bias1, bias2, decoupled = hyper
+        g = grad.float()
+        if wd and decoupled:
+            p.mul_(1 - lr * wd)
+        elif wd:
+            g = g.add(p.float(), alpha=wd)
+        m32 = m.float().lerp_(g, 1 - beta1)
+        v32 = v.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        self._store(m, m32)
+        self._store(v, v32)
+        p.addcdiv_(m32, v32.div_(bias2).sqrt_().add_(eps), value=-lr / bias1)
+
+    def _store(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``src`` (fp32) into ``dst`` (bf16), rounded up or down at random with the probability of its distance:
+        16 random low bits added to the fp32 pattern, then cut to bf16's 16 high bits (exact in bf16)."""
+        gen = self._generators.get(src.device)
+        if gen is None:
+            gen = self._generators[src.device] = torch.Generator(src.device).manual_seed(self.seed)
+        bits = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, device=src.device, generator=gen)
+        dst.copy_(bits.add_(src.view(torch.int32)).bitwise_and_(-65536).view(torch.float32))
+
+
 # -- internals ------------------------------------------------------------------------------------
 
 def _adam_kind(optimizer: torch.optim.Optimizer) -> str:
@@ -90,12 +192,12 @@ def _adam_kind(optimizer: torch.optim.Optimizer) -> str:
                     f"{type(optimizer).__name__}: set optimizer = adamw, or leave optimizer_state empty")
 
 
-def _group(g: dict[str, Any]) -> dict[str, Any]:
-    """One group for torchao: its parameters and settings, lr as a tensor (torchao's step requires it; an lr
-    scheduler fills it in place)."""
+def _group(g: dict[str, Any], lr_tensor: bool = True) -> dict[str, Any]:
+    """One group: its parameters and settings; for torchao lr as a tensor (its step requires it; an lr scheduler
+    fills it in place)."""
     keep = ("lr", "betas", "eps", "weight_decay", "amsgrad")
     out = {"params": list(g["params"]), **{k: g[k] for k in keep if k in g}}
-    out["lr"] = torch.tensor(float(g["lr"]))
+    out["lr"] = torch.tensor(float(g["lr"])) if lr_tensor else float(g["lr"])
     return out
 
 

@@ -89,7 +89,7 @@ from torch_tricks.train.sharding import shard_fsdp, zero1_optimizer
 from torch_tricks.train.speed import channels_last, compile_model, cudnn_benchmark, keep_heap
 from torch_tricks.train.syncbn import convert_sync_batchnorm
 
-__all__ = ["Tricks", "TrainingDiverged"]
+__all__ = ["Tricks", "TrainingDiverged", "apply_model_switches"]
 
 
 class TrainingDiverged(UserError):
@@ -398,34 +398,11 @@ class Tricks:
             self.applied.append("detect_anomaly")
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
-        cfg, applied = self.config, self.applied
-        model = self._memory_switches(model)
-        if cfg.bn_momentum_adjust and cfg.accumulate > 1:
-            _adjust_bn_momentum(model, cfg.accumulate)
-            applied.append("bn_momentum_adjust")
-        if cfg.sync_bn and self.dist is not None:
-            model = convert_sync_batchnorm(model)
-            applied.append("sync_bn")
+        model, applied = apply_model_switches(model, self.config, distributed=self.dist is not None)
+        self.applied += applied
         model = model.to(self.device)
-        if cfg.channels_last:
+        if self.config.channels_last:
             model = self._channels_last(model)
-        return model
-
-    def _memory_switches(self, model: nn.Module) -> nn.Module:
-        """In-place activations, memory-efficient BN and activation checkpointing, as switched on."""
-        cfg, applied = self.config, self.applied
-        if cfg.inplace:
-            model = inplace_activations(model)
-            applied.append("inplace")
-        if cfg.memory_efficient_bn:
-            model = memory_efficient_bn_act(model)
-            applied.append("memory_efficient_bn")
-        if cfg.checkpointing:
-            model = _with_checkpointing(model, cfg.checkpointing)
-            applied.append(f"checkpointing={cfg.checkpointing}")
-        if cfg.chunked_lm_loss:
-            model = chunk_lm_loss(model)
-            applied.append("chunked_lm_loss")
         return model
 
     def _channels_last(self, model: nn.Module) -> nn.Module:
@@ -497,7 +474,7 @@ class Tricks:
             raise UserError(f"under distributed = {cfg.distributed} Tricks builds the optimizer it shards: pass "
                             "prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
         if cfg.optimizer_state:
-            raise UserError(f"optimizer_state = {cfg.optimizer_state} builds the optimizer on quantized state: pass "
+            raise UserError(f"optimizer_state = {cfg.optimizer_state} builds the optimizer on low-precision state: pass "
                             "prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
         if cfg.fused_optimizer:
             self._note_fast_step(_switch_to_fast_step(optimizer))
@@ -624,6 +601,38 @@ class Tricks:
     def _need_prepare(self) -> None:
         if self.optimizer is None:
             raise UserError("call tricks.prepare(model, optimizer) first")
+
+
+def apply_model_switches(model: nn.Module, config: TrainConfig, *, distributed: bool = False,
+                         channels_last_weights: bool = False) -> tuple[nn.Module, list[str]]:
+    """The model changes of a configuration, in :meth:`Tricks.prepare`'s order: in-place activations,
+    memory-efficient BN, activation checkpointing, the chunked LM loss, BN momentum for accumulation, SyncBN
+    (``distributed``: under torchrun), and with ``channels_last_weights`` the weights channels_last (``Tricks``
+    does that after moving the model). Returns the model (the same object, except where checkpointing by
+    ``sqrt`` wraps an nn.Sequential) and the switches applied. Also what the trainer integrations call."""
+    applied: list[str] = []
+    if config.inplace:
+        model = inplace_activations(model)
+        applied.append("inplace")
+    if config.memory_efficient_bn:
+        model = memory_efficient_bn_act(model)
+        applied.append("memory_efficient_bn")
+    if config.checkpointing:
+        model = _with_checkpointing(model, config.checkpointing)
+        applied.append(f"checkpointing={config.checkpointing}")
+    if config.chunked_lm_loss:
+        model = chunk_lm_loss(model)
+        applied.append("chunked_lm_loss")
+    if config.bn_momentum_adjust and config.accumulate > 1:
+        _adjust_bn_momentum(model, config.accumulate)
+        applied.append("bn_momentum_adjust")
+    if config.sync_bn and distributed:
+        model = convert_sync_batchnorm(model)
+        applied.append("sync_bn")
+    if config.channels_last and channels_last_weights:
+        model = channels_last(model)
+        applied.append("channels_last")
+    return model, applied
 
 
 def as_config(config: Any) -> TrainConfig | None:

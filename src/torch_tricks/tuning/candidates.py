@@ -20,6 +20,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from torch_tricks._optional import available as module_available
+from torch_tricks._optional import install_hint
 from torch_tricks.errors import one_line
 from torch_tricks.registry import Trick, list_tricks, trick_name
 from torch_tricks.seed import CUBLAS_DETERMINISTIC_CONFIGS
@@ -83,12 +85,14 @@ def training_candidates(
     own_optimizer: bool = False,
     skip: Sequence[str] = (),
     labels_in_forward: bool = True,
+    optimizer: str = "adamw",
 ) -> tuple[list[Candidate], list[Skipped]]:
     """The candidates for ``model`` on ``device``, and every other registered trick as skipped (or failed).
 
     ``skip``: trick names the caller leaves out (reported as skipped, with that reason).
     ``labels_in_forward``: the batch's labels go into the model's forward for its own loss (what
     ``chunked_lm_loss`` serves; a loss computed outside the model is left as it is).
+    ``optimizer``: the optimizer's name (low-precision state is Adam's and AdamW's).
     A trick whose applicability check itself raises is reported with status ``failed``.
     """
     cands: list[Candidate] = []
@@ -98,6 +102,9 @@ def training_candidates(
         made, why = _make(trick, skip, model, inputs, device, batch, own_optimizer)
         if isinstance(made, Candidate) and made.changes.get("chunked_lm_loss") and not labels_in_forward:
             made = Skipped(trick.name, trick.ids, trick.kind, _LOSS_OUTSIDE)
+        if trick.config_key == "optimizer_state" and not own_optimizer and optimizer.lower() not in ("adam", "adamw"):
+            made = Skipped(trick.name, trick.ids, trick.kind, f"stores Adam's or AdamW's moments; the optimizer is "
+                                                              f"{optimizer}")
         _file_made(made, trick, why, skip, cands, skipped)
     return cands, skipped
 
@@ -280,6 +287,24 @@ def _accumulate(trick: Trick, model, inputs, device, batch, own_opt) -> Candidat
     return Candidate(trick.name, {"accumulate": 2}, "memory", note="micro-batch of half the batch, same effective batch")
 
 
+_LOW_BIT_NOT_TUNED = (
+    "torchao compiles its step for each parameter shape before the first step (seconds to tens of seconds with a "
+    "cold cache){cpu}: benchmarks/memory.py measures it in fresh processes; try it with optimizer_state = {bits}")
+_ON_CPU = ", and on a CPU a compiled step does not run inside the tune's live-tensor counter"
+
+
+def _optimizer_state(trick: Trick, model, inputs, device, batch, own_opt) -> list[Candidate | Skipped] | str:
+    """bf16 state, measured; 8 and 4 bits (torchao) named, with why the tune leaves them to benchmarks/memory.py."""
+    if own_opt:
+        return ("you pass your own optimizer: wrap it yourself, "
+                "torch_tricks.train.optim_state.low_precision_state(optimizer, 'bf16' | '8bit' | '4bit')")
+    why = (_LOW_BIT_NOT_TUNED.format(bits="{bits}", cpu=_ON_CPU if device.type == "cpu" else "")
+           if module_available("torchao.optim") else f"needs torchao: {install_hint('deploy')}")
+    return [Candidate(f"{trick.name}:bf16", {"optimizer_state": "bf16"}, "memory", tricks=(trick.name,)),
+            *(Skipped(f"{trick.name}:{bits}", trick.ids, trick.kind, why.replace("{bits}", bits))
+              for bits in ("8bit", "4bit"))]
+
+
 def _simple(key: str, goal: str) -> Callable[..., Candidate]:
     def make(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate:
         return Candidate(trick.name, {key: True}, goal)
@@ -296,6 +321,7 @@ _MAKERS: dict[str, Callable[..., Candidate | str]] = {
     "memory_efficient_bn": _mem_bn,
     "gradient_accumulation": _accumulate,
     "chunked_lm_loss": _lm_loss,
+    "low_precision_optimizer_state": _optimizer_state,
     "optimizer_in_backward": _simple("optimizer_in_backward", "memory"),
     "offload_activations": _simple("offload_activations", "memory"),
     "cudnn_benchmark": _simple("cudnn_benchmark", "speed"),

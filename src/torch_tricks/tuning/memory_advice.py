@@ -22,7 +22,6 @@ import torch
 import torch.nn as nn
 
 from torch_tricks._format import human_bytes
-from torch_tricks._optional import available, install_hint
 from torch_tricks.errors import one_line
 from torch_tricks.inspect.memory import MemoryReport
 from torch_tricks.train.lm_loss import lm_head_of
@@ -68,7 +67,8 @@ class MemoryAdvice:
             return f"{head}; the trick for it: {self.trick}{ids} [{switch}]: {self.note}"
         return (f"{head}; the trick for it: {self.trick}{ids} [{switch}]: a training step's peak "
                 f"{human_bytes(self.plain_peak_bytes)} -> {human_bytes(self.trick_peak_bytes)} "
-                f"({self.saving:.0%} saved, measured: plain and with it, each a fresh copy)")
+                f"({self.saving:.0%} saved, measured: plain and with it, each a fresh copy)"
+                + (f"; {self.note}" if self.note else ""))
 
 
 def shares(report: MemoryReport, model: nn.Module) -> dict[str, int]:
@@ -103,7 +103,14 @@ def advise_memory(model: nn.Module, report: MemoryReport, batch: Any,
         advice.note = f"not measured: {one_line(exc, with_type=True)}"
         return advice
     advice.plain_peak_bytes, advice.trick_peak_bytes = plain.peak_bytes, with_it.peak_bytes
+    if trick == "low_precision_optimizer_state":
+        advice.note = _LOW_BIT
     return advice
+
+
+_LOW_BIT = ("8bit / 4bit state (torchao) holds 2 / 1 bytes a parameter instead of bf16's 4; its step is compiled, "
+            "and a compiled step does not run inside this measure's tensor counter: benchmarks/memory.py measures it "
+            "in a fresh process")
 
 
 def _trick_for(share: str, model: nn.Module, optimizer: str) -> tuple[str | None, tuple[str, ...], dict[str, Any], str]:
@@ -118,10 +125,7 @@ def _trick_for(share: str, model: nn.Module, optimizer: str) -> tuple[str | None
     if share == "optimizer state":
         if optimizer.lower() not in ("adam", "adamw"):
             return None, (), {}, f"low-bit state is for Adam/AdamW, not {optimizer}"
-        why = ("not measured here: torchao's step is compiled, and a compiled step does not run inside the "
-               "tensor counter of this measure; benchmarks/memory.py measures it in a fresh process"
-               if available("torchao") else f"needs torchao: {install_hint('deploy')}")
-        return "low_precision_optimizer_state", ("T29",), {"optimizer_state": "8bit"}, why
+        return "low_precision_optimizer_state", ("T29",), {"optimizer_state": "bf16"}, ""
     if share == "gradients":
         return "optimizer_in_backward", ("T30",), {"optimizer_in_backward": True}, ""
     return None, (), {}, ("parameters shrink only when sharded across processes: measure fsdp with "

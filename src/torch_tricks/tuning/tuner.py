@@ -201,7 +201,7 @@ def tune(
     kw = {"loss_fn": loss_fn, "optimizer_fn": optimizer_fn}
     labels_in = B.labels_go_in(model, example_batch, loss_fn or get_loss("auto"))  # as TrainStep's default loss
     cands, skipped = training_candidates(model, inputs_t, dev, batch=batch, own_optimizer=optimizer_fn is not None,
-                                         skip=skip, labels_in_forward=labels_in)
+                                         skip=skip, labels_in_forward=labels_in, optimizer=optimizer)
     report.skipped = skipped
 
     from tqdm.auto import tqdm

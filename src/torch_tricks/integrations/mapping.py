@@ -1,0 +1,254 @@
+"""Where each key of ``[train]`` goes in each trainer: the one table (issue 22, item 4).
+
+For every :class:`~torch_tricks.train.TrainConfig` key and every target, a :class:`Place` says in
+words where the key goes (the docs' table is made from these words) and routes a value:
+
+* ``arg``: keywords of the target's own object (``TrainingArguments``, ``lightning.Trainer``,
+  ``Accelerator``), the value converted (``precision = "bf16"`` -> ``bf16=True``);
+* ``callback``: the target has no argument for it; torch-tricks' callback for that target applies it
+  from the target's own hooks;
+* ``code``: it belongs to a line of the user's own script (a ``Trainer`` keyword outside
+  ``TrainingArguments``, ``trainer.train(resume_from_checkpoint=True)``): the report prints the line.
+
+A value that has no place in a target (``optimizer_in_backward`` under the Trainer, which steps its
+optimizer after backward) raises one line naming the key, the target and what to do instead: a key
+is never dropped in silence. A target without a table yet raises the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
+
+from torch_tricks.errors import UserError
+from torch_tricks.train.config import TrainConfig
+
+__all__ = ["TARGETS", "Route", "Place", "routes", "place_table", "places"]
+
+TARGETS = {"fit": "torch-tricks fit / Tricks", "hf": "transformers Trainer", "lightning": "lightning.Trainer",
+           "accelerate": "Accelerate"}
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one value goes: ``arg`` (``kwargs`` of the target's object), ``callback``, or ``code`` (``line``)."""
+
+    how: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    line: str = ""
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a key goes in a target, in words (``doc``), and how a value is routed (``route(config)``)."""
+
+    doc: str
+    route: Callable[[TrainConfig], Route]
+
+
+def routes(config: TrainConfig, target: str) -> dict[str, Route]:
+    """Every key of ``config`` routed into ``target`` (one line naming key and target where a value has no place)."""
+    table = places(target)
+    config.validate()
+    return {key: table[key].route(config) for key in _keys()}
+
+
+def places(target: str) -> dict[str, Place]:
+    """The key -> :class:`Place` table of ``target``."""
+    if target not in TARGETS:
+        raise UserError(f"unknown target {target!r}: use one of {', '.join(TARGETS)}")
+    build = _BUILDERS.get(target)
+    if build is None:
+        raise UserError(f"no mapping into {TARGETS[target]} yet: use torch-tricks train or Tricks in your own loop")
+    return build()
+
+
+def place_table() -> list[dict[str, str]]:
+    """One row per ``[train]`` key: where it goes in each target that has a table (for the docs)."""
+    tables = {t: places(t) for t in TARGETS if t in _BUILDERS}
+    return [{"key": key, **{t: table[key].doc for t, table in tables.items()}} for key in _keys()]
+
+
+def no_place(key: str, value: Any, target: str, instead: str) -> UserError:
+    """The one line for a value that ``target`` has no place for."""
+    return UserError(f"{key} = {value!r} has no place in {TARGETS[target]}: {instead}")
+
+
+# -- building blocks of the tables ---------------------------------------------------------------
+
+def _keys() -> list[str]:
+    return [f.name for f in fields(TrainConfig)]
+
+
+def arg(doc: str, convert: Callable[[TrainConfig], dict[str, Any]]) -> Place:
+    """A keyword of the target's own object."""
+    return Place(doc, lambda c: Route("arg", convert(c)))
+
+
+def callback(doc: str, check: Callable[[TrainConfig], None] | None = None) -> Place:
+    """Applied by torch-tricks' callback; ``check(config)`` raises for a value the callback cannot serve."""
+    def route(c: TrainConfig) -> Route:
+        if check is not None:
+            check(c)
+        return Route("callback")
+    return Place(f"TricksCallback: {doc}", route)
+
+
+def refuse_unless(key: str, target: str, ok: Callable[[Any], bool], instead: str, place: Place) -> Place:
+    """``place``, except for a value of ``key`` that ``ok`` refuses: one line saying what to do instead."""
+    def route(c: TrainConfig) -> Route:
+        value = getattr(c, key)
+        if not ok(value):
+            raise no_place(key, value, target, instead)
+        return place.route(c)
+    return Place(place.doc, route)
+
+
+def world_size() -> int:
+    """Processes of this run (torchrun's WORLD_SIZE; 1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def learning_rate(c: TrainConfig) -> float:
+    """``lr``, scaled to the global batch when ``scale_lr`` (as ``Tricks`` does)."""
+    if not c.scale_lr:
+        return c.lr
+    from torch_tricks.train.schedule import scale_lr
+
+    return scale_lr(c.lr, c.batch_size * c.accumulate * world_size(), base_batch=c.base_batch)
+
+
+def _fit_table() -> dict[str, Place]:
+    return {key: Place(f"`{key}`", lambda c, k=key: Route("arg", {k: getattr(c, k)})) for key in _keys()}
+
+
+# -- transformers' Trainer: TrainingArguments keywords, the Trainer's own keywords, TricksCallback ------------
+
+def _hf_optim(c: TrainConfig) -> dict[str, Any]:
+    """``optim`` (and ``optim_args``) for the optimizer, its fused step and its state."""
+    if c.optimizer == "sgd":
+        return {"optim": "sgd", "optim_args": f"momentum={c.momentum}"}
+    if c.optimizer == "adam" and c.weight_decay:
+        raise no_place("optimizer", "adam", "hf", "the Trainer's Adam is AdamW (decoupled weight decay); Adam's "
+                       "weight decay goes into the gradient: use optimizer = adamw, or weight_decay = 0")
+    if c.optimizer_state in ("8bit", "4bit"):
+        return {"optim": f"adamw_torch_{c.optimizer_state}"}
+    if c.optimizer_state == "bf16":
+        return {}  # Trainer(optimizer_cls_and_kwargs=...): see optimizer_state
+    return {"optim": "adamw_torch_fused" if c.fused_optimizer else "adamw_torch"}
+
+
+def _hf_schedule(c: TrainConfig) -> dict[str, Any]:
+    kind = {"constant": "constant_with_warmup" if c.warmup_steps else "constant"}.get(c.schedule, c.schedule)
+    return {"lr_scheduler_type": kind, "warmup_steps": c.warmup_steps}
+
+
+def _hf_saving(c: TrainConfig) -> dict[str, Any]:
+    if not c.checkpoint_dir:
+        return {"save_strategy": "no"}
+    every = {"save_strategy": "steps", "save_steps": c.checkpoint_every} if c.checkpoint_every else \
+        {"save_strategy": "epoch"}
+    return {"output_dir": c.checkpoint_dir, **every, "save_total_limit": c.keep_checkpoints or None}
+
+
+def _hf_distributed(c: TrainConfig) -> dict[str, Any]:
+    if c.distributed == "zero1":
+        raise no_place("distributed", "zero1", "hf", "the Trainer shards optimizer state only through DeepSpeed "
+                       "(deepspeed=... with a ZeRO-1 config): use distributed = fsdp, or ddp")
+    if c.distributed != "fsdp":
+        return {}  # one process, or DDP under torchrun: the Trainer's own behaviour
+    return {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": c.fsdp_reshard}}
+
+
+def _hf_device(c: TrainConfig) -> dict[str, Any]:
+    if c.device.startswith("cuda:"):
+        raise no_place("device", c.device, "hf", f"the Trainer takes the process's device: run with "
+                       f"CUDA_VISIBLE_DEVICES={c.device.split(':')[1]} and device = cuda")
+    return {"use_cpu": True} if c.device == "cpu" else {}
+
+
+def _hf_bf16_state(c: TrainConfig) -> Route:
+    if c.optimizer_state != "bf16":
+        return Route("arg")
+    decoupled = c.optimizer == "adamw"
+    return Route("code", line=(
+        "Trainer(..., optimizer_cls_and_kwargs=(Bf16StateAdam, {'lr': %r, 'weight_decay': %r, 'decoupled': %r}))  "
+        "# from torch_tricks.train.optim_state import Bf16StateAdam" % (learning_rate(c), c.weight_decay, decoupled)))
+
+
+def _hf_resume(c: TrainConfig) -> Route:
+    return Route("code", line="trainer.train(resume_from_checkpoint=True)") if c.resume else Route("arg")
+
+
+def _off(key: str, instead: str, place: Place | None = None) -> Place:
+    """A switch the Trainer cannot serve when on: refused with ``instead``; off it needs nothing."""
+    place = place or Place("refused when on", lambda c: Route("arg"))
+    return refuse_unless(key, "hf", lambda v: not v, instead, place)
+
+
+_HF: dict[str, Place] = {
+    "epochs": arg("`num_train_epochs`", lambda c: {"num_train_epochs": float(c.epochs)}),
+    "max_steps": arg("`max_steps` (0: -1)", lambda c: {"max_steps": c.max_steps or -1}),
+    "batch_size": arg("`per_device_train_batch_size`", lambda c: {"per_device_train_batch_size": c.batch_size}),
+    "lr": arg("`learning_rate`", lambda c: {"learning_rate": learning_rate(c)}),
+    "optimizer": arg("`optim` (adamw: `adamw_torch`; sgd: `sgd` with `optim_args` momentum)", _hf_optim),
+    "weight_decay": arg("`weight_decay`", lambda c: {"weight_decay": c.weight_decay}),
+    "momentum": arg("`optim_args=\"momentum=...\"` (sgd)", lambda c: {}),
+    "schedule": arg("`lr_scheduler_type`", _hf_schedule),
+    "warmup_steps": arg("`warmup_steps`", lambda c: {}),
+    "scale_lr": arg("`learning_rate`, scaled to the global batch", lambda c: {}),
+    "base_batch": arg("`learning_rate`, scaled to the global batch", lambda c: {}),
+    "precision": arg("`bf16` / `fp16`", lambda c: {"bf16": c.precision == "bf16", "fp16": c.precision == "fp16"}),
+    "channels_last": callback("the model's weights channels_last"),
+    "compile": arg("`torch_compile`", lambda c: {"torch_compile": c.compile}),
+    "cudnn_benchmark": callback("torch.backends.cudnn.benchmark"),
+    "fused_optimizer": arg("`optim=\"adamw_torch_fused\"`", lambda c: {}),
+    "no_decay_norm_bias": refuse_unless(
+        "no_decay_norm_bias", "hf", lambda v: v, "the Trainer always exempts biases and LayerNorm weights from "
+        "weight decay: set no_decay_norm_bias = true (or weight_decay = 0)",
+        Place("the Trainer's own parameter groups (biases and LayerNorm weights without decay)",
+              lambda c: Route("arg"))),
+    "keep_heap": callback("glibc keeps freed memory (CPU)"),
+    "accumulate": arg("`gradient_accumulation_steps`", lambda c: {"gradient_accumulation_steps": c.accumulate}),
+    "bn_momentum_adjust": callback("BatchNorm momentum for the micro-batches"),
+    "checkpointing": arg(
+        "`gradient_checkpointing` for `blocks` (a transformers model); TricksCallback for `sqrt` or a name pattern",
+        lambda c: {"gradient_checkpointing": c.checkpointing == "blocks",
+                   **({"gradient_checkpointing_kwargs": {"use_reentrant": False}} if c.checkpointing == "blocks"
+                      else {})}),
+    "inplace": callback("in-place activations"),
+    "memory_efficient_bn": callback("memory-efficient BatchNorm + activation"),
+    "chunked_lm_loss": callback("the causal LM's loss chunk by chunk"),
+    "optimizer_state": Place("`optim=\"adamw_torch_8bit\"` / `\"adamw_torch_4bit\"`; bf16: "
+                             "`Trainer(optimizer_cls_and_kwargs=(Bf16StateAdam, ...))`", _hf_bf16_state),
+    "optimizer_in_backward": _off("optimizer_in_backward", "the Trainer steps its optimizer after backward and clips "
+                                  "the whole gradient: train with torch-tricks train or Tricks"),
+    "offload_activations": callback("saved activations in pinned host memory during forward (CUDA)"),
+    "auto_micro_batch": _off("auto_micro_batch", "the Trainer's auto_find_batch_size halves the batch without "
+                             "keeping the effective batch: set auto_micro_batch = false and lower batch_size"),
+    "grad_clip": arg("`max_grad_norm` (0: off)", lambda c: {"max_grad_norm": c.grad_clip}),
+    "ema": callback("EMA weights after each step, saved as ema.pt beside each checkpoint"),
+    "ema_decay": callback("the EMA's decay"),
+    "swa": _off("swa", "the Trainer's scheduler owns the lr that SWA holds: use ema = true, or torch-tricks train"),
+    "swa_start": callback("read only with swa"),
+    "swa_lr": callback("read only with swa"),
+    "seed": arg("`seed`", lambda c: {"seed": c.seed}),
+    "deterministic": arg("`full_determinism`", lambda c: {"full_determinism": c.deterministic}),
+    "detect_anomaly": callback("torch.autograd anomaly detection"),
+    "nan_guard": callback("stops on a non-finite loss, naming the step"),
+    "checkpoint_dir": arg("`output_dir` (and `save_strategy`)", _hf_saving),
+    "checkpoint_every": arg("`save_steps` (0: `save_strategy=\"epoch\"`)", lambda c: {}),
+    "keep_checkpoints": arg("`save_total_limit` (0: all)", lambda c: {}),
+    "resume": Place("`trainer.train(resume_from_checkpoint=True)`", _hf_resume),
+    "log_every": arg("`logging_steps`", lambda c: {"logging_steps": c.log_every}),
+    "log_dir": callback("metrics.csv of the Trainer's logs"),
+    "progress": arg("`disable_tqdm`", lambda c: {"disable_tqdm": not c.progress}),
+    "distributed": arg("DDP under torchrun as the Trainer does; fsdp: `fsdp=\"full_shard\"`, FSDP2", _hf_distributed),
+    "fsdp_reshard": arg("`fsdp_config[\"reshard_after_forward\"]`", lambda c: {}),
+    "sync_bn": callback("SyncBatchNorm under torchrun"),
+    "device": arg("`use_cpu` for cpu; the process's device otherwise", _hf_device),
+}
+
+
+_BUILDERS: dict[str, Callable[[], dict[str, Place]]] = {"fit": _fit_table, "hf": lambda: _HF}

@@ -1,0 +1,245 @@
+"""The tune's configuration in transformers' Trainer (issue 22): the mapped TrainingArguments and TricksCallback put
+each switch in effect in a real Trainer, a plain Tricks loop and the Trainer give the same first losses, and
+what the Trainer cannot serve is one line."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # the Trainer's own dependency
+
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from torch.utils.data import SequentialSampler  # noqa: E402
+
+from torch_tricks.errors import UserError  # noqa: E402
+from torch_tricks.integrations.hf import TricksCallback, trainer_lines, training_args_from  # noqa: E402
+from torch_tricks.models import load_model  # noqa: E402
+from torch_tricks.train import TrainConfig, Tricks  # noqa: E402
+
+GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 32, "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+def _gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return load_model("hf:gpt2", hf_config=GPT2)[0].train()
+
+
+def _data(n: int = 24, length: int = 16, mask_first: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Sequences with something to learn: each token follows from the one before (t -> 3t + 1 mod 128).
+    ``mask_first``: the first label -100 (no token predicts it): the Trainer divides the summed loss by the labels
+    that are not -100 before the shift, so then its loss is the model's mean, as in a plain loop."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.empty(length, dtype=torch.long)
+        ids[0] = torch.randint(0, 128, (1,), generator=g)
+        for i in range(1, length):
+            ids[i] = (3 * ids[i - 1] + 1) % 128
+        labels = ids.clone()
+        if mask_first:
+            labels[0] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+class InOrder(Trainer):
+    """The Trainer over the data in order (the test fixes the sampler; the Trainer's own shuffles)."""
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return SequentialSampler(self.train_dataset)
+
+
+class Seen(TrainerCallback):
+    """What the test reads from inside the Trainer: the autocast state in forward, the losses, and its own EMA of
+    the raw weights after each step."""
+
+    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+        self.autocast: list[tuple[bool, torch.dtype]] = []
+        self.losses: list[float] = []
+        self.decay, self.n, self.ema = decay, 0, None
+        # inside the forward (the Trainer's autocast wraps model.forward, within the model's own hooks)
+        model.transformer.register_forward_pre_hook(lambda m, a: self.autocast.append(
+            (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))) if m.training else None)
+        model.register_forward_hook(lambda m, a, out: self.losses.append(float(out.loss.detach())) if m.training
+                                    else None)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+        if self.ema is None:
+            self.ema = weights
+        else:  # the EMA's warm-up decay: min(decay, (1 + n) / (10 + n)) at the n-th update
+            d = min(self.decay, (1 + self.n) / (10 + self.n))
+            self.ema = {k: self.ema[k] * d + weights[k] * (1 - d) if weights[k].is_floating_point() else weights[k]
+                        for k in weights}
+        self.n += 1
+
+
+def _trainer(cfg: dict, tmp_path, model: torch.nn.Module, data=None, seen: Seen | None = None) -> Trainer:
+    cfg.setdefault("device", "cpu")  # on a GPU machine too: the test reads CPU autocast
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], **training_args_from(cfg))
+    callbacks = [TricksCallback(cfg)] + ([seen] if seen else [])
+    return InOrder(model=model, args=args, train_dataset=data or _data(), callbacks=callbacks)
+
+
+def test_each_switch_is_in_effect_in_a_real_trainer_and_the_loss_goes_down(tmp_path):
+    cfg = {"precision": "bf16", "checkpointing": "blocks", "accumulate": 2, "batch_size": 4, "lr": 1e-2,
+           "epochs": 3, "ema": True, "ema_decay": 0.9, "log_every": 1, "progress": False, "weight_decay": 0.01}
+    model = _gpt2()
+    seen = Seen(model, decay=0.9)
+    trainer = _trainer(cfg, tmp_path, model, seen=seen)
+    trainer.train()
+    assert seen.autocast and all(on and dtype == torch.bfloat16 for on, dtype in seen.autocast)  # bf16 in forward
+    assert model.is_gradient_checkpointing
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert type(inner) is torch.optim.AdamW and inner.defaults["fused"] is True
+    assert trainer.args.gradient_accumulation_steps == 2
+    assert trainer.state.global_step == 3 * 24 // (4 * 2)  # 24 samples, 4 a micro-batch, 2 micro-batches a step
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TricksCallback))
+    assert cb.ema is not None and cb.ema.num_updates == trainer.state.global_step
+    for k, v in cb.ema.module.state_dict().items():
+        torch.testing.assert_close(v.float(), seen.ema[k], rtol=1e-5, atol=1e-6)
+    first, last = sum(seen.losses[:2]) / 2, sum(seen.losses[-2:]) / 2
+    assert last < 0.9 * first, seen.losses  # (the Trainer divides each micro-batch loss by the group's tokens)
+
+
+def test_a_plain_tricks_loop_and_the_trainer_give_the_same_first_losses(tmp_path):
+    cfg = {"batch_size": 4, "lr": 1e-3, "max_steps": 3, "progress": False, "log_every": 1, "weight_decay": 0.01,
+           "seed": 0}
+    data = _data(mask_first=True)
+    model = _gpt2()
+    seen = Seen(model, decay=0.9)
+    _trainer(cfg, tmp_path, model, data, seen).train()
+
+    tricks = Tricks({**cfg, "nan_guard": False})
+    own, _ = tricks.prepare(_gpt2())
+    losses = []
+    for i in range(3):
+        batch = {k: torch.stack([d[k] for d in data[4 * i:4 * i + 4]]) for k in ("input_ids", "labels")}
+        with tricks.autocast():
+            loss = own(**batch).loss
+        tricks.backward(loss)
+        tricks.step()
+        losses.append(float(loss))
+    assert seen.losses[:3] == pytest.approx(losses, rel=1e-4), (seen.losses[:3], losses)
+    assert losses[2] != losses[0]  # the steps changed the weights
+
+
+def test_the_callback_applies_the_model_switches_before_the_optimizer_is_built(tmp_path):
+    cfg = {"chunked_lm_loss": True, "batch_size": 4, "max_steps": 2, "progress": False, "nan_guard": True,
+           "keep_heap": False}
+    model = _gpt2()
+    trainer = _trainer(cfg, tmp_path, model)
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TricksCallback))
+    assert "chunked_lm_loss" in cb.applied and "nan_guard" in cb.applied
+    trainer.train()
+    ids = _data(2)[0]["input_ids"][None]
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is None and out.loss is not None  # the chunked loss: logits never whole in training
+
+
+def test_a_non_finite_loss_stops_the_trainer_naming_the_step(tmp_path):
+    cfg = {"batch_size": 4, "max_steps": 3, "progress": False, "lr": 1e-3}
+    model = _gpt2()
+    trainer = _trainer(cfg, tmp_path, model)
+    with torch.no_grad():
+        model.transformer.wte.weight[3] = float("nan")
+    data = _data()
+    data[0]["input_ids"][0] = 3
+    trainer.train_dataset = data
+    with pytest.raises(UserError, match=r"loss is nan at step 1"):
+        trainer.train()
+
+
+def test_ema_weights_are_saved_beside_each_checkpoint(tmp_path):
+    cfg = {"batch_size": 4, "max_steps": 2, "progress": False, "ema": True, "checkpoint_dir": str(tmp_path / "ck"),
+           "checkpoint_every": 1, "device": "cpu"}
+    args = training_args_from(cfg)
+    assert args["output_dir"] == str(tmp_path / "ck") and args["save_steps"] == 1
+    trainer = InOrder(model=_gpt2(), args=TrainingArguments(report_to=[], **args), train_dataset=_data(),
+                      callbacks=[TricksCallback(cfg)])
+    trainer.train()
+    for step in (1, 2):
+        saved = torch.load(tmp_path / "ck" / f"checkpoint-{step}" / "ema.pt", weights_only=True)
+        assert saved["num_updates"] == step
+
+
+def test_the_mapped_arguments():
+    args = training_args_from({"precision": "fp16", "optimizer": "sgd", "momentum": 0.8, "grad_clip": 1.0,
+                               "schedule": "cosine", "warmup_steps": 5, "deterministic": True, "compile": True,
+                               "max_steps": 0, "optimizer_state": ""})
+    assert args["fp16"] is True and args["bf16"] is False
+    assert args["optim"] == "sgd" and args["optim_args"] == "momentum=0.8"
+    assert args["max_grad_norm"] == 1.0 and args["lr_scheduler_type"] == "cosine" and args["warmup_steps"] == 5
+    assert args["full_determinism"] is True and args["torch_compile"] is True and args["max_steps"] == -1
+    assert training_args_from({"optimizer_state": "8bit"})["optim"] == "adamw_torch_8bit"
+    assert training_args_from({"fused_optimizer": False})["optim"] == "adamw_torch"
+    scaled = training_args_from({"scale_lr": True, "lr": 0.1, "batch_size": 64, "accumulate": 2, "base_batch": 256})
+    assert scaled["learning_rate"] == pytest.approx(0.1 * 128 / 256)
+
+
+def test_the_emitted_lines_carry_what_needs_your_own_code():
+    lines = "\n".join(trainer_lines({"optimizer_state": "bf16", "resume": True, "checkpoint_dir": "ck"}))
+    assert "optimizer_cls_and_kwargs=(Bf16StateAdam" in lines and "resume_from_checkpoint=True" in lines
+    assert "TricksCallback({" in lines and "'optimizer_state': 'bf16'" in lines
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"optimizer_in_backward": True}, "optimizer_in_backward = True has no place in transformers Trainer: the "
+                                      "Trainer steps its optimizer after backward"),
+    ({"distributed": "zero1"}, "distributed = 'zero1' has no place in transformers Trainer"),
+    ({"optimizer": "adam", "weight_decay": 0.1}, "optimizer = 'adam' has no place.*use optimizer = adamw"),
+    ({"no_decay_norm_bias": False, "weight_decay": 0.1}, "no_decay_norm_bias = False has no place"),
+    ({"swa": True}, "swa = True has no place"),
+    ({"device": "cuda:1"}, "CUDA_VISIBLE_DEVICES=1"),
+])
+def test_what_the_trainer_cannot_serve_is_one_line(cfg, match):
+    with pytest.raises(UserError, match=match) as err:
+        training_args_from(cfg)
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match=match):
+        TricksCallback(cfg)
+
+
+def test_a_field_the_installed_transformers_lacks_is_one_line(monkeypatch):
+    import dataclasses
+
+    import torch_tricks.integrations.hf as hf
+
+    real = dataclasses.fields
+    monkeypatch.setattr(hf, "fields", lambda cls: [f for f in real(cls) if f.name != "torch_compile"])
+    with pytest.raises(UserError, match=r"has no TrainingArguments field 'torch_compile'.*upgrade transformers"):
+        training_args_from({"compile": True})
+
+
+def test_an_unknown_key_in_the_toml_is_one_line(tmp_path):
+    path = tmp_path / "tricks.toml"
+    path.write_text("[train]\nprecision = 'bf16'\nprecison2 = true\n")
+    with pytest.raises(UserError, match=r"unknown training option 'precison2'"):
+        training_args_from(path)
+    path.write_text("[train]\nprecision = 'bf16'\n")
+    assert training_args_from(path)["bf16"] is True
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_trainer_autocasts_bf16_and_the_callback_offloads_activations(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device; none here")
+    cfg = {"precision": "bf16", "offload_activations": True, "batch_size": 4, "max_steps": 3, "progress": False,
+           "device": "cuda"}
+    model = _gpt2()
+    dtypes = []
+    model.transformer.register_forward_pre_hook(lambda m, a: dtypes.append(torch.get_autocast_dtype("cuda"))
+                                                if torch.is_autocast_enabled("cuda") else None)
+    saved_on_cpu = []
+    model.transformer.h[0].mlp.register_forward_hook(
+        lambda m, a, out: saved_on_cpu.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None))
+    trainer = InOrder(model=model, args=TrainingArguments(output_dir=str(tmp_path / "o"), report_to=[],
+                                                          **training_args_from(cfg)),
+                      train_dataset=_data(), callbacks=[TricksCallback(cfg)])
+    trainer.train()
+    assert dtypes and set(dtypes) == {torch.bfloat16} and next(model.parameters()).is_cuda
+    assert saved_on_cpu and all(saved_on_cpu)  # save_on_cpu's hooks were in force inside the forward
