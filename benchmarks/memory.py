@@ -223,6 +223,9 @@ def report(name: str, rows: list[dict[str, Any]]) -> bool | None:
     if tuned:
         best, which = tuned[0], "the tune's memory-optimal configuration"
     else:  # no tune run (--tune-budget 0): the lowest measured peak of the combinations
+        if not any(" + " in r["label"] for r in rows):
+            print("  target: not judged: no combination among these rows (--rows)")
+            return None
         combos = [r for r in rows if " + " in r["label"] and r.get("same_training")]
         if not combos:
             print("  target: no combination ran and trained the same: FAIL")

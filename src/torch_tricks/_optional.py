@@ -16,7 +16,7 @@ from torch_tricks.errors import UserError
 __all__ = ["EXTRAS", "available", "install_hint", "require"]
 
 # the extras declared in pyproject.toml's [project.optional-dependencies]
-EXTRAS = frozenset({"data", "deploy", "digits", "plot", "onnx", "tensorboard", "hf", "peers", "dev"})
+EXTRAS = frozenset({"data", "deploy", "digits", "plot", "onnx", "tensorboard", "hf", "lightning", "peers", "dev"})
 
 
 def install_hint(extra: str) -> str:

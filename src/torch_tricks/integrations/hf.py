@@ -43,6 +43,7 @@ from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.tricks import apply_model_switches, as_config
 
 _transformers = require("transformers", "hf", "the transformers Trainer integration")
+require("accelerate", "hf", "the transformers Trainer")
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 __all__ = ["training_args_from", "trainer_lines", "TricksCallback"]

@@ -89,7 +89,7 @@ from torch_tricks.train.sharding import shard_fsdp, zero1_optimizer
 from torch_tricks.train.speed import channels_last, compile_model, cudnn_benchmark, keep_heap
 from torch_tricks.train.syncbn import convert_sync_batchnorm
 
-__all__ = ["Tricks", "TrainingDiverged", "apply_model_switches"]
+__all__ = ["Tricks", "TrainingDiverged", "apply_model_switches", "config_optimizer", "config_scheduler"]
 
 
 class TrainingDiverged(UserError):
@@ -485,22 +485,9 @@ class Tricks:
 
     def _config_optimizer(self) -> torch.optim.Optimizer:
         """``config.optimizer`` over the model, with no-decay groups and the scaled lr when switched on."""
-        cfg = self.config
-        lr = self._lr()
-        groups = (
-            param_groups(self.unwrapped_model, cfg.weight_decay)
-            if cfg.no_decay_norm_bias
-            else [{"params": self._trainable(), "weight_decay": cfg.weight_decay}]
-        )
-        fast = None if cfg.fused_optimizer and not cfg.optimizer_state else False
-        opt = build_optimizer(
-            groups, cfg.optimizer, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-            fused=fast, foreach=fast,
-        )
-        if cfg.optimizer_state:
-            return self._low_precision_state(opt)
-        if cfg.fused_optimizer:  # say which multi-tensor form PyTorch could give this optimizer here
-            self._note_fast_step(_fast_step_kind(opt) or "")
+        opt, applied = config_optimizer(self.unwrapped_model, self.config,
+                                        world_size=self.dist.world_size if self.dist else 1)
+        self.applied += applied
         return opt
 
     def _low_precision_state(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -509,16 +496,6 @@ class Tricks:
             return opt
         self.applied.append(f"optimizer_state={self.config.optimizer_state}")
         return low_precision_state(opt, self.config.optimizer_state)
-
-    def _lr(self) -> float:
-        """``config.lr``, scaled to the global batch (all ranks, all micro-batches of a group) when ``scale_lr``."""
-        cfg = self.config
-        if not cfg.scale_lr:
-            return cfg.lr
-        world = self.dist.world_size if self.dist else 1
-        lr = scale_lr(cfg.lr, cfg.batch_size * cfg.accumulate * world, base_batch=cfg.base_batch)
-        self.applied.append(f"scale_lr={lr:.3g}")
-        return lr
 
     def _note_fast_step(self, kind: str) -> None:
         self.applied.append(f"{kind}_optimizer" if kind else "fused_optimizer=unavailable")
@@ -531,7 +508,7 @@ class Tricks:
         if not total:
             raise UserError("a learning-rate schedule needs a known length: give max_steps, total_steps= or a "
                             "sized DataLoader to prepare()")
-        return warmup_schedule(self.optimizer, cfg.warmup_steps, total, kind=cfg.schedule)
+        return config_scheduler(self.optimizer, cfg, total)
 
     def _build_ema(self) -> Any:
         if not self.config.ema:
@@ -633,6 +610,39 @@ def apply_model_switches(model: nn.Module, config: TrainConfig, *, distributed: 
         model = channels_last(model)
         applied.append("channels_last")
     return model, applied
+
+
+def config_optimizer(model: nn.Module, config: TrainConfig, *, world_size: int = 1
+                     ) -> tuple[torch.optim.Optimizer, list[str]]:
+    """``config.optimizer`` over ``model``'s trainable parameters as :meth:`Tricks.prepare` builds it: no-decay
+    groups, the lr scaled to the global batch (``world_size`` processes) when ``scale_lr``, the fused or foreach
+    step, the low-precision state; returns it and the switches applied. Also what the trainer integrations call."""
+    applied: list[str] = []
+    lr = config.lr
+    if config.scale_lr:
+        lr = scale_lr(config.lr, config.batch_size * config.accumulate * world_size, base_batch=config.base_batch)
+        applied.append(f"scale_lr={lr:.3g}")
+    groups = (param_groups(model, config.weight_decay) if config.no_decay_norm_bias
+              else [{"params": [p for p in model.parameters() if p.requires_grad],
+                     "weight_decay": config.weight_decay}])
+    fast = None if config.fused_optimizer and not config.optimizer_state else False
+    opt = build_optimizer(groups, config.optimizer, lr=lr, weight_decay=config.weight_decay,
+                          momentum=config.momentum, fused=fast, foreach=fast)
+    if config.optimizer_state:
+        applied.append(f"optimizer_state={config.optimizer_state}")
+        return low_precision_state(opt, config.optimizer_state), applied
+    if config.fused_optimizer:  # say which multi-tensor form PyTorch could give this optimizer here
+        kind = _fast_step_kind(opt)
+        applied.append(f"{kind}_optimizer" if kind else "fused_optimizer=unavailable")
+    return opt, applied
+
+
+def config_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int) -> Any:
+    """The lr schedule of ``config`` (warm-up, then cosine / linear / constant) over ``total_steps`` optimizer steps,
+    stepped after each optimizer step; None for a constant lr without warm-up."""
+    if config.schedule == "constant" and not config.warmup_steps:
+        return None
+    return warmup_schedule(optimizer, config.warmup_steps, total_steps, kind=config.schedule)
 
 
 def as_config(config: Any) -> TrainConfig | None:
