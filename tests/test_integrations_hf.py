@@ -4,7 +4,6 @@ what the Trainer cannot serve is one line."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -14,36 +13,10 @@ pytest.importorskip("accelerate")  # the Trainer's own dependency
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from torch.utils.data import SequentialSampler  # noqa: E402
 
+from _trainer_data import ema_of, gpt2 as _gpt2, lm_data as _data  # noqa: E402
 from torch_tricks.errors import UserError  # noqa: E402
 from torch_tricks.integrations.hf import TricksCallback, trainer_lines, training_args_from  # noqa: E402
-from torch_tricks.models import load_model  # noqa: E402
-from torch_tricks.train import TrainConfig, Tricks  # noqa: E402
-
-GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 32, "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-
-
-def _gpt2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return load_model("hf:gpt2", hf_config=GPT2)[0].train()
-
-
-def _data(n: int = 24, length: int = 16, mask_first: bool = False) -> list[dict[str, torch.Tensor]]:
-    """Sequences with something to learn: each token follows from the one before (t -> 3t + 1 mod 128).
-    ``mask_first``: the first label -100 (no token predicts it): the Trainer divides the summed loss by the labels
-    that are not -100 before the shift, so then its loss is the model's mean, as in a plain loop."""
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.empty(length, dtype=torch.long)
-        ids[0] = torch.randint(0, 128, (1,), generator=g)
-        for i in range(1, length):
-            ids[i] = (3 * ids[i - 1] + 1) % 128
-        labels = ids.clone()
-        if mask_first:
-            labels[0] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+from torch_tricks.train import Tricks  # noqa: E402
 
 
 class InOrder(Trainer):
@@ -54,13 +27,13 @@ class InOrder(Trainer):
 
 
 class Seen(TrainerCallback):
-    """What the test reads from inside the Trainer: the autocast state in forward, the losses, and its own EMA of
-    the raw weights after each step."""
+    """What the test reads from inside the Trainer: the autocast state in forward, the losses, and the raw weights
+    after each step (from which it computes its own EMA)."""
 
-    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.autocast: list[tuple[bool, torch.dtype]] = []
         self.losses: list[float] = []
-        self.decay, self.n, self.ema = decay, 0, None
+        self.weights: list[dict[str, torch.Tensor]] = []  # after each optimizer step
         # inside the forward (the Trainer's autocast wraps model.forward, within the model's own hooks)
         model.transformer.register_forward_pre_hook(lambda m, a: self.autocast.append(
             (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))) if m.training else None)
@@ -68,14 +41,7 @@ class Seen(TrainerCallback):
                                     else None)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-        if self.ema is None:
-            self.ema = weights
-        else:  # the EMA's warm-up decay: min(decay, (1 + n) / (10 + n)) at the n-th update
-            d = min(self.decay, (1 + self.n) / (10 + self.n))
-            self.ema = {k: self.ema[k] * d + weights[k] * (1 - d) if weights[k].is_floating_point() else weights[k]
-                        for k in weights}
-        self.n += 1
+        self.weights.append({k: v.detach().float().clone() for k, v in model.state_dict().items()})
 
 
 def _trainer(cfg: dict, tmp_path, model: torch.nn.Module, data=None, seen: Seen | None = None) -> Trainer:
@@ -89,7 +55,7 @@ def test_each_switch_is_in_effect_in_a_real_trainer_and_the_loss_goes_down(tmp_p
     cfg = {"precision": "bf16", "checkpointing": "blocks", "accumulate": 2, "batch_size": 4, "lr": 1e-2,
            "epochs": 3, "ema": True, "ema_decay": 0.9, "log_every": 1, "progress": False, "weight_decay": 0.01}
     model = _gpt2()
-    seen = Seen(model, decay=0.9)
+    seen = Seen(model)
     trainer = _trainer(cfg, tmp_path, model, seen=seen)
     trainer.train()
     assert seen.autocast and all(on and dtype == torch.bfloat16 for on, dtype in seen.autocast)  # bf16 in forward
@@ -100,8 +66,9 @@ def test_each_switch_is_in_effect_in_a_real_trainer_and_the_loss_goes_down(tmp_p
     assert trainer.state.global_step == 3 * 24 // (4 * 2)  # 24 samples, 4 a micro-batch, 2 micro-batches a step
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TricksCallback))
     assert cb.ema is not None and cb.ema.num_updates == trainer.state.global_step
+    ours = ema_of(seen.weights, 0.9)
     for k, v in cb.ema.module.state_dict().items():
-        torch.testing.assert_close(v.float(), seen.ema[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v.float(), ours[k], rtol=1e-5, atol=1e-6)
     first, last = sum(seen.losses[:2]) / 2, sum(seen.losses[-2:]) / 2
     assert last < 0.9 * first, seen.losses  # (the Trainer divides each micro-batch loss by the group's tokens)
 
@@ -111,7 +78,7 @@ def test_a_plain_tricks_loop_and_the_trainer_give_the_same_first_losses(tmp_path
            "seed": 0}
     data = _data(mask_first=True)
     model = _gpt2()
-    seen = Seen(model, decay=0.9)
+    seen = Seen(model)
     _trainer(cfg, tmp_path, model, data, seen).train()
 
     tricks = Tricks({**cfg, "nan_guard": False})

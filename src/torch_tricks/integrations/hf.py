@@ -40,7 +40,11 @@ from torch_tricks._optional import require
 from torch_tricks.errors import UserError
 from torch_tricks.integrations.mapping import TARGETS, routes
 from torch_tricks.train.config import TrainConfig
-from torch_tricks.train.tricks import apply_model_switches, as_config
+from torch_tricks.train.ema import EMA
+from torch_tricks.train.offload import check_device as check_offload_device
+from torch_tricks.train.offload import offload_activations
+from torch_tricks.train.speed import cudnn_benchmark, keep_heap
+from torch_tricks.train.tricks import TrainingDiverged, apply_model_switches, as_config
 
 _transformers = require("transformers", "hf", "the transformers Trainer integration")
 require("accelerate", "hf", "the transformers Trainer")
@@ -116,9 +120,7 @@ class TricksCallback(TrainerCallback):
                             "(torch_tricks.train.memory.checkpoint_sequential_sqrt), or use a name pattern")
         self.applied += _process_switches(cfg, model)
         if cfg.offload_activations:
-            from torch_tricks.train.offload import check_device
-
-            check_device(next(model.parameters()).device)
+            check_offload_device(next(model.parameters()).device)
             _offload_in_forward(model)
             self.applied.append("offload_activations")
         if cfg.nan_guard:
@@ -129,8 +131,6 @@ class TricksCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, model: nn.Module | None = None,
                        **kwargs: Any) -> None:
         if self.config.ema and self.ema is None:
-            from torch_tricks.train.ema import EMA
-
             self.ema = EMA(self._model if self._model is not None else model, decay=self.config.ema_decay)
             self.applied.append("ema")
 
@@ -168,8 +168,6 @@ class TricksCallback(TrainerCallback):
         if not module.training or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return
         if not math.isfinite(float(loss.detach())):
-            from torch_tricks.train.tricks import TrainingDiverged
-
             raise TrainingDiverged(f"loss is {float(loss.detach())} at step {self._step + 1} (the Trainer's "
                                    f"optimizer steps so far: {self._step}); lower the learning rate or check the data")
 
@@ -194,8 +192,6 @@ def _check_fields(kwargs: dict[str, Any], have: set[str]) -> None:
 
 def _process_switches(cfg: TrainConfig, model: nn.Module) -> list[str]:
     """cudnn benchmark, the kept heap (CPU) and anomaly detection: settings of the process."""
-    from torch_tricks.train.speed import cudnn_benchmark, keep_heap
-
     applied = []
     if cfg.cudnn_benchmark:
         cudnn_benchmark(True, fixed_shapes=True)
@@ -221,8 +217,6 @@ def _atomic_save(obj: Any, path: Path) -> None:
 def _offload_in_forward(model: nn.Module) -> None:
     """Saved activations to pinned host memory during each forward of ``model`` (what ``Tricks.autocast`` does
     around the forward of your own loop): entered by a pre-hook, left by a hook that runs even on an error."""
-    from torch_tricks.train.offload import offload_activations
-
     stack: list[Any] = []
 
     def enter(module: nn.Module, args: Any) -> None:

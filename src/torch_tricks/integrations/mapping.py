@@ -17,14 +17,16 @@ is never dropped in silence. A target without a table yet raises the same way.
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from torch_tricks.errors import UserError
 from torch_tricks.train.config import TrainConfig
+from torch_tricks.train.schedule import scale_lr
 
-__all__ = ["TARGETS", "Route", "Place", "routes", "place_table", "places"]
+__all__ = ["TARGETS", "Route", "Place", "Make", "routes", "place_table", "places"]
 
 TARGETS = {"fit": "torch-tricks fit / Tricks", "hf": "transformers Trainer", "lightning": "lightning.Trainer",
            "accelerate": "Accelerate"}
@@ -37,6 +39,22 @@ class Route:
     how: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     line: str = ""
+
+
+@dataclass(frozen=True)
+class Make:
+    """An object a keyword takes (``ModelCheckpoint(dirpath=...)``), named by its import path and built on use, so
+    the table imports no trainer; its repr is the source line (what ``tune --emit`` prints)."""
+
+    path: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Any:
+        module, _, name = self.path.rpartition(".")
+        return getattr(importlib.import_module(module), name)(**self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"{self.path.rpartition('.')[2]}({', '.join(f'{k}={v!r}' for k, v in self.kwargs.items())})"
 
 
 @dataclass(frozen=True)
@@ -114,9 +132,112 @@ def learning_rate(c: TrainConfig) -> float:
     """``lr``, scaled to the global batch when ``scale_lr`` (as ``Tricks`` does)."""
     if not c.scale_lr:
         return c.lr
-    from torch_tricks.train.schedule import scale_lr
-
     return scale_lr(c.lr, c.batch_size * c.accumulate * world_size(), base_batch=c.base_batch)
+
+
+# -- lightning.Trainer: its keywords (callbacks and logger included), configure_optimizers, TricksCallback ---------
+
+_PL = "lightning"
+_OPTIMIZERS = "`configure_optimizers`: `return optimizers_from(cfg, self)`"
+
+
+def _pl_off(key: str, instead: str) -> Place:
+    return refuse_unless(key, _PL, lambda v: not v, instead, Place("refused when on", lambda c: Route("arg")))
+
+
+def _pl_strategy(c: TrainConfig) -> dict[str, Any]:
+    if c.distributed == "zero1":
+        raise no_place("distributed", "zero1", _PL, "Lightning shards optimizer state through DeepSpeed "
+                       "(strategy=\"deepspeed_stage_1\"): use distributed = fsdp, or ddp")
+    if c.distributed == "fsdp":
+        sharding = "FULL_SHARD" if c.fsdp_reshard else "SHARD_GRAD_OP"
+        return {"strategy": Make("lightning.pytorch.strategies.FSDPStrategy", {"sharding_strategy": sharding})}
+    return {"strategy": {"off": "auto", "auto": "auto", "ddp": "ddp"}[c.distributed],
+            **({"devices": 1} if c.distributed == "off" else {})}
+
+
+def _pl_device(c: TrainConfig) -> dict[str, Any]:
+    if c.device.startswith("cuda:"):
+        return {"accelerator": "gpu", "devices": [int(c.device.split(":")[1])]}
+    return {"accelerator": {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}[c.device]}
+
+
+def _pl_checkpoints(c: TrainConfig) -> dict[str, Any]:
+    if not c.checkpoint_dir:
+        return {}
+    every = {"every_n_train_steps": c.checkpoint_every} if c.checkpoint_every else {"every_n_epochs": 1}
+    return {"default_root_dir": c.checkpoint_dir, "callbacks": [Make(
+        "lightning.pytorch.callbacks.ModelCheckpoint",
+        {"dirpath": c.checkpoint_dir, **every, "save_last": True,
+         # the newest N: Lightning keeps the top k of a monitored value, and "step" rises
+         **({"save_top_k": c.keep_checkpoints, "monitor": "step", "mode": "max"} if c.keep_checkpoints
+            else {"save_top_k": -1})})]}
+
+
+def _pl_swa(c: TrainConfig) -> dict[str, Any]:
+    if not c.swa:
+        return {}
+    return {"callbacks": [Make("lightning.pytorch.callbacks.StochasticWeightAveraging",
+                               {"swa_lrs": c.swa_lr or learning_rate(c), "swa_epoch_start": c.swa_start})]}
+
+
+def _pl_code(line: str, when: Callable[[TrainConfig], bool] = lambda c: True) -> Callable[[TrainConfig], Route]:
+    return lambda c: Route("code", line=line) if when(c) else Route("arg")
+
+
+_LIGHTNING: dict[str, Place] = {
+    "epochs": arg("`max_epochs`", lambda c: {"max_epochs": c.epochs}),
+    "max_steps": arg("`max_steps` (0: -1)", lambda c: {"max_steps": c.max_steps or -1}),
+    "batch_size": Place("your DataLoader's `batch_size`",
+                        lambda c: Route("code", line=f"DataLoader(dataset, batch_size={c.batch_size}, shuffle=True)")),
+    "lr": Place(_OPTIMIZERS, _pl_code("def configure_optimizers(self):\n    return optimizers_from(cfg, self)  "
+                                      "# from torch_tricks.integrations.lightning import optimizers_from")),
+    **{k: Place(_OPTIMIZERS, lambda c: Route("arg")) for k in (
+        "optimizer", "weight_decay", "momentum", "schedule", "warmup_steps", "scale_lr", "base_batch",
+        "fused_optimizer", "no_decay_norm_bias", "optimizer_state")},
+    "precision": arg("`precision` (`bf16-mixed`, `16-mixed`, `32-true`)", lambda c: {"precision": {
+        "fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[c.precision]}),
+    "channels_last": callback("the model's weights channels_last"),
+    "compile": callback("`torch.compile` of each child module of the LightningModule, in place"),
+    "cudnn_benchmark": arg("`benchmark`", lambda c: {"benchmark": c.cudnn_benchmark}),
+    "keep_heap": callback("glibc keeps freed memory (CPU)"),
+    "accumulate": arg("`accumulate_grad_batches`", lambda c: {"accumulate_grad_batches": c.accumulate}),
+    "bn_momentum_adjust": callback("BatchNorm momentum for the micro-batches"),
+    "checkpointing": callback("activation checkpointing of the repeated blocks, `sqrt` or a name pattern"),
+    "inplace": callback("in-place activations"),
+    "memory_efficient_bn": callback("memory-efficient BatchNorm + activation"),
+    "chunked_lm_loss": callback("the causal LM's loss chunk by chunk (the LM inside the LightningModule)"),
+    "optimizer_in_backward": _pl_off("optimizer_in_backward", "Lightning steps its optimizer after backward "
+                                     "(automatic optimization): train with torch-tricks train or Tricks"),
+    "offload_activations": callback("saved activations in pinned host memory from batch start to backward (CUDA)"),
+    "auto_micro_batch": _pl_off("auto_micro_batch", "Lightning's BatchSizeFinder changes the batch without keeping "
+                                "the effective batch: set auto_micro_batch = false and lower batch_size"),
+    "grad_clip": arg("`gradient_clip_val` (0: None)", lambda c: {"gradient_clip_val": c.grad_clip or None}),
+    "ema": callback("EMA weights after each optimizer step, kept in the checkpoint"),
+    "ema_decay": callback("the EMA's decay"),
+    "swa": arg("`callbacks`: `StochasticWeightAveraging`", _pl_swa),
+    "swa_start": arg("`StochasticWeightAveraging(swa_epoch_start=...)`", lambda c: {}),
+    "swa_lr": arg("`StochasticWeightAveraging(swa_lrs=...)` (0: lr)", lambda c: {}),
+    "seed": Place("`lightning.seed_everything(seed, workers=True)` before building the model (TricksCallback "
+                  "checks it)", lambda c: Route("code", line=f"lightning.seed_everything({c.seed}, workers=True)")),
+    "deterministic": arg("`deterministic`", lambda c: {"deterministic": c.deterministic}),
+    "detect_anomaly": arg("`detect_anomaly`", lambda c: {"detect_anomaly": c.detect_anomaly}),
+    "nan_guard": callback("stops on a non-finite loss, naming the step"),
+    "checkpoint_dir": arg("`callbacks`: `ModelCheckpoint(dirpath=...)`, `default_root_dir`", _pl_checkpoints),
+    "checkpoint_every": arg("`ModelCheckpoint(every_n_train_steps=...)` (0: every epoch)", lambda c: {}),
+    "keep_checkpoints": arg("`ModelCheckpoint(save_top_k=...)` (0: all)", lambda c: {}),
+    "resume": Place("`trainer.fit(module, ckpt_path=\"last\")`",
+                    _pl_code('trainer.fit(module, ckpt_path="last")', lambda c: c.resume)),
+    "log_every": arg("`log_every_n_steps`", lambda c: {"log_every_n_steps": c.log_every}),
+    "log_dir": arg("`logger`: `CSVLogger` (metrics.csv)", lambda c: {"logger": Make(
+        "lightning.pytorch.loggers.CSVLogger", {"save_dir": c.log_dir, "name": "", "version": ""})}
+        if c.log_dir else {}),
+    "progress": arg("`enable_progress_bar`", lambda c: {"enable_progress_bar": c.progress}),
+    "distributed": arg("`strategy` (`ddp`; fsdp: `FSDPStrategy`)", _pl_strategy),
+    "fsdp_reshard": arg("`FSDPStrategy(sharding_strategy=...)`", lambda c: {}),
+    "sync_bn": arg("`sync_batchnorm`", lambda c: {"sync_batchnorm": c.sync_bn}),
+    "device": arg("`accelerator` / `devices`", _pl_device),
+}
 
 
 def _fit_table() -> dict[str, Place]:
@@ -251,4 +372,5 @@ _HF: dict[str, Place] = {
 }
 
 
-_BUILDERS: dict[str, Callable[[], dict[str, Place]]] = {"fit": _fit_table, "hf": lambda: _HF}
+_BUILDERS: dict[str, Callable[[], dict[str, Place]]] = {"fit": _fit_table, "hf": lambda: _HF,
+                                                          "lightning": lambda: _LIGHTNING}

@@ -1,0 +1,151 @@
+"""The tune's configuration in Lightning (issue 22): trainer_kwargs_from + optimizers_from + TricksCallback put each
+switch in effect in a real lightning.Trainer, and what Lightning cannot serve, or what your own code leaves out,
+is one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+pytest.importorskip("transformers")
+lightning = pytest.importorskip("lightning")
+
+from _trainer_data import ema_of, gpt2, lm_data  # noqa: E402
+from torch_tricks.errors import UserError  # noqa: E402
+from torch_tricks.integrations.lightning import (  # noqa: E402
+    TricksCallback,
+    optimizers_from,
+    trainer_kwargs_from,
+    trainer_lines,
+)
+
+
+class LM(lightning.LightningModule):
+    """A LightningModule as users write one: the model inside, its own loss, the configuration's optimizer."""
+
+    def __init__(self, cfg: dict, own_optimizer: bool = False) -> None:
+        super().__init__()
+        self.model = gpt2()
+        self.cfg, self.own_optimizer = cfg, own_optimizer
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        if self.own_optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        return optimizers_from(self.cfg, self)
+
+
+class Seen(lightning.Callback):
+    """The autocast state inside the forward, and the raw weights after each optimizer step."""
+
+    def __init__(self, module: LM) -> None:
+        self.autocast: list[tuple[bool, torch.dtype]] = []
+        self.weights: list[dict[str, torch.Tensor]] = []
+        self._step, self._training = 0, False
+        module.model.transformer.register_forward_pre_hook(lambda m, a: self.autocast.append(
+            (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))) if self._training else None)
+
+    def on_train_start(self, trainer, pl_module):
+        self._training = True  # not the chunked loss's agreement check at setup (two forwards, fp32)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step > self._step:
+            self.weights.append({k: v.detach().float().clone() for k, v in pl_module.state_dict().items()})
+        self._step = trainer.global_step
+
+
+def _fit(cfg: dict, tmp_path, module: LM, seen: Seen | None = None) -> lightning.Trainer:
+    kw = trainer_kwargs_from({"device": "cpu", "progress": False, **cfg})
+    kw["callbacks"] += [seen] if seen else []
+    trainer = lightning.Trainer(**kw, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+                                enable_model_summary=False)
+    trainer.fit(module, DataLoader(lm_data(), batch_size=cfg.get("batch_size", 4), shuffle=False))
+    return trainer
+
+
+def test_each_switch_is_in_effect_in_a_real_trainer_and_the_loss_goes_down(tmp_path):
+    cfg = {"precision": "bf16", "checkpointing": "blocks", "accumulate": 2, "batch_size": 4, "lr": 1e-2,
+           "epochs": 3, "ema": True, "ema_decay": 0.9, "weight_decay": 0.01, "chunked_lm_loss": True}
+    lightning.seed_everything(0, workers=True, verbose=False)
+    module = LM(cfg)
+    seen = Seen(module)
+    trainer = _fit(cfg, tmp_path, module, seen)
+    assert seen.autocast and all(on and dtype == torch.bfloat16 for on, dtype in seen.autocast)
+    assert all(type(block.forward).__name__ == "_CheckpointedForward" for block in module.model.transformer.h)
+    (opt,) = trainer.optimizers
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
+    assert trainer.accumulate_grad_batches == 2 and trainer.global_step == 3 * 24 // (4 * 2)
+    cb = next(c for c in trainer.callbacks if isinstance(c, TricksCallback))
+    assert {"chunked_lm_loss", "ema", "checkpointing=blocks"} <= set(cb.applied), cb.applied
+    assert cb.ema.num_updates == trainer.global_step == len(seen.weights)
+    ours = ema_of(seen.weights, 0.9)
+    for k, v in cb.ema.module.state_dict().items():
+        torch.testing.assert_close(v.float(), ours[k], rtol=1e-5, atol=1e-6)
+    assert sum(module.losses[-4:]) < 0.9 * sum(module.losses[:4]), module.losses
+
+
+def test_the_configurations_schedule_steps_with_the_optimizer(tmp_path):
+    cfg = {"schedule": "cosine", "warmup_steps": 2, "max_steps": 6, "lr": 1e-2, "batch_size": 4}
+    lightning.seed_everything(0, workers=True, verbose=False)
+    module = LM(cfg)
+    trainer = _fit(cfg, tmp_path, module)
+    (sched,) = [c.scheduler for c in trainer.lr_scheduler_configs]
+    assert sched.last_epoch == 6 and trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_your_own_optimizer_or_seed_is_caught_in_one_line(tmp_path):
+    lightning.seed_everything(0, workers=True, verbose=False)
+    with pytest.raises(UserError, match=r"configuration's optimizer is not in effect \(SGD.*optimizers_from"):
+        _fit({"max_steps": 1}, tmp_path, LM({}, own_optimizer=True))
+    lightning.seed_everything(5, workers=True, verbose=False)
+    with pytest.raises(UserError, match=r"seed = 0 in the configuration, but lightning.seed_everything\(5\) ran"):
+        _fit({"max_steps": 1}, tmp_path, LM({}))
+
+
+def test_a_non_finite_loss_stops_the_trainer_naming_the_step(tmp_path):
+    lightning.seed_everything(0, workers=True, verbose=False)
+    module = LM({})
+    with torch.no_grad():
+        module.model.transformer.wte.weight.fill_(float("nan"))
+    with pytest.raises(UserError, match=r"loss is nan at step 1"):
+        _fit({"max_steps": 2}, tmp_path, module)
+
+
+def test_the_mapped_keywords():
+    kw = trainer_kwargs_from({"precision": "fp16", "grad_clip": 1.0, "deterministic": True, "cudnn_benchmark": True,
+                              "max_steps": 0, "swa": True, "swa_lr": 0.05, "swa_start": 0.5, "log_dir": "logs",
+                              "checkpoint_dir": "ck", "checkpoint_every": 10, "keep_checkpoints": 3})
+    assert kw["precision"] == "16-mixed" and kw["gradient_clip_val"] == 1.0 and kw["deterministic"] is True
+    assert kw["benchmark"] is True and kw["max_steps"] == -1 and kw["default_root_dir"] == "ck"
+    names = [type(c).__name__ for c in kw["callbacks"]]
+    assert names == ["TricksCallback", "StochasticWeightAveraging", "ModelCheckpoint"], names
+    swa, ck = kw["callbacks"][1], kw["callbacks"][2]
+    assert swa._swa_lrs == 0.05 and swa._swa_epoch_start == 0.5
+    assert ck.dirpath.endswith("ck") and ck._every_n_train_steps == 10 and ck.save_top_k == 3
+    assert type(kw["logger"]).__name__ == "CSVLogger"
+    fsdp = trainer_kwargs_from({"distributed": "fsdp", "fsdp_reshard": False})["strategy"]
+    assert type(fsdp).__name__ == "FSDPStrategy"
+
+
+def test_the_emitted_lines_carry_what_needs_your_own_code():
+    text = "\n".join(trainer_lines({"precision": "bf16", "resume": True, "checkpoint_dir": "ck", "seed": 3}))
+    assert "lightning.seed_everything(3, workers=True)" in text and "precision='bf16-mixed'" in text
+    assert 'trainer.fit(module, ckpt_path="last")' in text and "optimizers_from(cfg, self)" in text
+    assert text.index("seed_everything") < text.index("lightning.Trainer(") < text.index("ckpt_path")
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"optimizer_in_backward": True}, "optimizer_in_backward = True has no place in lightning.Trainer"),
+    ({"distributed": "zero1"}, "distributed = 'zero1' has no place in lightning.Trainer.*deepspeed_stage_1"),
+    ({"auto_micro_batch": True}, "auto_micro_batch = True has no place"),
+])
+def test_what_lightning_cannot_serve_is_one_line(cfg, match):
+    with pytest.raises(UserError, match=match) as err:
+        trainer_kwargs_from(cfg)
+    assert "\n" not in str(err.value)
