@@ -22,6 +22,19 @@ def _freeze_what_lives_on():
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _peak_cache(tmp_path_factory):
+    """The machine-peak cache (torch-tricks peak, the tune's MFU) in a folder of the session, not the user's cache
+    directory: a test never reads a peak another run measured, and leaves none behind."""
+    old = os.environ.get("TORCH_TRICKS_CACHE")
+    os.environ["TORCH_TRICKS_CACHE"] = str(tmp_path_factory.mktemp("torch-tricks-cache"))
+    yield
+    if old is None:
+        os.environ.pop("TORCH_TRICKS_CACHE", None)
+    else:
+        os.environ["TORCH_TRICKS_CACHE"] = old
+
+
 @pytest.fixture
 def gc_unfrozen():
     """For the tests of ``gc.freeze`` handling itself: the session's freeze lifted for the test, put back after."""

@@ -210,3 +210,41 @@ def test_on_cuda_the_trainer_autocasts_bf16_and_the_callback_offloads_activation
     trainer.train()
     assert dtypes and set(dtypes) == {torch.bfloat16} and next(model.parameters()).is_cuda
     assert saved_on_cpu and all(saved_on_cpu)  # save_on_cpu's hooks were in force inside the forward
+
+
+def test_tune_emit_hf_prints_lines_that_run_in_a_trainer_script(tmp_path, capsys):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch_tricks.cli import main
+
+    hf = "n_layer=2,n_embd=32,n_head=2,vocab_size=128,n_positions=32"
+    code = main(["tune", "--model", "hf:gpt2", "--hf-config", hf, "--input", "input_ids=long:16:128", "--batch", "4",
+                 "--budget-seconds", "6", "--no-progress", "--emit", "hf", "--json", "--device", "cpu",
+                 *(a for t in ("compile", "ema", "deterministic") for a in ("--skip", t))])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["emit"]["target"] == "hf"
+    script = tmp_path / "train_hf.py"
+    script.write_text("\n".join([
+        "import sys",
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})",
+        "from _trainer_data import gpt2, lm_data",
+        "model, train_dataset = gpt2(), lm_data()",
+        *data["emit"]["lines"],  # pasted as printed
+        "trainer.args.max_steps = 2",
+        "trainer.train()",
+        "print('steps', trainer.state.global_step)",
+    ]))
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "steps 2", run.stdout[-2000:]
+
+
+def test_emit_of_a_trainer_not_built_is_one_line_before_the_tune(capsys):
+    from torch_tricks.cli import main
+
+    assert main(["tune", "--model", "mlp", "--emit", "accelerate", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the Accelerate integration is not built yet" in err, err

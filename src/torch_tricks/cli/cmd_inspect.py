@@ -52,6 +52,12 @@ def add_commands(sub: Any) -> None:
     sp.add_argument("--trace", metavar="PATH", help="also write a Chrome trace (open in Perfetto)")
     sp.set_defaults(func=cmd_profile)
 
+    sp = sub.add_parser("peak", help="this machine's peak matmul rate per dtype (measured once, cached): MFU's yardstick")
+    sp.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    sp.add_argument("--refresh", action="store_true", help="measure again, replacing the cached entry")
+    add_common(sp)
+    sp.set_defaults(func=cmd_peak)
+
     sp = sub.add_parser("graph", help="autograd graph as DOT/SVG, ONNX for Netron, or TensorBoard graph")
     add_model_options(sp)
     sp.add_argument("--out", required=True, metavar="PATH",
@@ -148,6 +154,14 @@ def cmd_time(args: argparse.Namespace) -> int:
     data = {"model": args.model, "batch": args.batch, "loss": args.loss or "sum of output means",
             "timings": {k: v.to_dict() for k, v in results.items()}}
     emit(args, data, timings_table(results, args.batch, title=f"{args.model}, batch {args.batch}, {args.device}"))
+    return 0
+
+
+def cmd_peak(args: argparse.Namespace) -> int:
+    from torch_tricks.inspect.peak import device_peak
+
+    peak = device_peak(args.device, refresh=args.refresh)
+    emit(args, peak.to_dict(), peak.to_text())
     return 0
 
 

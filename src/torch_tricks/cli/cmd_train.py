@@ -51,6 +51,9 @@ def add_commands(sub: Any) -> None:
                          "engine, this machine; --batch is then the global batch, N must divide it): per-rank "
                          "memory and state, throughput against one process, scaling efficiency. Under torchrun "
                          "the tune uses the ranks it was given instead")
+    sp.add_argument("--emit", metavar="TRAINER", choices=("hf", "lightning", "accelerate"),
+                    help="also print the lines that apply the recommendation in that trainer: hf (the transformers "
+                         "Trainer) or lightning")
     sp.add_argument("--out", metavar="DIR", help="write report.md, report.json, report.png and tricks.toml here")
     sp.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     sp.set_defaults(func=cmd_tune)
@@ -96,6 +99,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from torch_tricks.tuning import parse_size, tune
 
     limit = parse_size(args.memory_limit) if args.memory_limit else None
+    if args.emit:  # a bad target, or a trainer not installed, is said before the tune, not after it
+        from torch_tricks.integrations import TARGETS, emit_lines
+
+        emit_lines({}, args.emit)
     model, inputs = load(args)
     batch, loss_fn = example_batch(model, inputs, seed=args.seed, loss=args.loss)
     rank = get_rank()  # under torchrun: rank 0 prints and writes
@@ -105,11 +112,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
                   processes=args.processes, steps=args.steps, fit=args.fit)
     if rank != 0:
         return 0
-    text = report.to_text()
+    text, data = report.to_text(), report.to_dict()
+    if args.emit:
+        lines = emit_lines(report.recommended_config(), args.emit)
+        text += f"\n\nthe recommendation in your {TARGETS[args.emit]} script:\n" + "\n".join(lines)
+        data["emit"] = {"target": args.emit, "lines": lines}
     if args.out:
         paths = report.write(args.out)
         text += "\nwritten: " + ", ".join(str(p) for p in paths.values())
-    emit(args, report.to_dict(), text)
+    emit(args, data, text)
     return 0
 
 

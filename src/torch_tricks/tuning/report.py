@@ -21,6 +21,7 @@ from torch_tricks._format import human_bytes, table
 from torch_tricks._io import atomic_path
 from torch_tricks._optional import available, install_hint
 from torch_tricks.train.config import TrainConfig
+from torch_tricks.tuning.efficiency import Efficiency
 from torch_tricks.tuning.race import margin
 
 __all__ = ["Result", "TuneReport"]
@@ -142,6 +143,7 @@ class TuneReport:
     notes: list[str] = field(default_factory=list)
     data: dict[str, Any] | None = None
     deploy: dict[str, Any] | None = None
+    efficiency: dict[str, Any] | None = None  # MFU of plain and the recommendation (status, figures, or why not)
     elapsed_s: float = 0.0
     own_optimizer: bool = False  # the caller's optimizer_fn: tricks.toml then names no optimizer
     distributed: dict[str, Any] | None = None  # the ddp/zero1/fsdp rows (tune --processes N, or under torchrun)
@@ -715,6 +717,7 @@ class TuneReport:
         lines = self._setup_lines() + self._race_lines() + self._baseline_lines() + self._throughput_lines()
         self.explain()
         lines += self._compile_lines() + self._faster_not_recommended_lines() + self._run_length_lines()
+        lines += self._efficiency_lines()
         lines += self._memory_lines() + [f"note: {n}" for n in self.notes] + self.distributed_lines()
         lines += self._data_lines() + self._deploy_lines()
         return lines + [self._tricks_toml_line(), self._time_line()]
@@ -742,6 +745,15 @@ class TuneReport:
                     f"(after {_span_rounds(left)} rounds; each row says why); the others and both baselines "
                     f"got all {self.rounds} rounds")
         return f"race: all {timed} tricks and both baselines got all {self.rounds} rounds"
+
+    def _efficiency_lines(self) -> list[str]:
+        """MFU of plain and of the recommendation against this machine's peak, or why it was not measured."""
+        e = self.efficiency
+        if not e:
+            return []
+        if e.get("status") != "measured":
+            return [f"MFU not measured: {e.get('reason', '')}"]
+        return _efficiency_view(e)
 
     def _baseline_lines(self) -> list[str]:
         """The plain fp32 step's time and memory."""
@@ -875,6 +887,7 @@ class TuneReport:
             "fits_with": self.fits_with,
             **self._recommendations(),
             "notes": self.notes, "data": self.data, "deploy": self.deploy,
+            "efficiency": self.efficiency, "mfu": {k: r["mfu"] for k, r in (self.efficiency or {}).get("rows", {}).items()},
             "distributed": _finite(self.distributed),
             "run_steps": self.run_steps, "run_steps_source": self.run_steps_source,
             "verdicts": verdicts,
@@ -1441,3 +1454,8 @@ def _bound_text(r: Result) -> str:
     if r.max_batch_bound is not None:
         return f", not at {r.max_batch_bound}"
     return ", larger not run"
+
+
+def _efficiency_view(e: dict[str, Any]) -> list[str]:
+    """The report's lines of an efficiency dict (its figures, as measured)."""
+    return Efficiency(**{k: v for k, v in e.items() if k != "status"}).lines()

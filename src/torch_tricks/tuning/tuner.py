@@ -60,6 +60,7 @@ from torch_tricks.data.loader_tune import tune_loader_path
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.device import is_oom, synchronize
 from torch_tricks.errors import UserError, one_line
+from torch_tricks.inspect.peak import cached_peak, device_peak
 from torch_tricks.outputs import get_loss
 from torch_tricks.registry import get_trick
 from torch_tricks.seed import seed_everything
@@ -68,6 +69,7 @@ from torch_tricks.train.distributed import cleanup, init_distributed
 from torch_tricks.tuning import distributed as D
 from torch_tricks.tuning import fit as fit_mod
 from torch_tricks.tuning.candidates import Candidate, training_candidates
+from torch_tricks.tuning.efficiency import efficiency, step_cost
 from torch_tricks.tuning.measure import (
     Runner,
     TooSlow,
@@ -112,6 +114,11 @@ _SIDE_SETTLE_ROUNDS = 12
 _MAX_ROUNDS = 150
 _MEMORY_RUN_MARGIN = 1.5  # a combination's memory run, in plain's memory runs (more switches, a little more)
 _FIT_COMBO_TRIES = 3  # combinations of peak cutters measured for a faster fit under the limit
+# MFU (issue 22): counting a step's FLOPs costs a few plain steps (the counter sees every operator); a machine's
+# first peak measurement (square matmuls up to 4096 in each dtype) some seconds, once
+_COUNT_STEPS = 4
+_PEAK_MEASURE_S = 8.0
+_EFFICIENCY_SHARE = 0.15  # the most of the budget they may take
 # The search for the largest batch under the memory limit (per configuration searched: the largest-batch one and plain).
 _BATCH_PROBES = 6
 _BATCH_SEARCH_SHARE = 0.25
@@ -377,6 +384,7 @@ class _Tune:
         self.compile_skip_reason = ""
         self.memory_s = 0.0  # what plain's memory run at the example batch took (the largest-batch search's unit)
         self.memory_reserve = 0.0  # kept back from the race and the combinations for the memory tricks together
+        self.efficiency_reserve = 0.0  # kept back for the MFU figures (0: not measured, the report says why)
 
     def _setup_candidate(self, res: Result, c: Candidate, setup_end: float, retry: bool = True) -> None:
         """Drift and memory of one candidate, unless its probe step says it is far too slow (or too slow for the budget)."""
@@ -428,6 +436,7 @@ class _Tune:
         the combinations and the largest batch, compile, more rounds, then the distributed rows, data and deploy."""
         if not self._baselines(cands):
             return
+        self._reserve_efficiency()
         compile_res, others = self._plan_compile(cands)
         results = self._set_up_candidates(others)
         if compile_res is not None:
@@ -439,6 +448,7 @@ class _Tune:
             self._compile_phase(compile_res)
         self._more_rounds_phase()
         self._close_training(results)
+        self._efficiency_phase()
         self._other_phases(data)
         self.report.phase_s = {k: round(v, 2) for k, v in self.phase_s.items()}
 
@@ -645,6 +655,39 @@ class _Tune:
             res.runner = None  # free the model copies
         self.base = self.twin = None
         self.side.clear()
+
+    def _reserve_efficiency(self) -> None:
+        """Keep back from the training phases the time of the MFU figures (the step's FLOPs counted, and this
+        machine's peak measured if not cached yet), where it is a small share of the budget; else say why not."""
+        cached = cached_peak(torch.device(self.report.device)) is not None
+        need = _COUNT_STEPS * self.step_s + (0.0 if cached else _PEAK_MEASURE_S)
+        if need <= _EFFICIENCY_SHARE * self.report.budget_s:
+            self.efficiency_reserve = need
+            self.train_end -= need
+            return
+        self.report.efficiency = {"status": "skipped", "reason": (
+            f"it needs about {need:.0f} s, over {_EFFICIENCY_SHARE:.0%} of --budget-seconds"
+            + ("" if cached else "; `torch-tricks peak` measures this machine's peak once, for every later tune"))}
+
+    def _efficiency_phase(self) -> None:
+        """MFU of the plain step and of the recommendation against this machine's peak (issue 22): the model
+        FLOPs of a step counted once, the peak read from its cache (measured there first)."""
+        report, base, best = self.report, self.report.baseline, self.report.best_throughput
+        if not self.efficiency_reserve or base is None or not base.step_s:
+            return
+        dev = torch.device(report.device)
+        t = time.perf_counter()
+        try:
+            cost = step_cost(self.model, self.base_cfg, self.batches[0], **self.kw)
+            rec = best if best is not None and best.step_s else base
+            steps = {"plain": ("plain", "fp32", base.step_s),
+                     "recommended": (rec.name, rec.changes.get("precision", "fp32"), rec.step_s)}
+            report.efficiency = {"status": "measured", **efficiency(cost, device_peak(dev), steps).to_dict()}
+        except UserError as exc:
+            report.efficiency = {"status": "failed", "reason": str(exc)}
+        except Exception as exc:  # the counter cannot follow this model: said, the tune's verdicts stand
+            report.efficiency = {"status": "failed", "reason": one_line(exc, with_type=True)}
+        self.phase_s["efficiency"] = time.perf_counter() - t
 
     def _other_phases(self, data: str | None) -> None:
         """7. the distributed rows, data and deploy, each in its share of the budget."""
