@@ -242,9 +242,8 @@ def test_tune_emit_hf_prints_lines_that_run_in_a_trainer_script(tmp_path, capsys
     assert run.stdout.strip().splitlines()[-1] == "steps 2", run.stdout[-2000:]
 
 
-def test_emit_of_a_trainer_not_built_is_one_line_before_the_tune(capsys):
-    from torch_tricks.cli import main
+def test_emit_of_an_unknown_trainer_is_one_line():
+    from torch_tricks.integrations import emit_lines
 
-    assert main(["tune", "--model", "mlp", "--emit", "accelerate", "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "the Accelerate integration is not built yet" in err, err
+    with pytest.raises(UserError, match="--emit keras: give one of hf, lightning, accelerate"):
+        emit_lines({}, "keras")

@@ -12,7 +12,7 @@ from torch_tricks.integrations.mapping import TARGETS, Route, place_table, place
 from torch_tricks.train import TrainConfig
 
 KEYS = [f.name for f in fields(TrainConfig)]
-BUILT = ("fit", "hf", "lightning")
+BUILT = ("fit", "hf", "lightning", "accelerate")
 
 
 @pytest.mark.parametrize("target", [

@@ -53,7 +53,7 @@ def add_commands(sub: Any) -> None:
                          "the tune uses the ranks it was given instead")
     sp.add_argument("--emit", metavar="TRAINER", choices=("hf", "lightning", "accelerate"),
                     help="also print the lines that apply the recommendation in that trainer: hf (the transformers "
-                         "Trainer) or lightning")
+                         "Trainer), lightning, or accelerate (a loop of your own on an Accelerator)")
     sp.add_argument("--out", metavar="DIR", help="write report.md, report.json, report.png and tricks.toml here")
     sp.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     sp.set_defaults(func=cmd_tune)

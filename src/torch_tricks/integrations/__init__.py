@@ -1,7 +1,7 @@
 """The tune's configuration where users already train: transformers' Trainer, Lightning, Accelerate (issue 22).
 
 :mod:`~torch_tricks.integrations.mapping` holds the one table of where each ``[train]`` key goes in each
-of them; :mod:`.hf` and :mod:`.lightning` turn a configuration into that trainer's own arguments and
+of them; :mod:`.hf`, :mod:`.lightning` and :mod:`.accelerate` turn a configuration into that trainer's own arguments and
 apply the switches it has no argument for; :func:`emit_lines` gives the lines of a script for one of them.
 """
 
@@ -15,13 +15,12 @@ from torch_tricks.integrations.mapping import TARGETS, Route, place_table, place
 
 __all__ = ["TARGETS", "EMIT_TARGETS", "Route", "emit_lines", "routes", "places", "place_table"]
 
-EMIT_TARGETS = ("hf", "lightning")  # the trainers whose integration exists (accelerate: not yet)
+EMIT_TARGETS = ("hf", "lightning", "accelerate")
 
 
 def emit_lines(cfg: Any, target: str) -> list[str]:
     """The lines of a ``target`` training script that carry ``cfg`` (a path to ``tricks.toml``, a ``TrainConfig``
     or a dict of its keys): what ``tune --emit`` prints."""
     if target not in EMIT_TARGETS:
-        raise UserError(f"--emit {target}: give one of {', '.join(EMIT_TARGETS)}"
-                        + (" (the Accelerate integration is not built yet)" if target == "accelerate" else ""))
+        raise UserError(f"--emit {target}: give one of {', '.join(EMIT_TARGETS)}")
     return importlib.import_module(f"torch_tricks.integrations.{target}").trainer_lines(cfg)

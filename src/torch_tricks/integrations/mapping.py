@@ -240,6 +240,131 @@ _LIGHTNING: dict[str, Place] = {
 }
 
 
+# -- Accelerate: Accelerator's keywords, Tricks.prepare / Tricks.after_step for the rest, lines of your loop ----
+
+_AC = "accelerate"
+_TRICKS = "Tricks (tricks_for(cfg)): "
+
+
+def _ac_tricks(doc: str) -> Place:
+    """Applied by the Tricks that ``tricks_for(cfg)`` makes: its ``prepare`` (model, optimizer, schedule, EMA)
+    and ``after_step`` (NaN guard, schedule, EMA after your optimizer step)."""
+    return Place(_TRICKS + doc, lambda c: Route("callback"))
+
+
+def _ac_off(key: str, instead: str) -> Place:
+    return refuse_unless(key, _AC, lambda v: not v, instead, Place("refused when on", lambda c: Route("arg")))
+
+
+def _ac_distributed(c: TrainConfig) -> dict[str, Any]:
+    if c.distributed == "zero1":
+        raise no_place("distributed", "zero1", _AC, "Accelerate shards optimizer state through DeepSpeed "
+                       "(deepspeed_plugin, ZeRO stage 1): use distributed = fsdp, or ddp")
+    if c.distributed != "fsdp":
+        return {}  # one process, or DDP under accelerate launch / torchrun: the Accelerator's own behaviour
+    return {"fsdp_plugin": Make("accelerate.utils.FullyShardedDataParallelPlugin",
+                                {"fsdp_version": 2, "reshard_after_forward": c.fsdp_reshard})}
+
+
+def _ac_device(c: TrainConfig) -> dict[str, Any]:
+    if c.device.startswith("cuda:"):
+        raise no_place("device", c.device, _AC, f"the Accelerator takes the process's device: run with "
+                       f"CUDA_VISIBLE_DEVICES={c.device.split(':')[1]} and device = cuda")
+    return {"cpu": True} if c.device == "cpu" else {}
+
+
+def _ac_checkpoints(c: TrainConfig) -> dict[str, Any]:
+    if not c.checkpoint_dir:
+        return {}
+    return {"project_config": Make("accelerate.utils.ProjectConfiguration", {
+        "project_dir": c.checkpoint_dir, "automatic_checkpoint_naming": True,
+        "total_limit": c.keep_checkpoints or None})}
+
+
+def _ac_code(line: Callable[[TrainConfig], str], when: Callable[[TrainConfig], bool] = lambda c: True
+             ) -> Callable[[TrainConfig], Route]:
+    return lambda c: Route("code", line=line(c)) if when(c) else Route("arg")
+
+
+_ACCELERATE: dict[str, Place] = {
+    "epochs": Place("your loop: `for epoch in range(epochs)`",
+                    _ac_code(lambda c: f"for epoch in range({c.epochs}):  # and stop at max_steps")),
+    "max_steps": Place("your loop: stop after max_steps optimizer steps (`tricks.step_count`)",
+                       _ac_code(lambda c: f"if tricks.step_count >= {c.max_steps}: break", lambda c: c.max_steps > 0)),
+    "batch_size": Place("your DataLoader's `batch_size`",
+                        _ac_code(lambda c: f"DataLoader(dataset, batch_size={c.batch_size}, shuffle=True)")),
+    **{k: _ac_tricks("the optimizer it builds (no-decay groups, fused step, low-precision state, scaled lr)")
+       for k in ("lr", "optimizer", "weight_decay", "momentum", "scale_lr", "base_batch", "fused_optimizer",
+                 "no_decay_norm_bias", "optimizer_state")},
+    "schedule": _ac_tricks("the lr schedule, stepped by `tricks.after_step`"),
+    "warmup_steps": _ac_tricks("the lr schedule's warm-up"),
+    "precision": arg("`mixed_precision` (`no`, `bf16`, `fp16`)", lambda c: {"mixed_precision": {
+        "fp32": "no", "bf16": "bf16", "fp16": "fp16"}[c.precision]}),
+    "channels_last": _ac_tricks("the model's weights channels_last (`tricks.to_device` for the inputs)"),
+    "compile": arg("`dynamo_plugin`: `TorchDynamoPlugin(backend=\"inductor\")`", lambda c: {"dynamo_plugin": Make(
+        "accelerate.utils.TorchDynamoPlugin", {"backend": "inductor"})} if c.compile else {}),
+    "cudnn_benchmark": _ac_tricks("torch.backends.cudnn.benchmark"),
+    "keep_heap": _ac_tricks("glibc keeps freed memory (CPU)"),
+    "accumulate": arg("`gradient_accumulation_steps`, with `accelerator.accumulate(model)` in your loop",
+                      lambda c: {"gradient_accumulation_steps": c.accumulate}),
+    "bn_momentum_adjust": _ac_tricks("BatchNorm momentum for the micro-batches"),
+    "checkpointing": _ac_tricks("activation checkpointing"),
+    "inplace": _ac_tricks("in-place activations"),
+    "memory_efficient_bn": _ac_tricks("memory-efficient BatchNorm + activation"),
+    "chunked_lm_loss": _ac_tricks("the causal LM's loss chunk by chunk"),
+    "optimizer_in_backward": _ac_tricks("each parameter stepped in backward (your `optimizer.step()` then steps "
+                                        "nothing)"),
+    "offload_activations": Place(_TRICKS + "saved activations in pinned host memory: the forward inside "
+                                 "`with tricks.autocast():`",
+                                 _ac_code(lambda c: "with tricks.autocast():  # the activation offload",
+                                          lambda c: c.offload_activations)),
+    "auto_micro_batch": _ac_off("auto_micro_batch", "Accelerate's find_executable_batch_size halves the batch "
+                                "without keeping the effective batch: set auto_micro_batch = false"),
+    "grad_clip": Place("your loop: `accelerator.clip_grad_norm_(model.parameters(), grad_clip)` when "
+                       "`accelerator.sync_gradients`",
+                       _ac_code(lambda c: f"if accelerator.sync_gradients: accelerator.clip_grad_norm_("
+                                          f"model.parameters(), {c.grad_clip})", lambda c: c.grad_clip > 0)),
+    "ema": _ac_tricks("EMA weights, updated by `tricks.after_step`"),
+    "ema_decay": _ac_tricks("the EMA's decay"),
+    "swa": _ac_off("swa", "Tricks averages weights with EMA only (SWA needs the epochs of torch-tricks train): use "
+                   "ema = true"),
+    "swa_start": _ac_tricks("read only with swa"),
+    "swa_lr": _ac_tricks("read only with swa"),
+    "seed": _ac_tricks("seeded when it is made (torch, numpy, random; the same seed fit uses)"),
+    "deterministic": _ac_tricks("deterministic algorithms"),
+    "detect_anomaly": _ac_tricks("torch.autograd anomaly detection"),
+    "nan_guard": _ac_tricks("`tricks.guard(loss)` before your optimizer step stops on a non-finite loss, naming "
+                            "the step"),
+    "checkpoint_dir": arg("`project_config`: `ProjectConfiguration(project_dir=...)`; "
+                          "`accelerator.save_state()` in your loop", _ac_checkpoints),
+    "checkpoint_every": Place("your loop: `accelerator.save_state()` every N steps",
+                              _ac_code(lambda c: f"if tricks.step_count % {c.checkpoint_every} == 0: "
+                                                 "accelerator.save_state()",
+                                       lambda c: bool(c.checkpoint_dir and c.checkpoint_every))),
+    "keep_checkpoints": arg("`ProjectConfiguration(total_limit=...)`", lambda c: {}),
+    "resume": Place("your loop: `accelerator.load_state()` before training",
+                    _ac_code(lambda c: "accelerator.load_state()  # the newest checkpoint of project_dir",
+                             lambda c: c.resume)),
+    "log_every": Place("your loop: `accelerator.log(...)` every N steps",
+                       _ac_code(lambda c: f"if tricks.step_count % {c.log_every} == 0: "
+                                          "accelerator.log({'loss': loss.item()}, step=tricks.step_count)",
+                                lambda c: bool(c.log_dir))),
+    "log_dir": arg("`log_with=\"tensorboard\"`, `project_dir`", lambda c: {"log_with": "tensorboard",
+                                                                          "project_dir": c.log_dir}
+                   if c.log_dir else {}),
+    "progress": Place("your loop: a tqdm bar on the main process",
+                      _ac_code(lambda c: "tqdm(loader, disable=not accelerator.is_local_main_process)",
+                               lambda c: c.progress)),
+    "distributed": arg("DDP under `accelerate launch` / torchrun as Accelerate does; fsdp: `fsdp_plugin` "
+                       "(FSDP2)", _ac_distributed),
+    "fsdp_reshard": arg("`FullyShardedDataParallelPlugin(reshard_after_forward=...)`", lambda c: {}),
+    "sync_bn": Place("your script: `SyncBatchNorm.convert_sync_batchnorm(model)` before `accelerator.prepare`",
+                     _ac_code(lambda c: "model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before "
+                                        "accelerator.prepare", lambda c: c.sync_bn)),
+    "device": arg("`cpu=True` for cpu; the process's device otherwise", _ac_device),
+}
+
+
 def _fit_table() -> dict[str, Place]:
     return {key: Place(f"`{key}`", lambda c, k=key: Route("arg", {k: getattr(c, k)})) for key in _keys()}
 
@@ -373,4 +498,5 @@ _HF: dict[str, Place] = {
 
 
 _BUILDERS: dict[str, Callable[[], dict[str, Place]]] = {"fit": _fit_table, "hf": lambda: _HF,
-                                                          "lightning": lambda: _LIGHTNING}
+                                                          "lightning": lambda: _LIGHTNING,
+                                                          "accelerate": lambda: _ACCELERATE}

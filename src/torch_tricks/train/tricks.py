@@ -180,6 +180,21 @@ class Tricks:
             return False
         return self._optimizer_step()
 
+    # -- a step your own code takes (an Accelerate loop: the Accelerator steps the optimizer) -----
+    def guard(self, loss: torch.Tensor) -> None:
+        """The NaN guard on ``loss`` before an optimizer step your code takes: a non-finite loss drops the gradients
+        and stops the run (:class:`TrainingDiverged`, naming the step). One host sync; nothing when nan_guard is off."""
+        self._need_prepare()
+        if not self._all_finite(loss.detach().float()):
+            self._diverged(loss.detach())
+
+    def after_step(self) -> None:
+        """After an optimizer step your code took: the config's lr schedule and EMA follow it, and it is counted
+        (``step_count``)."""
+        self._need_prepare()
+        self.step_count += 1
+        self._after_step()
+
     # -- around the loop -----------------------------------------------------------------------
     @property
     def sync_gradients(self) -> bool:
