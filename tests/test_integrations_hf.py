@@ -223,9 +223,11 @@ def test_tune_emit_hf_prints_lines_that_run_in_a_trainer_script(tmp_path, capsys
     hf = "n_layer=2,n_embd=32,n_head=2,vocab_size=128,n_positions=32"
     code = main(["tune", "--model", "hf:gpt2", "--hf-config", hf, "--input", "input_ids=long:16:128", "--batch", "4",
                  "--budget-seconds", "6", "--no-progress", "--emit", "hf", "--json", "--device", "cpu",
-                 *(a for t in ("compile", "ema", "deterministic") for a in ("--skip", t))])
+                 "--out", str(tmp_path / "out"), *(a for t in ("compile", "ema", "deterministic") for a in ("--skip", t))])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["emit"]["target"] == "hf"
+    md = (tmp_path / "out" / "report.md").read_text()  # the report's "how to apply it" carries the same lines
+    assert "### In your transformers Trainer script" in md and data["emit"]["lines"][3].splitlines()[0] in md
     script = tmp_path / "train_hf.py"
     script.write_text("\n".join([
         "import sys",

@@ -149,3 +149,16 @@ def test_what_lightning_cannot_serve_is_one_line(cfg, match):
     with pytest.raises(UserError, match=match) as err:
         trainer_kwargs_from(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_without_lightning_it_is_one_line_naming_the_extra(monkeypatch, capsys):
+    import sys
+
+    from torch_tricks.cli import main
+
+    monkeypatch.setitem(sys.modules, "lightning", None)  # an import of it now fails
+    monkeypatch.delitem(sys.modules, "torch_tricks.integrations.lightning", raising=False)
+    code = main(["tune", "--model", "mlp", "--emit", "lightning", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert 'the Lightning integration needs lightning: pip install "torch-tricks[lightning]"' in err, err

@@ -112,11 +112,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
                   processes=args.processes, steps=args.steps, fit=args.fit)
     if rank != 0:
         return 0
-    text, data = report.to_text(), report.to_dict()
     if args.emit:
-        lines = emit_lines(report.recommended_config(), args.emit)
-        text += f"\n\nthe recommendation in your {TARGETS[args.emit]} script:\n" + "\n".join(lines)
-        data["emit"] = {"target": args.emit, "lines": lines}
+        report.emit = {"target": args.emit, "title": TARGETS[args.emit],
+                       "lines": emit_lines(report.recommended_config(), args.emit)}
+    text, data = report.to_text(), report.to_dict()
+    if report.emit:
+        text += f"\n\nthe recommendation in your {report.emit['title']} script:\n" + "\n".join(report.emit["lines"])
+        data["emit"] = report.emit
     if args.out:
         paths = report.write(args.out)
         text += "\nwritten: " + ", ".join(str(p) for p in paths.values())

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
+from torch_tricks._format import human_bytes
 from torch_tricks.inspect.flops import OpCounter
 from torch_tricks.inspect.peak import Peak, mfu, rate
 from torch_tricks.train.loop import TrainStep
@@ -34,6 +35,9 @@ class StepCost:
     flops: int
     traffic_bytes: int
     pointwise_bytes: int
+    top_layer: str = ""  # the layer whose forward moves the most bytes: "name (Type)"
+    top_layer_bytes: int = 0
+    top_layer_flops: int = 0
 
     @property
     def intensity(self) -> float:
@@ -52,6 +56,9 @@ class Efficiency:
     rows: dict[str, dict[str, Any]] = field(default_factory=dict)  # "plain" / "recommended" -> the figures
     intensity: float = 0.0
     pointwise_share: float = 0.0
+    top_layer: str = ""
+    top_layer_bytes: int = 0
+    top_layer_flops: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,7 +77,10 @@ class Efficiency:
             out.append(f"far from the peak: the step does {self.intensity:.1f} FLOP a byte of memory traffic, and "
                        f"element-wise operators (norms, activations and their gradients) move "
                        f"{self.pointwise_share:.0%} of the bytes: memory-bound work, which fusing (compile) or a "
-                       f"larger batch attacks, not faster matmuls")
+                       f"larger batch attacks, not faster matmuls"
+                       + (f"; the layer whose forward moves the most: {self.top_layer}, "
+                          f"{human_bytes(self.top_layer_bytes)} at {self.top_layer_flops / max(self.top_layer_bytes, 1):.1f} "
+                          "FLOP a byte" if self.top_layer else ""))
         return out
 
 
@@ -83,14 +93,19 @@ def step_cost(model: nn.Module, config: dict[str, Any], batch: Any, *,
     with counter:
         step.gradients(batch)
     total = counter.records[""].total
-    return StepCost(total.flops, total.mac_bytes, total.pointwise_bytes)
+    layers = [r for name, r in counter.records.items() if name and not any(True for _ in r.module.children())]
+    top = max(layers, key=lambda r: r.self_.mac_bytes, default=None)
+    return StepCost(total.flops, total.mac_bytes, total.pointwise_bytes,
+                    *((f"{top.name} ({type(top.module).__name__})", top.self_.mac_bytes, top.self_.flops) if top
+                      else ()))
 
 
 def efficiency(cost: StepCost, peak: Peak, steps: dict[str, tuple[str, str, float]]) -> Efficiency:
     """MFU of each step: ``steps`` maps a label to (its configuration's name, the dtype it computes in, its step
     seconds); a dtype the peak has no rate for is left out."""
     out = Efficiency(cost.flops, peak.key, peak.cached, dict(peak.flops), intensity=cost.intensity,
-                     pointwise_share=cost.pointwise_bytes / max(cost.traffic_bytes, 1))
+                     pointwise_share=cost.pointwise_bytes / max(cost.traffic_bytes, 1), top_layer=cost.top_layer,
+                     top_layer_bytes=cost.top_layer_bytes, top_layer_flops=cost.top_layer_flops)
     for label, (name, dtype, step_s) in steps.items():
         if dtype in peak.flops and step_s and step_s > 0:
             out.rows[label] = {"name": name, "dtype": dtype, "step_s": step_s, "flops_per_s": cost.flops / step_s,

@@ -144,6 +144,7 @@ class TuneReport:
     data: dict[str, Any] | None = None
     deploy: dict[str, Any] | None = None
     efficiency: dict[str, Any] | None = None  # MFU of plain and the recommendation (status, figures, or why not)
+    emit: dict[str, Any] | None = None  # tune --emit: {"target", "title", "lines"} of the trainer it applies to
     elapsed_s: float = 0.0
     own_optimizer: bool = False  # the caller's optimizer_fn: tricks.toml then names no optimizer
     distributed: dict[str, Any] | None = None  # the ddp/zero1/fsdp rows (tune --processes N, or under torchrun)
@@ -923,7 +924,14 @@ class TuneReport:
                   f"(tolerance {self.drift_tolerance}).\n\n"
                   + self._reasons_markdown() + self._distributed_markdown() +
                   "## Recommended config (`tricks.toml`)\n\n```toml\n" + self.tricks_toml() + "```\n\n"
-                  "## How to apply it\n\n```python\n" + HOW_TO_APPLY + "```\n")
+                  "## How to apply it\n\n```python\n" + HOW_TO_APPLY + "```\n" + self._emit_markdown())
+
+    def _emit_markdown(self) -> str:
+        """The lines for the trainer ``tune --emit`` named (the transformers Trainer, Lightning, Accelerate)."""
+        if not self.emit:
+            return ""
+        return (f"\n### In your {self.emit['title']} script\n\n```python\n" + "\n".join(self.emit["lines"])
+                + "\n```\n")
 
     def _reasons_markdown(self) -> str:
         items = []
