@@ -34,9 +34,8 @@ from typing import Any
 
 from torch_tricks._optional import require
 from torch_tricks.errors import UserError
-from torch_tricks.integrations.mapping import TARGETS, Make, routes
-from torch_tricks.train.config import TrainConfig
-from torch_tricks.train.tricks import Tricks, as_config
+from torch_tricks.integrations.mapping import Make, TARGETS, changed_keys, config_of, routes
+from torch_tricks.train.tricks import Tricks
 
 _accelerate = require("accelerate", "hf", "the Accelerate integration")
 
@@ -49,7 +48,7 @@ ACCELERATOR_OWNS = {"precision": "fp32", "accumulate": 1, "compile": False, "dis
 def accelerator_kwargs_from(cfg: Any) -> dict[str, Any]:
     """``Accelerator``'s keywords for ``cfg`` (a path to ``tricks.toml``, a ``TrainConfig`` or a dict). A value with
     no place in Accelerate, or a keyword the installed version lacks, is one line saying which and what to do."""
-    config = _config(cfg)
+    config = config_of(cfg)
     out: dict[str, Any] = {}
     for route in routes(config, "accelerate").values():
         if route.how == "arg":
@@ -66,7 +65,7 @@ def accelerator_kwargs_from(cfg: Any) -> dict[str, Any]:
 def tricks_for(cfg: Any, accelerator: Any = None) -> Tricks:
     """The :class:`Tricks` of what the Accelerator has no argument for: ``cfg`` with the keys it owns
     (:data:`ACCELERATOR_OWNS`) neutral, on the accelerator's device."""
-    config = _config(cfg)
+    config = config_of(cfg)
     routes(config, "accelerate")  # a value Accelerate cannot serve is refused here, before any training
     device = str(accelerator.device) if accelerator is not None else config.device
     return Tricks(config.replace(**ACCELERATOR_OWNS, device=device))
@@ -74,7 +73,7 @@ def tricks_for(cfg: Any, accelerator: Any = None) -> Tricks:
 
 def trainer_lines(cfg: Any) -> list[str]:
     """The lines of an Accelerate loop that carry ``cfg``."""
-    config = _config(cfg)
+    config = config_of(cfg)
     kwargs = {}
     for route in routes(config, "accelerate").values():
         if route.how == "arg":
@@ -85,7 +84,7 @@ def trainer_lines(cfg: Any) -> list[str]:
         else ""
     lines = ["from accelerate import Accelerator",
              "from torch_tricks.integrations.accelerate import accelerator_kwargs_from, tricks_for",
-             f"cfg = {_changed(config)!r}",
+             f"cfg = {changed_keys(config)!r}",
              f"accelerator = Accelerator(**accelerator_kwargs_from(cfg))  # {kw}",
              "tricks = tricks_for(cfg, accelerator)",
              *([code["sync_bn"]] if "sync_bn" in code else []),
@@ -106,15 +105,3 @@ def trainer_lines(cfg: Any) -> list[str]:
              *(f"            {code[k]}" for k in ("checkpoint_every", "log_every") if k in code),
              *([f"            {code['max_steps']}  # (and out of the epochs' loop)"] if "max_steps" in code else [])]
     return lines
-
-
-def _config(cfg: Any) -> TrainConfig:
-    config = as_config(cfg)
-    if config is None:
-        raise UserError("give the configuration: a path to tricks.toml, a TrainConfig or a dict of its keys")
-    return config.validate()
-
-
-def _changed(config: TrainConfig) -> dict[str, Any]:
-    default = TrainConfig()
-    return {k: v for k, v in config.to_dict().items() if getattr(default, k) != v}

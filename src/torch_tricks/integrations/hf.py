@@ -38,13 +38,13 @@ import torch.nn as nn
 from torch_tricks._io import atomic_path
 from torch_tricks._optional import require
 from torch_tricks.errors import UserError
-from torch_tricks.integrations.mapping import TARGETS, routes
+from torch_tricks.integrations.mapping import TARGETS, changed_keys, config_of, routes
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.ema import EMA
 from torch_tricks.train.offload import check_device as check_offload_device
 from torch_tricks.train.offload import offload_activations
 from torch_tricks.train.speed import cudnn_benchmark, keep_heap
-from torch_tricks.train.tricks import TrainingDiverged, apply_model_switches, as_config
+from torch_tricks.train.tricks import TrainingDiverged, apply_model_switches
 
 _transformers = require("transformers", "hf", "the transformers Trainer integration")
 require("accelerate", "hf", "the transformers Trainer")
@@ -59,7 +59,7 @@ def training_args_from(cfg: Any) -> dict[str, Any]:
     A value with no place in the Trainer, or a keyword the installed transformers lacks, is one
     line saying which and what to do (``UserError``).
     """
-    config = _config(cfg)
+    config = config_of(cfg)
     out: dict[str, Any] = {}
     for route in routes(config, "hf").values():
         if route.how == "arg":
@@ -78,7 +78,7 @@ _RENAMED = {"gradient_checkpointing": "activation_checkpointing",
 def trainer_lines(cfg: Any) -> list[str]:
     """The lines of a Trainer script that carry ``cfg``: the arguments, the callback, and any line of your own
     code a key needs (``trainer.train(resume_from_checkpoint=True)``)."""
-    config = _config(cfg)
+    config = config_of(cfg)
     args = training_args_from(config)
     extra = [r.line for r in routes(config, "hf").values() if r.how == "code"]
     kw = ",\n    ".join(f"{k}={v!r}" for k, v in args.items())
@@ -87,7 +87,7 @@ def trainer_lines(cfg: Any) -> list[str]:
             "",
             f"args = TrainingArguments(\n    {kw},\n)",
             "trainer = Trainer(model=model, args=args, train_dataset=train_dataset,",
-            f"                  callbacks=[TricksCallback({_literal(config)})])",
+            f"                  callbacks=[TricksCallback({repr(changed_keys(config))})])",
             *extra]
 
 
@@ -98,7 +98,7 @@ class TricksCallback(TrainerCallback):
     """
 
     def __init__(self, cfg: Any) -> None:
-        self.config = _config(cfg)
+        self.config = config_of(cfg)
         routes(self.config, "hf")  # a value the Trainer cannot serve is refused here, before any training
         self.applied: list[str] = []
         self.ema: Any = None
@@ -174,11 +174,6 @@ class TricksCallback(TrainerCallback):
 
 # -- helpers ----------------------------------------------------------------------------------------------
 
-def _config(cfg: Any) -> TrainConfig:
-    config = as_config(cfg)
-    if config is None:
-        raise UserError("give the configuration: a path to tricks.toml, a TrainConfig or a dict of its keys")
-    return config.validate()
 
 
 def _check_fields(kwargs: dict[str, Any], have: set[str]) -> None:
@@ -230,10 +225,3 @@ def _offload_in_forward(model: nn.Module) -> None:
 
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave, always_call=True)
-
-
-def _literal(config: TrainConfig) -> str:
-    """The config as a dict literal of its keys that differ from the defaults."""
-    default = TrainConfig()
-    changed = {k: v for k, v in config.to_dict().items() if getattr(default, k) != v}
-    return repr(changed)

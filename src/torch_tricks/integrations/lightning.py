@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from torch_tricks._optional import require
 from torch_tricks.errors import UserError
-from torch_tricks.integrations.mapping import TARGETS, Make, routes
+from torch_tricks.integrations.mapping import Make, TARGETS, changed_keys, config_of, routes
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.ema import EMA
 from torch_tricks.train.lm_loss import chunk_lm_loss, why_not_chunkable
@@ -51,7 +51,6 @@ from torch_tricks.train.speed import keep_heap
 from torch_tricks.train.tricks import (
     TrainingDiverged,
     apply_model_switches,
-    as_config,
     config_optimizer,
     config_scheduler,
 )
@@ -66,7 +65,7 @@ def trainer_kwargs_from(cfg: Any) -> dict[str, Any]:
     """``lightning.Trainer``'s keywords for ``cfg`` (a path to ``tricks.toml``, a ``TrainConfig`` or a dict), with
     :class:`TricksCallback` in ``callbacks``. A value with no place in Lightning, or a keyword the installed
     Lightning lacks, is one line saying which and what to do (``UserError``)."""
-    config = _config(cfg)
+    config = config_of(cfg)
     kwargs = _merged(config)
     _check_keywords(kwargs)
     built = {k: _build(v) for k, v in kwargs.items()}
@@ -78,7 +77,7 @@ def optimizers_from(cfg: Any, module: Any) -> dict[str, Any]:
     """What ``configure_optimizers`` returns for ``cfg``: the optimizer ``Tricks`` builds (no-decay groups, fused
     step, low-precision state, scaled lr) over ``module``, and its lr schedule stepped every optimizer step
     (its length: the Trainer's ``estimated_stepping_batches``)."""
-    config = _config(cfg)
+    config = config_of(cfg)
     trainer = getattr(module, "_trainer", None)
     world = trainer.world_size if trainer is not None else 1
     optimizer, _ = config_optimizer(module, config, world_size=world)
@@ -98,15 +97,15 @@ def optimizers_from(cfg: Any, module: Any) -> dict[str, Any]:
 
 def trainer_lines(cfg: Any) -> list[str]:
     """The lines of a Lightning script that carry ``cfg``."""
-    config = _config(cfg)
+    config = config_of(cfg)
     kwargs = _merged(config)
-    kwargs["callbacks"] = [Make("torch_tricks.integrations.lightning.TricksCallback", {"cfg": _changed(config)}),
+    kwargs["callbacks"] = [Make("torch_tricks.integrations.lightning.TricksCallback", {"cfg": changed_keys(config)}),
                            *kwargs.get("callbacks", [])]
     code = [r.line for r in routes(config, "lightning").values() if r.how == "code"]
     kw = ",\n    ".join(f"{k}={v!r}" for k, v in kwargs.items())
     return ["import lightning",
             "from torch_tricks.integrations.lightning import TricksCallback, optimizers_from",
-            f"cfg = {_changed(config)!r}",
+            f"cfg = {changed_keys(config)!r}",
             *[line for line in code if "fit(" not in line],
             f"trainer = lightning.Trainer(\n    {kw},\n)",
             *[line for line in code if "fit(" in line]]
@@ -119,7 +118,7 @@ class TricksCallback(Callback):
     """
 
     def __init__(self, cfg: Any) -> None:
-        self.config = _config(cfg)
+        self.config = config_of(cfg)
         routes(self.config, "lightning")  # a value Lightning cannot serve is refused here, before any training
         self.applied: list[str] = []
         self.ema: Any = None
@@ -207,11 +206,6 @@ class TricksCallback(Callback):
 
 # -- helpers ----------------------------------------------------------------------------------------------
 
-def _config(cfg: Any) -> TrainConfig:
-    config = as_config(cfg)
-    if config is None:
-        raise UserError("give the configuration: a path to tricks.toml, a TrainConfig or a dict of its keys")
-    return config.validate()
 
 
 def _merged(config: TrainConfig) -> dict[str, Any]:
@@ -254,8 +248,3 @@ def _chunk_the_lm(pl_module: nn.Module) -> None:
             return
     raise UserError("chunked_lm_loss: no causal LM with a vocabulary head inside the LightningModule (a transformers "
                     "model computing its own loss from labels): switch chunked_lm_loss off")
-
-
-def _changed(config: TrainConfig) -> dict[str, Any]:
-    default = TrainConfig()
-    return {k: v for k, v in config.to_dict().items() if getattr(default, k) != v}

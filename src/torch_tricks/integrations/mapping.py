@@ -25,8 +25,9 @@ from typing import Any, Callable
 from torch_tricks.errors import UserError
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.schedule import scale_lr
+from torch_tricks.train.tricks import as_config
 
-__all__ = ["TARGETS", "Route", "Place", "Make", "routes", "place_table", "places"]
+__all__ = ["TARGETS", "Route", "Place", "Make", "routes", "place_table", "places", "config_of", "changed_keys"]
 
 TARGETS = {"fit": "torch-tricks fit / Tricks", "hf": "transformers Trainer", "lightning": "lightning.Trainer",
            "accelerate": "Accelerate"}
@@ -123,6 +124,32 @@ def refuse_unless(key: str, target: str, ok: Callable[[Any], bool], instead: str
     return Place(place.doc, route)
 
 
+def off(target: str, key: str, instead: str) -> Place:
+    """A switch ``target`` cannot serve when on: refused with ``instead``; off, it needs nothing."""
+    return refuse_unless(key, target, lambda v: not v, instead, Place("refused when on", lambda c: Route("arg")))
+
+
+def no_zero1(c: TrainConfig, target: str, how: str) -> None:
+    """``distributed = zero1`` where ``target`` shards optimizer state only through DeepSpeed (``how``)."""
+    if c.distributed == "zero1":
+        raise no_place("distributed", "zero1", target, f"it shards optimizer state only through DeepSpeed ({how}): "
+                       "use distributed = fsdp, or ddp")
+
+
+def config_of(cfg: Any) -> TrainConfig:
+    """A validated TrainConfig from a path to tricks.toml, a TrainConfig or a dict of its keys."""
+    config = as_config(cfg)
+    if config is None:
+        raise UserError("give the configuration: a path to tricks.toml, a TrainConfig or a dict of its keys")
+    return config.validate()
+
+
+def changed_keys(config: TrainConfig) -> dict[str, Any]:
+    """The keys of ``config`` that differ from the defaults (what an emitted script states)."""
+    default = TrainConfig()
+    return {k: v for k, v in config.to_dict().items() if getattr(default, k) != v}
+
+
 def world_size() -> int:
     """Processes of this run (torchrun's WORLD_SIZE; 1 outside torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -141,14 +168,8 @@ _PL = "lightning"
 _OPTIMIZERS = "`configure_optimizers`: `return optimizers_from(cfg, self)`"
 
 
-def _pl_off(key: str, instead: str) -> Place:
-    return refuse_unless(key, _PL, lambda v: not v, instead, Place("refused when on", lambda c: Route("arg")))
-
-
 def _pl_strategy(c: TrainConfig) -> dict[str, Any]:
-    if c.distributed == "zero1":
-        raise no_place("distributed", "zero1", _PL, "Lightning shards optimizer state through DeepSpeed "
-                       "(strategy=\"deepspeed_stage_1\"): use distributed = fsdp, or ddp")
+    no_zero1(c, _PL, 'strategy="deepspeed_stage_1"')
     if c.distributed == "fsdp":
         sharding = "FULL_SHARD" if c.fsdp_reshard else "SHARD_GRAD_OP"
         return {"strategy": Make("lightning.pytorch.strategies.FSDPStrategy", {"sharding_strategy": sharding})}
@@ -207,10 +228,10 @@ _LIGHTNING: dict[str, Place] = {
     "inplace": callback("in-place activations"),
     "memory_efficient_bn": callback("memory-efficient BatchNorm + activation"),
     "chunked_lm_loss": callback("the causal LM's loss chunk by chunk (the LM inside the LightningModule)"),
-    "optimizer_in_backward": _pl_off("optimizer_in_backward", "Lightning steps its optimizer after backward "
+    "optimizer_in_backward": off(_PL, "optimizer_in_backward", "Lightning steps its optimizer after backward "
                                      "(automatic optimization): train with torch-tricks train or Tricks"),
     "offload_activations": callback("saved activations in pinned host memory from batch start to backward (CUDA)"),
-    "auto_micro_batch": _pl_off("auto_micro_batch", "Lightning's BatchSizeFinder changes the batch without keeping "
+    "auto_micro_batch": off(_PL, "auto_micro_batch", "Lightning's BatchSizeFinder changes the batch without keeping "
                                 "the effective batch: set auto_micro_batch = false and lower batch_size"),
     "grad_clip": arg("`gradient_clip_val` (0: None)", lambda c: {"gradient_clip_val": c.grad_clip or None}),
     "ema": callback("EMA weights after each optimizer step, kept in the checkpoint"),
@@ -252,14 +273,8 @@ def _ac_tricks(doc: str) -> Place:
     return Place(_TRICKS + doc, lambda c: Route("callback"))
 
 
-def _ac_off(key: str, instead: str) -> Place:
-    return refuse_unless(key, _AC, lambda v: not v, instead, Place("refused when on", lambda c: Route("arg")))
-
-
 def _ac_distributed(c: TrainConfig) -> dict[str, Any]:
-    if c.distributed == "zero1":
-        raise no_place("distributed", "zero1", _AC, "Accelerate shards optimizer state through DeepSpeed "
-                       "(deepspeed_plugin, ZeRO stage 1): use distributed = fsdp, or ddp")
+    no_zero1(c, _AC, "deepspeed_plugin, ZeRO stage 1")
     if c.distributed != "fsdp":
         return {}  # one process, or DDP under accelerate launch / torchrun: the Accelerator's own behaviour
     return {"fsdp_plugin": Make("accelerate.utils.FullyShardedDataParallelPlugin",
@@ -318,7 +333,7 @@ _ACCELERATE: dict[str, Place] = {
                                  "`with tricks.autocast():`",
                                  _ac_code(lambda c: "with tricks.autocast():  # the activation offload",
                                           lambda c: c.offload_activations)),
-    "auto_micro_batch": _ac_off("auto_micro_batch", "Accelerate's find_executable_batch_size halves the batch "
+    "auto_micro_batch": off(_AC, "auto_micro_batch", "Accelerate's find_executable_batch_size halves the batch "
                                 "without keeping the effective batch: set auto_micro_batch = false"),
     "grad_clip": Place("your loop: `accelerator.clip_grad_norm_(model.parameters(), grad_clip)` when "
                        "`accelerator.sync_gradients`",
@@ -326,7 +341,7 @@ _ACCELERATE: dict[str, Place] = {
                                           f"model.parameters(), {c.grad_clip})", lambda c: c.grad_clip > 0)),
     "ema": _ac_tricks("EMA weights, updated by `tricks.after_step`"),
     "ema_decay": _ac_tricks("the EMA's decay"),
-    "swa": _ac_off("swa", "Tricks averages weights with EMA only (SWA needs the epochs of torch-tricks train): use "
+    "swa": off(_AC, "swa", "Tricks averages weights with EMA only (SWA needs the epochs of torch-tricks train): use "
                    "ema = true"),
     "swa_start": _ac_tricks("read only with swa"),
     "swa_lr": _ac_tricks("read only with swa"),
@@ -399,9 +414,7 @@ def _hf_saving(c: TrainConfig) -> dict[str, Any]:
 
 
 def _hf_distributed(c: TrainConfig) -> dict[str, Any]:
-    if c.distributed == "zero1":
-        raise no_place("distributed", "zero1", "hf", "the Trainer shards optimizer state only through DeepSpeed "
-                       "(deepspeed=... with a ZeRO-1 config): use distributed = fsdp, or ddp")
+    no_zero1(c, "hf", "deepspeed=... with a ZeRO-1 config")
     if c.distributed != "fsdp":
         return {}  # one process, or DDP under torchrun: the Trainer's own behaviour
     return {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": c.fsdp_reshard}}
@@ -425,12 +438,6 @@ def _hf_bf16_state(c: TrainConfig) -> Route:
 
 def _hf_resume(c: TrainConfig) -> Route:
     return Route("code", line="trainer.train(resume_from_checkpoint=True)") if c.resume else Route("arg")
-
-
-def _off(key: str, instead: str, place: Place | None = None) -> Place:
-    """A switch the Trainer cannot serve when on: refused with ``instead``; off it needs nothing."""
-    place = place or Place("refused when on", lambda c: Route("arg"))
-    return refuse_unless(key, "hf", lambda v: not v, instead, place)
 
 
 _HF: dict[str, Place] = {
@@ -468,15 +475,15 @@ _HF: dict[str, Place] = {
     "chunked_lm_loss": callback("the causal LM's loss chunk by chunk"),
     "optimizer_state": Place("`optim=\"adamw_torch_8bit\"` / `\"adamw_torch_4bit\"`; bf16: "
                              "`Trainer(optimizer_cls_and_kwargs=(Bf16StateAdam, ...))`", _hf_bf16_state),
-    "optimizer_in_backward": _off("optimizer_in_backward", "the Trainer steps its optimizer after backward and clips "
+    "optimizer_in_backward": off("hf", "optimizer_in_backward", "the Trainer steps its optimizer after backward and clips "
                                   "the whole gradient: train with torch-tricks train or Tricks"),
     "offload_activations": callback("saved activations in pinned host memory during forward (CUDA)"),
-    "auto_micro_batch": _off("auto_micro_batch", "the Trainer's auto_find_batch_size halves the batch without "
+    "auto_micro_batch": off("hf", "auto_micro_batch", "the Trainer's auto_find_batch_size halves the batch without "
                              "keeping the effective batch: set auto_micro_batch = false and lower batch_size"),
     "grad_clip": arg("`max_grad_norm` (0: off)", lambda c: {"max_grad_norm": c.grad_clip}),
     "ema": callback("EMA weights after each step, saved as ema.pt beside each checkpoint"),
     "ema_decay": callback("the EMA's decay"),
-    "swa": _off("swa", "the Trainer's scheduler owns the lr that SWA holds: use ema = true, or torch-tricks train"),
+    "swa": off("hf", "swa", "the Trainer's scheduler owns the lr that SWA holds: use ema = true, or torch-tricks train"),
     "swa_start": callback("read only with swa"),
     "swa_lr": callback("read only with swa"),
     "seed": arg("`seed`", lambda c: {"seed": c.seed}),
