@@ -192,9 +192,10 @@ def test_the_tune_measures_it_on_a_causal_lm_and_its_peak_is_lower():
     from torch_tricks.tuning import tune
 
     torch.manual_seed(0)
-    report = tune(lambda: _model("gpt2"), _batch(), budget_s=12, progress=False,
+    report = tune(lambda: _model("gpt2"), _batch(), budget_s=20, progress=False,
                   skip=["compile", "ema", "deterministic", "mixed_precision", "checkpointing", "inplace_activations",
-                        "memory_efficient_bn", "gradient_accumulation", "fused_optimizer", "channels_last"])
+                        "memory_efficient_bn", "gradient_accumulation", "fused_optimizer", "channels_last",
+                        "low_precision_optimizer_state"])
     row = next(r for r in report.results if r.name == "chunked_lm_loss")
     assert row.status == "measured", row
     assert row.peak_bytes < report.baseline.peak_bytes  # the logits (3 x 24 x 500 fp32, and their copies) are gone

@@ -184,8 +184,10 @@ def test_keep_heap_stops_a_fresh_process_stepping_into_fresh_pages():
         tuned = {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD"))}
         pytest.skip(f"this machine's allocator keeps freed memory already ({default:.0f} minor faults per step "
                     f"without keep_heap; environment: {tuned or 'no malloc settings'}): nothing for it to remove")
-    kept = faults(True)  # the cost exists (above) ...
-    assert kept < default / 4, (kept, default)  # ... and keep_heap removes most of it
+    # the cost exists (above) ... and keep_heap removes most of it: a fresh process may still take a one-off
+    # megabyte in the counted steps (0-330 faults a step seen, before and after issue 21), so the lower of two
+    kept = min(faults(True), faults(True))
+    assert kept < default / 4, (kept, default)
 
 
 @pytest.mark.skipif(not _GLIBC, reason="keep_heap sets glibc's malloc; this is not glibc")
