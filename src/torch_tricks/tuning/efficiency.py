@@ -66,6 +66,8 @@ class Efficiency:
     def lines(self) -> list[str]:
         out = []
         for label, r in self.rows.items():
+            if label != "plain" and r["name"] == "plain":
+                continue  # the recommendation is the plain step: its line is the plain one
             what = "the plain step" if label == "plain" else f"the recommendation ({r['name']})"
             out.append(f"MFU of {what}: {r['mfu']:.0%} ({rate(r['flops_per_s'])} of model FLOPs, "
                        f"{self.flops_per_step / 1e9:.2f} GFLOP a step, against this machine's {r['dtype']} matmul peak "
