@@ -124,7 +124,7 @@ def lm_tuned_at_60_percent(tmp_path_factory):
     with contextlib.redirect_stdout(buf):
         code = main(["tune", "--model", "hf:gpt2", "--hf-config", ",".join(f"{k}={v}" for k, v in _LM.items()),
                      "--input", "input_ids=long:64:2000", "--batch", "8", "--memory-limit", str(limit),
-                     "--fit", "seq", "--budget-seconds", "15", "--no-progress", "--out", str(out),
+                     "--fit", "seq", "--budget-seconds", "20", "--no-progress", "--out", str(out),
                      *(a for t in ("compile", "ema", "deterministic", "optimizer_in_backward",
                                    "low_precision_optimizer_state") for a in ("--skip", t))])
     assert code == 0
