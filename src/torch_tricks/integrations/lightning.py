@@ -144,7 +144,8 @@ class TricksCallback(Callback):
             for child in pl_module.children():
                 child.compile()
             self.applied.append("compile")
-        if cfg.keep_heap and next(pl_module.parameters(), torch.empty(0)).device.type == "cpu":
+        # setup runs before the strategy moves the module: the device it will train on is the strategy's
+        if cfg.keep_heap and trainer.strategy.root_device.type == "cpu":
             if keep_heap():
                 self.applied.append("keep_heap")
 
