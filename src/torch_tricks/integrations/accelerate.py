@@ -33,8 +33,7 @@ import inspect
 from typing import Any
 
 from torch_tricks._optional import require
-from torch_tricks.errors import UserError
-from torch_tricks.integrations.mapping import Make, TARGETS, changed_keys, config_of, routes
+from torch_tricks.integrations.mapping import build, changed_keys, check_keywords, config_of, keywords, routes
 from torch_tricks.train.tricks import Tricks
 
 _accelerate = require("accelerate", "hf", "the Accelerate integration")
@@ -48,18 +47,10 @@ ACCELERATOR_OWNS = {"precision": "fp32", "accumulate": 1, "compile": False, "dis
 def accelerator_kwargs_from(cfg: Any) -> dict[str, Any]:
     """``Accelerator``'s keywords for ``cfg`` (a path to ``tricks.toml``, a ``TrainConfig`` or a dict). A value with
     no place in Accelerate, or a keyword the installed version lacks, is one line saying which and what to do."""
-    config = config_of(cfg)
-    out: dict[str, Any] = {}
-    for route in routes(config, "accelerate").values():
-        if route.how == "arg":
-            out.update(route.kwargs)
-    have = set(inspect.signature(_accelerate.Accelerator.__init__).parameters)
-    for name in out:
-        if name not in have:
-            raise UserError(f"the installed accelerate {_accelerate.__version__} has no Accelerator keyword {name!r} "
-                            f"(needed for the {TARGETS['accelerate']} mapping): upgrade accelerate, or leave that "
-                            "switch off")
-    return {k: v.build() if isinstance(v, Make) else v for k, v in out.items()}
+    out = keywords(config_of(cfg), "accelerate")
+    check_keywords(out, set(inspect.signature(_accelerate.Accelerator.__init__).parameters), "accelerate",
+                   _accelerate, "Accelerator keyword")
+    return {k: build(v) for k, v in out.items()}
 
 
 def tricks_for(cfg: Any, accelerator: Any = None) -> Tricks:
@@ -74,10 +65,7 @@ def tricks_for(cfg: Any, accelerator: Any = None) -> Tricks:
 def trainer_lines(cfg: Any) -> list[str]:
     """The lines of an Accelerate loop that carry ``cfg``."""
     config = config_of(cfg)
-    kwargs = {}
-    for route in routes(config, "accelerate").values():
-        if route.how == "arg":
-            kwargs.update(route.kwargs)
+    kwargs = keywords(config, "accelerate")
     code = {k: r.line for k, r in routes(config, "accelerate").items() if r.how == "code"}
     kw = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "nothing to set"
     autocast = "with tricks.autocast():  # the activation offload\n                " if config.offload_activations \

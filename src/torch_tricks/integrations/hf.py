@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch_tricks._io import atomic_path
 from torch_tricks._optional import require
 from torch_tricks.errors import UserError
-from torch_tricks.integrations.mapping import TARGETS, changed_keys, config_of, routes
+from torch_tricks.integrations.mapping import changed_keys, check_keywords, config_of, keywords, routes
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.ema import EMA
 from torch_tricks.train.offload import check_device as check_offload_device
@@ -59,14 +59,9 @@ def training_args_from(cfg: Any) -> dict[str, Any]:
     A value with no place in the Trainer, or a keyword the installed transformers lacks, is one
     line saying which and what to do (``UserError``).
     """
-    config = config_of(cfg)
-    out: dict[str, Any] = {}
-    for route in routes(config, "hf").values():
-        if route.how == "arg":
-            out.update(route.kwargs)
     have = {f.name for f in fields(TrainingArguments)}
-    out = {_RENAMED.get(k, k) if _RENAMED.get(k) in have else k: v for k, v in out.items()}
-    _check_fields(out, have)
+    out = {_RENAMED.get(k, k) if _RENAMED.get(k) in have else k: v for k, v in keywords(config_of(cfg), "hf").items()}
+    check_keywords(out, have, "hf", _transformers, "TrainingArguments field")
     return out
 
 
@@ -175,14 +170,6 @@ class TricksCallback(TrainerCallback):
 # -- helpers ----------------------------------------------------------------------------------------------
 
 
-
-def _check_fields(kwargs: dict[str, Any], have: set[str]) -> None:
-    """Each keyword is a field of the installed ``TrainingArguments``."""
-    for name in kwargs:
-        if name not in have:
-            raise UserError(f"the installed transformers {_transformers.__version__} has no TrainingArguments "
-                            f"field {name!r} (needed for the {TARGETS['hf']} mapping): upgrade transformers "
-                            f"(pip install -U transformers), or leave that switch off")
 
 
 def _process_switches(cfg: TrainConfig, model: nn.Module) -> list[str]:

@@ -41,8 +41,15 @@ import torch.nn as nn
 
 from torch_tricks._optional import require
 from torch_tricks.errors import UserError
-from torch_tricks.integrations.mapping import Make, TARGETS, changed_keys, config_of, routes
-from torch_tricks.train.config import TrainConfig
+from torch_tricks.integrations.mapping import (
+    Make,
+    build,
+    changed_keys,
+    check_keywords,
+    config_of,
+    keywords,
+    routes,
+)
 from torch_tricks.train.ema import EMA
 from torch_tricks.train.lm_loss import chunk_lm_loss, why_not_chunkable
 from torch_tricks.train.offload import check_device as check_offload_device
@@ -66,9 +73,10 @@ def trainer_kwargs_from(cfg: Any) -> dict[str, Any]:
     :class:`TricksCallback` in ``callbacks``. A value with no place in Lightning, or a keyword the installed
     Lightning lacks, is one line saying which and what to do (``UserError``)."""
     config = config_of(cfg)
-    kwargs = _merged(config)
-    _check_keywords(kwargs)
-    built = {k: _build(v) for k, v in kwargs.items()}
+    kwargs = keywords(config, "lightning")
+    check_keywords(kwargs, set(inspect.signature(_lightning.Trainer.__init__).parameters), "lightning", _lightning,
+                   "Trainer keyword")
+    built = {k: build(v) for k, v in kwargs.items()}
     built["callbacks"] = [TricksCallback(config), *built.get("callbacks", [])]
     return built
 
@@ -98,7 +106,7 @@ def optimizers_from(cfg: Any, module: Any) -> dict[str, Any]:
 def trainer_lines(cfg: Any) -> list[str]:
     """The lines of a Lightning script that carry ``cfg``."""
     config = config_of(cfg)
-    kwargs = _merged(config)
+    kwargs = keywords(config, "lightning")
     kwargs["callbacks"] = [Make("torch_tricks.integrations.lightning.TricksCallback", {"cfg": changed_keys(config)}),
                            *kwargs.get("callbacks", [])]
     code = [r.line for r in routes(config, "lightning").values() if r.how == "code"]
@@ -206,36 +214,6 @@ class TricksCallback(Callback):
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
-
-
-
-def _merged(config: TrainConfig) -> dict[str, Any]:
-    """The keyword routes of ``config`` in one dict, the ``callbacks`` of several keys in one list."""
-    out: dict[str, Any] = {}
-    for route in routes(config, "lightning").values():
-        if route.how != "arg":
-            continue
-        for k, v in route.kwargs.items():
-            out[k] = out.get(k, []) + v if k == "callbacks" else v
-    return out
-
-
-def _check_keywords(kwargs: dict[str, Any]) -> None:
-    have = set(inspect.signature(_lightning.Trainer.__init__).parameters)
-    for name in kwargs:
-        if name not in have:
-            raise UserError(f"the installed lightning {_lightning.__version__} has no Trainer keyword {name!r} "
-                            f"(needed for the {TARGETS['lightning']} mapping): upgrade lightning "
-                            "(pip install -U lightning), or leave that switch off")
-
-
-def _build(value: Any) -> Any:
-    if isinstance(value, Make):
-        return value.build()
-    if isinstance(value, list):
-        return [_build(v) for v in value]
-    return value
-
 
 def _chunk_the_lm(pl_module: nn.Module) -> None:
     """The chunked loss on the causal LM inside the LightningModule (the first submodule it can serve)."""

@@ -27,7 +27,8 @@ from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.schedule import scale_lr
 from torch_tricks.train.tricks import as_config
 
-__all__ = ["TARGETS", "Route", "Place", "Make", "routes", "place_table", "places", "config_of", "changed_keys"]
+__all__ = ["TARGETS", "Route", "Place", "Make", "routes", "keywords", "check_keywords", "build", "place_table", "places",
+           "config_of", "changed_keys"]
 
 TARGETS = {"fit": "torch-tricks fit / Tricks", "hf": "transformers Trainer", "lightning": "lightning.Trainer",
            "accelerate": "Accelerate"}
@@ -71,6 +72,36 @@ def routes(config: TrainConfig, target: str) -> dict[str, Route]:
     table = places(target)
     config.validate()
     return {key: table[key].route(config) for key in _keys()}
+
+
+def keywords(config: TrainConfig, target: str) -> dict[str, Any]:
+    """The keywords of ``target``'s own object that carry ``config``: its ``arg`` routes in one dict, the lists
+    several keys give (Lightning's ``callbacks``) joined; objects still as :class:`Make` (see :func:`build`)."""
+    out: dict[str, Any] = {}
+    for route in routes(config, target).values():
+        if route.how != "arg":
+            continue
+        for k, v in route.kwargs.items():
+            out[k] = out.get(k, []) + v if isinstance(v, list) and k in out else v
+    return out
+
+
+def check_keywords(kwargs: dict[str, Any], have: set[str], target: str, package: Any, what: str) -> None:
+    """Each keyword is one the installed ``package`` takes (``have``), else one line naming it and the upgrade."""
+    for name in kwargs:
+        if name not in have:
+            raise UserError(f"the installed {package.__name__} {package.__version__} has no {what} {name!r} (needed "
+                            f"for the {TARGETS[target]} mapping): upgrade {package.__name__} (pip install -U "
+                            f"{package.__name__}), or leave that switch off")
+
+
+def build(value: Any) -> Any:
+    """``value`` with each :class:`Make` in it (alone or in a list) built."""
+    if isinstance(value, Make):
+        return value.build()
+    if isinstance(value, list):
+        return [build(v) for v in value]
+    return value
 
 
 def places(target: str) -> dict[str, Place]:

@@ -492,7 +492,7 @@ class Tricks:
             raise UserError(f"optimizer_state = {cfg.optimizer_state} builds the optimizer on low-precision state: pass "
                             "prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
         if cfg.fused_optimizer:
-            self._note_fast_step(_switch_to_fast_step(optimizer))
+            self.applied.append(_fast_step_note(_switch_to_fast_step(optimizer)))
         return optimizer
 
     def _trainable(self) -> list[nn.Parameter]:
@@ -511,9 +511,6 @@ class Tricks:
             return opt
         self.applied.append(f"optimizer_state={self.config.optimizer_state}")
         return low_precision_state(opt, self.config.optimizer_state)
-
-    def _note_fast_step(self, kind: str) -> None:
-        self.applied.append(f"{kind}_optimizer" if kind else "fused_optimizer=unavailable")
 
     def _build_scheduler(self, total_steps: int | None, loader: Any) -> Any:
         cfg = self.config
@@ -647,8 +644,7 @@ def config_optimizer(model: nn.Module, config: TrainConfig, *, world_size: int =
         applied.append(f"optimizer_state={config.optimizer_state}")
         return low_precision_state(opt, config.optimizer_state), applied
     if config.fused_optimizer:  # say which multi-tensor form PyTorch could give this optimizer here
-        kind = _fast_step_kind(opt)
-        applied.append(f"{kind}_optimizer" if kind else "fused_optimizer=unavailable")
+        applied.append(_fast_step_note(_fast_step_kind(opt) or ""))
     return opt, applied
 
 
@@ -712,6 +708,11 @@ def _with_checkpointing(model: nn.Module, how: str) -> nn.Module:
     if how == "blocks":
         return checkpoint_blocks(model)
     return checkpoint_blocks(model, names=[how])
+
+
+def _fast_step_note(kind: str) -> str:
+    """What ``applied`` says of the fused/foreach step: ``fused_optimizer``, ``foreach_optimizer``, or unavailable."""
+    return f"{kind}_optimizer" if kind else "fused_optimizer=unavailable"
 
 
 def _fast_step_kind(opt: torch.optim.Optimizer) -> str | None:
