@@ -5,8 +5,29 @@ import os
 import pytest
 import torch
 
-# Two cores: keep intra-op threads bounded so parallel pytest runs (if any) don't thrash.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Intra-op threads: one per xdist worker (scripts/test.sh runs two workers on 2 cores; two threads each
+# would make four on two cores, and OpenMP's spinning threads then slow both), else up to two.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
+
+# Test modules that share a session fixture (gloo_jobs: one torchrun launch for all three) run on one xdist
+# worker: split across two, each worker would pay for the whole launch.
+_SHARED_WORKER = {m: "gloo_jobs" for m in ("tests/test_train_distributed.py", "tests/test_train_fit_ddp.py",
+                                           "tests/test_train_lm_loss.py")}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadscope`` (scripts/test.sh): a module's tests on one worker, as loadscope does, and the
+    modules of :data:`_SHARED_WORKER` together. Other ``--dist`` modes keep xdist's own scheduler."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return _SHARED_WORKER.get(module, module)
+
+    return _ByModule(config, log)
 
 
 @pytest.fixture(scope="module", autouse=True)
