@@ -47,9 +47,17 @@ def _vision(name: str) -> torch.nn.Module:
 def test_every_vision_model_runs_in_onnx_runtime(name, shape, tmp_path):
     model = _vision(name).train()
     before = state_copy(model)
-    rep = export_onnx_checked(model, torch.randn(shape), tmp_path / f"{name}.onnx")
-    assert rep.ok and rep.max_abs_diff <= 1e-4, rep.to_dict()
-    assert rep.max_rel_diff <= 1e-4
+    x = torch.randn(shape)
+    # 1e-4, or 1e-5 of the largest output where that is more: ResNet-50's logits reach 56 here, and ONNX Runtime
+    # against torch's summation order (which changes with the thread count) differed by 1.05e-4 on one thread
+    # on AVX2 kernels (1.9e-6 of the largest logit), 8.8e-5 on two
+    with torch.inference_mode():
+        scale = float(model.eval()(x).abs().max())
+    model.train()
+    atol = max(1e-4, 1e-5 * scale)
+    rep = export_onnx_checked(model, x, tmp_path / f"{name}.onnx", atol=atol)
+    assert rep.ok and rep.max_abs_diff <= atol, rep.to_dict()
+    assert rep.max_rel_diff <= 1e-5
     assert rep.checked_batches == [2, 1]  # the batch dim is really dynamic
     assert rep.size_bytes == onnx_size_bytes(tmp_path / f"{name}.onnx") > 0
     assert model.training and same_state(model, before)
