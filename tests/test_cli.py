@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from torch_tricks.cli import main
 
@@ -265,9 +266,24 @@ def test_bad_named_inputs_are_one_line_and_exit_2(capsys, argv, needle):
         assert needle in one_error_line(capsys, command, *argv)
 
 
-def test_optimize_refuses_named_inputs_in_one_line(capsys):
-    line = one_error_line(capsys, "optimize", "--model", "mlp", "--input", "x=32", "--steps", "fuse", "--no-save")
-    assert line == "torch-tricks: error: optimize takes positional inputs: give --input SPEC without NAME="
+def test_optimize_takes_named_inputs_as_the_positional_ones_they_bind_to(capsys):
+    """Issue 34: --input names are accepted by every command that takes --input; the deploy steps call the model
+    positionally, so a name goes to its place in the forward, and one that cannot is said in one line."""
+    results = []
+    for spec in ("x=784", "784"):
+        torch.manual_seed(0)  # the same random weights
+        code, out, err = run(capsys, "optimize", "--model", "mlp", "--input", spec, "--steps", "int8-dynamic",
+                             "--no-save", "--no-latency", "--json")
+        assert code == 0, err
+        data = json.loads(out)
+        results.append((data["example_inputs"], [(s["step"], s["agreement"]) for s in data["steps"]]))
+    assert results[0] == results[1] and results[0][0] == "(16, 784) float32"
+    pytest.importorskip("transformers")
+    line = one_error_line(capsys, "optimize", *GPT2, "--input", "input_ids=long:32:1000", "--input",
+                          "attention_mask=ones:32", "--steps", "int8-dynamic", "--no-save")
+    assert line.startswith("torch-tricks: error: optimize calls the model with positional inputs, and "
+                           "GPT2LMHeadModel's forward takes 'cache' before 'attention_mask', so attention_mask "
+                           "cannot go by position: leave it out"), line
 
 
 FACTORIES = '''

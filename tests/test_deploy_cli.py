@@ -142,8 +142,8 @@ def test_text_report_has_every_column_and_the_default_file_name(capsys, tmp_path
     lines = out.splitlines()
     assert lines[0].startswith("repvgg: reparam,fuse on cpu, 1 thread(s); outputs compared on (16, 3, 32, 32)")
     header = next(line for line in lines if line.startswith("step"))
-    for col in ("backend", "max abs diff", "top-1", "params", "size", "bs1 ms", "bs1 x", "bs2 ms", "bs2 x",
-                "tolerance"):
+    for col in ("backend", "max abs diff", "top-1", "params", "size", "changed", "bs1 ms", "bs1 x", "bs2 ms", "bs2 x",
+                "status"):
         assert col in header
     rows = {line.split()[0]: line.split() for line in lines if line.split() and
             line.split()[0] in ("original", "reparam", "fuse")}

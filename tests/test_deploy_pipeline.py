@@ -61,7 +61,9 @@ def test_fuse_chain_on_resnet18_is_exact_leaves_input_alone_and_saves(tmp_path):
     assert same_state(model, before) and model.training and all(m.training for m in model.modules())
     assert messages == ["[1/1] fuse"]
     step = res.steps[0]
-    assert step.backend == "fx" and step.changed and step.within_tolerance
+    assert step.backend == "fx" and step.changed and step.within_tolerance and step.status == "ok"
+    assert (step.coverage.changed, step.coverage.total, step.coverage.kept) == (20, 20, {})
+    assert step.notes[0] == "folded 20 of 20 BatchNorm layers into the conv/linear before them"
     assert step.agreement.max_rel_diff <= 1e-4 and count_batchnorm(res.model) == 0
     assert step.latency_s == {} and not res.measured
     assert step.params < res.original.params and step.size_bytes < res.original.size_bytes
@@ -85,7 +87,8 @@ def test_reparam_then_fuse_on_repvgg_measures_latency():
     reparam, fuse = res.steps
     assert reparam.changed and reparam.within_tolerance and reparam.details["block_types"] == ["RepVGGBlock"]
     assert reparam.step_agreement.max_rel_diff <= 1e-4
-    assert not fuse.changed and any("no-op" in n for n in fuse.notes)  # the fold took every BN
+    assert not fuse.changed and fuse.status == "no change"  # the fold took every BN
+    assert fuse.notes[0].startswith("folded 0 of 0 BatchNorm layers")
     for r in (res.original, reparam, fuse):
         assert set(r.latency_s) == {1, 4} and all(t > 0 for t in r.latency_s.values())
     assert res.original.speedup == {1: 1.0, 4: 1.0} and reparam.speedup[1] > 0
@@ -93,7 +96,11 @@ def test_reparam_then_fuse_on_repvgg_measures_latency():
     headers, rows = res.table_rows()
     assert headers[:2] == ["step", "backend"] and "bs4 x" in headers
     assert len(rows) == 3 and all(len(r) == len(headers) for r in rows)
-    assert rows[2][0] == "fuse (no-op)"
+    assert rows[2][0] == "fuse (no-op)" and rows[2][-1] == "no change" and rows[1][-1] == "ok"
+    assert rows[1][headers.index("changed")] == "-"  # reparam gives no count
+    assert rows[2][headers.index("changed")] == "0/0" and headers[-1] == "status"
+    assert res.to_text().splitlines()[-1] == ("verified: every step within its tolerance against the model before "
+                                              "it; fuse changed nothing (see the notes)")
     assert "reparam" in res.format_table()
     d = json.loads(json.dumps(res.to_dict()))
     assert d["steps"][0]["step"] == "reparam" and d["steps"][0]["latency_s"]["4"] > 0
@@ -107,7 +114,8 @@ def test_prune_to_half_the_macs_then_fuse_on_resnet18():
     prune, fuse = res.steps
     assert prune.step == "prune" and prune.details["target_macs"] == 0.5
     assert abs(prune.details["mac_ratio"] - 0.5) < 0.1
-    assert prune.params < 0.75 * res.original.params and prune.tolerance is None
+    assert prune.params < 0.75 * res.original.params and prune.tolerance is None and prune.status == "-"
+    assert prune.coverage.changed == prune.coverage.total == 20  # every conv of ResNet-18 lost channels
     assert fuse.within_tolerance and fuse.step_agreement.max_rel_diff <= 1e-4
     assert res.final is fuse and res.ok
 
@@ -127,6 +135,7 @@ def test_int8_static_small_cnn_calibrates_saves_and_loads(tmp_path):
     expected = "pt2e" if _import_torchao_pt2e() is not None else "fx"
     assert step.backend == expected and res.calibration.startswith("3 batches (96 samples)")
     assert step.tolerance and step.within_tolerance, step.step_agreement
+    assert step.status == "ok" and (step.coverage.changed, step.coverage.total) == (4, 4)  # 3 convs and the fc
     assert step.size_bytes * 3 < res.original.size_bytes and step.params == res.steps[0].params
     assert not step.latency_s
 
@@ -163,6 +172,77 @@ def test_int8_dynamic_transformer_and_pickle_round_trip(tmp_path):
     assert info.verify_max_abs_diff == 0.0 and "weights_only=False" in info.load
     tokens2 = torch.randint(0, 1000, (3, 40))  # other batch and sequence length: nothing was frozen
     assert torch.equal(_out(load_optimized(info.path), tokens2), _out(res.model, tokens2))
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def test_int8_dynamic_on_gpt2_quantizes_every_matmul_but_the_tied_head_and_says_so():
+    """GPT-2's attention and MLP are transformers Conv1D layers: int8-dynamic once quantized only the
+    tied lm_head (the file grew) and reported ok. Now: 8 of 9 matmul layers, the head left fp32, smaller."""
+    model = _gpt2()
+    before = state_copy(model)
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    res = optimize(model, "int8-dynamic", ids, measure=False)
+    assert same_state(model, before)
+    step = res.steps[0]
+    assert step.status == "ok" and step.within_tolerance and step.tolerance == "max rel diff <= 0.1"
+    assert (step.coverage.changed, step.coverage.total, list(step.coverage.kept)) == (8, 9, ["lm_head"])
+    assert step.notes[0].startswith("quantized 8 of 9 matmul layers; lm_head left fp32: tied to the input embedding")
+    assert step.agreement.max_rel_diff < 0.1, step.agreement
+    assert step.size_bytes < 0.5 * res.original.size_bytes  # the head is not stored twice
+    headers, rows = res.table_rows()
+    assert rows[1][headers.index("changed")] == "8/9" and rows[1][-1] == "ok"
+    d = json.loads(json.dumps(res.to_dict()))["steps"][0]
+    assert d["status"] == "ok" and d["coverage"]["changed"] == 8 and d["coverage_text"] == step.notes[0]
+    assert f"  int8-dynamic: {step.notes[0]}" in res.to_text().splitlines()
+
+
+class _TiedOnly(nn.Module):
+    """An embedding and a head that shares its weight: the only matmul layer is the tied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).mean(1))
+
+
+class _AttentionHead(nn.Module):
+    """nn.MultiheadAttention outside an encoder layer: torch.ao leaves its out_proj fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
+
+
+def test_a_step_that_changes_no_layer_says_no_change_and_a_partial_one_partial():
+    x = torch.randn(12, 8, 16)
+    res = optimize(nn.Sequential(nn.Linear(16, 16), nn.ReLU()).eval(), "fuse", x, measure=False)
+    fuse = res.steps[0]
+    assert not fuse.changed and fuse.status == "no change" and fuse.within_tolerance
+    assert res.table_rows()[1][1][-1] == "no change" and "fuse changed nothing" in res.to_text().splitlines()[-1]
+
+    tied = optimize(_TiedOnly().eval(), "int8-dynamic", torch.randint(0, 50, (12, 5)), measure=False).steps[0]
+    assert tied.status == "no change" and not tied.changed
+    assert tied.notes[0].startswith("quantized 0 of 1 matmul layers; head left fp32: tied to the input embedding")
+
+    part = optimize(_AttentionHead().eval(), "int8-dynamic", torch.randn(12, 5, 8), measure=False)
+    step = part.steps[0]
+    assert step.within_tolerance and step.status == "partial" and list(step.coverage.missed) == ["attn.out_proj"]
+    assert "int8-dynamic changed only some of its layers" in part.to_text().splitlines()[-1]
 
 
 def test_onnx_and_onnx_int8_run_in_ort_and_save_the_file(tmp_path):
@@ -265,6 +345,7 @@ def test_result_is_an_optimize_result_with_bf16_step():
     assert isinstance(res, OptimizeResult)
     step = res.steps[-1]
     assert step.backend == "cast" and step.within_tolerance and step.size_bytes < 0.6 * res.original.size_bytes
+    assert step.status == "ok" and step.coverage.changed == step.coverage.total > 0
     assert _out(res.model, x).dtype == torch.float32
     assert any(n.startswith("bf16:") for n in res.notes())
 

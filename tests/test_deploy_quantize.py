@@ -281,6 +281,95 @@ def test_dynamic_int8_lstm_and_nothing_to_quantize():
         quantize_dynamic_int8(conv_only)
 
 
+class _AttentionHead(nn.Module):
+    """Self-attention through nn.MultiheadAttention (not in an encoder layer), then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
+
+
+def test_dynamic_int8_counts_the_matmul_layers_it_quantized_and_names_the_others():
+    plain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)).eval()
+    _, rep = quantize_dynamic_int8(plain)
+    c = rep.coverage
+    assert (c.changed, c.total, c.kind, c.kept, c.missed) == (3, 3, "matmul layers", {}, {})
+    assert c.describe() == "quantized 3 of 3 matmul layers"
+    # nn.MultiheadAttention reads its out_proj weight itself: torch.ao leaves it fp32, and the count says so
+    model = _AttentionHead().eval()
+    qmodel, rep = quantize_dynamic_int8(model)
+    c = rep.coverage
+    assert (c.changed, c.total) == (2, 3) and list(c.missed) == ["attn.out_proj"] and not c.kept
+    assert "nn.MultiheadAttention" in c.missed["attn.out_proj"]
+    assert c.describe().startswith("quantized 2 of 3 matmul layers; attn.out_proj left fp32: nn.MultiheadAttention")
+    assert type(qmodel.attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear  # as counted
+
+
+def _gpt2(seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def test_gpt2_conv1d_layers_become_equal_linears_and_are_quantized_the_tied_head_stays_fp32():
+    from transformers.pytorch_utils import Conv1D
+
+    model = _gpt2()
+    before = _snapshot(model)
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    # Conv1D (y = x @ W + b, W [in, out]) -> nn.Linear (W transposed): the same outputs, to float rounding
+    work = copy.deepcopy(model)
+    assert q._conv1d_to_linear(work) == 8 and not any(isinstance(m, Conv1D) for m in work.modules())
+    with torch.inference_mode():
+        torch.testing.assert_close(work(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-6)
+
+    qmodel, rep = quantize_dynamic_int8(model)
+    c = rep.coverage
+    assert (c.changed, c.total, list(c.kept), c.missed) == (8, 9, ["lm_head"], {})
+    assert c.describe().startswith("quantized 8 of 9 matmul layers; lm_head left fp32: tied to the input embedding")
+    blocks = [m for n, m in qmodel.named_modules() if n.startswith("transformer.h.") and n.endswith(("c_attn", "c_proj",
+                                                                                                     "c_fc"))]
+    assert len(blocks) == 8 and all(q._is_quantized_layer(m) for m in blocks)
+    assert qmodel.lm_head.weight is qmodel.transformer.wte.weight  # still tied: stored once
+    assert any("8 transformers Conv1D" in n for n in rep.notes)
+    # int8 moves the logits by ~1% of their range on this random model; 10% is the step's tolerance
+    a = agreement(model, qmodel, ids)
+    assert a.max_rel_diff < 0.1, a
+    with torch.inference_mode():
+        top1 = (qmodel(ids).logits.argmax(-1) == model(ids).logits.argmax(-1)).float().mean().item()
+    assert top1 >= 0.9
+    assert rep.new_size_bytes < 0.5 * rep.size_bytes == 0.5 * model_size_bytes(model)
+    assert _unchanged(model, before) and sum(isinstance(m, Conv1D) for m in model.modules()) == 8
+
+    # quantizing the tied head too: every matmul int8, and a larger file (an int8 copy beside the embedding)
+    qtied, rep_tied = quantize_dynamic_int8(model, quantize_tied=True)
+    assert (rep_tied.coverage.changed, rep_tied.coverage.total) == (9, 9)
+    assert q._is_quantized_layer(qtied.lm_head) and rep_tied.new_size_bytes > rep.new_size_bytes
+    assert agreement(model, qtied, ids).max_rel_diff < 0.1
+
+
+def test_static_int8_and_half_count_the_layers_they_changed(resnet_int8):
+    model, _, _, rep, _ = resnet_int8
+    layers = sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in model.modules())
+    assert (rep.coverage.changed, rep.coverage.total, rep.coverage.missed) == (layers, layers, {})
+    assert rep.coverage.describe() == f"quantized {layers} of {layers} conv/linear layers"
+    fx_model, fx_rep = quantize_static_int8(get_model("small_cnn").eval(), [torch.randn(8, 1, 8, 8)],
+                                            torch.randn(8, 1, 8, 8), backend="fx")
+    assert (fx_rep.coverage.changed, fx_rep.coverage.total, fx_rep.coverage.missed) == (4, 4, {})
+    _, half = cast_half(get_model("small_cnn"), torch.bfloat16, "cpu")
+    floating = sum(t.is_floating_point() for t in get_model("small_cnn").state_dict().values())
+    assert half.coverage.changed == half.coverage.total == floating
+    _, again = cast_half(get_model("small_cnn").to(torch.bfloat16), torch.bfloat16, "cpu")
+    assert again.coverage.changed == 0  # already bf16: nothing cast
+
+
 def test_qat_fine_tunes_and_converts_on_digits():
     pytest.importorskip("sklearn")
     from torch_tricks.data.digits import load_dataset

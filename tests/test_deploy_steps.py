@@ -54,6 +54,7 @@ def test_a_step_registered_in_a_test_file_plans_applies_and_verifies(example_ste
     assert step.name == _NAME and step.step == _NAME and step.backend == "float64 and back"
     assert step.within_tolerance is True and step.tolerance == EXACT.describe() and res.ok
     assert step.notes == ["argument -"] and not step.changed
+    assert step.status == "no change"  # within its tolerance, but a step that changed nothing is not "ok"
     with torch.inference_mode():
         assert torch.allclose(res.model(x), model(x), atol=1e-5)
     # its alias plans the same step; it takes no argument, like any step declared without args

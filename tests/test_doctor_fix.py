@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import ast
 import difflib
+import pickle
 import re
+import runpy
 import shutil
 import stat
 from pathlib import Path
 
 import pytest
+import torch
 
 from torch_tricks.cli import main
 from torch_tricks.doctor import get_rule
@@ -45,31 +48,47 @@ def lines(data: bytes) -> list[bytes]:
 # --------------------------------------------------------------------------- one rewrite per case
 
 MODULE = "class Net(nn.Module):\n    def forward(self, x):\n"
+# weights_only=True is added only where the file shows what the load reads: a state_dict saved to that path
+SAVED = 'torch.save(net.state_dict(), "ckpt.pt")\n'
+SAVED_AT_PATH = "torch.save(net.state_dict(), path)\n"
 
 FIXED = {
-    "load-both": ('state = torch.load("ckpt.pt")\n',
-                  'state = torch.load("ckpt.pt", map_location="cpu", weights_only=True)\n'),
+    "load-both": (SAVED + 'state = torch.load("ckpt.pt")\n',
+                  SAVED + 'state = torch.load("ckpt.pt", map_location="cpu", weights_only=True)\n'),
     "load-map-location": ('state = torch.load("ckpt.pt", weights_only=True)\n',
                           'state = torch.load("ckpt.pt", weights_only=True, map_location="cpu")\n'),
-    "load-weights-only": ('state = torch.load(path, map_location=lambda s, loc: s)\n',
+    "load-weights-only": ('ckpt = {"model": net.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}\n'
+                          'torch.save(ckpt, path)\nstate = torch.load(path, map_location=lambda s, loc: s)\n',
+                          'ckpt = {"model": net.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}\n'
+                          'torch.save(ckpt, path)\n'
                           'state = torch.load(path, map_location=lambda s, loc: s, weights_only=True)\n'),
-    "load-multiline-trailing-comma": ('state = torch.load(\n    "ckpt.pt",  # the file\n)\n',
-                                      'state = torch.load(\n    "ckpt.pt", map_location="cpu", weights_only=True,'
-                                      '  # the file\n)\n'),
-    "load-multiline-comment": ('state = torch.load(\n    path  # the file\n)  # done\n',
-                               'state = torch.load(\n    path, map_location="cpu", weights_only=True  # the file\n'
-                               ')  # done\n'),
-    "load-parenthesized-arg": ('state = torch.load((path))\n',
-                               'state = torch.load((path), map_location="cpu", weights_only=True)\n'),
-    "load-alias": ('from torch import load as tload\nstate = tload(path)["model"]\n',
-                   'from torch import load as tload\nstate = tload(path, map_location="cpu", weights_only=True)'
-                   '["model"]\n'),
-    "load-chained-and-nested": ('keys = torch.load(torch.load(path)).keys()\n',
-                                'keys = torch.load(torch.load(path, map_location="cpu", weights_only=True), '
-                                'map_location="cpu", weights_only=True).keys()\n'),
-    "load-non-ascii": ('x = "héllo"; state = torch.load("modèle.pt")  # 模型\n',
-                       'x = "héllo"; state = torch.load("modèle.pt", map_location="cpu", weights_only=True)'
-                       '  # 模型\n'),
+    "load-multiline-trailing-comma": (SAVED + 'state = torch.load(\n    "ckpt.pt",  # the file\n)\n',
+                                      SAVED + 'state = torch.load(\n    "ckpt.pt", map_location="cpu", '
+                                      'weights_only=True,  # the file\n)\n'),
+    "load-multiline-comment": (SAVED_AT_PATH + 'state = torch.load(\n    path  # the file\n)  # done\n',
+                               SAVED_AT_PATH + 'state = torch.load(\n    path, map_location="cpu", '
+                               'weights_only=True  # the file\n)  # done\n'),
+    "load-parenthesized-arg": (SAVED_AT_PATH + 'state = torch.load((path))\n',
+                               SAVED_AT_PATH + 'state = torch.load((path), map_location="cpu", weights_only=True)\n'),
+    "load-alias": ('from torch import load as tload\n' + SAVED_AT_PATH + 'state = tload(path)["model"]\n',
+                   'from torch import load as tload\n' + SAVED_AT_PATH +
+                   'state = tload(path, map_location="cpu", weights_only=True)["model"]\n'),
+    "load-state-dict-use": ("def restore(net, path):\n    net.load_state_dict(torch.load(path))\n",
+                            "def restore(net, path):\n"
+                            '    net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))\n'),
+    "load-tensor-non-ascii": ('torch.save(torch.zeros(3), "modèle.pt")\nx = "héllo"; state = torch.load("modèle.pt")'
+                              '  # 模型\n',
+                              'torch.save(torch.zeros(3), "modèle.pt")\nx = "héllo"; state = torch.load("modèle.pt", '
+                              'map_location="cpu", weights_only=True)  # 模型\n'),
+    "load-opened-file": ('with open("ckpt.pt", "wb") as fh:\n    torch.save(net.state_dict(), fh)\n'
+                         'with open("ckpt.pt", "rb") as fh:\n    state = torch.load(fh)\n',
+                         'with open("ckpt.pt", "wb") as fh:\n    torch.save(net.state_dict(), fh)\n'
+                         'with open("ckpt.pt", "rb") as fh:\n'
+                         '    state = torch.load(fh, map_location="cpu", weights_only=True)\n'),
+    "load-buffer-of-a-tensor": ("import io\nbuf = io.BytesIO()\ntorch.save(torch.randn(2), buf)\nbuf.seek(0)\n"
+                                "t = torch.load(buf)\n",  # an in-memory buffer: no TT110
+                                "import io\nbuf = io.BytesIO()\ntorch.save(torch.randn(2), buf)\nbuf.seek(0)\n"
+                                "t = torch.load(buf, weights_only=True)\n"),
     "legacy-sum": ('loss = nn.MSELoss(size_average=False)\n', 'loss = nn.MSELoss(reduction="sum")\n'),
     "legacy-none": ('loss = nn.MSELoss(size_average=True, reduce=False)\n', 'loss = nn.MSELoss(reduction="none")\n'),
     "legacy-mean": ('loss = nn.CrossEntropyLoss(weight, reduce=True)\n',
@@ -136,15 +155,16 @@ def test_each_fix_rewrites_exactly_and_a_second_run_changes_nothing(case):
 
 
 def test_both_load_findings_are_one_edit():
-    result = fix_source(_HEAD + 'state = torch.load("ckpt.pt")\n')
+    result = fix_source(_HEAD + SAVED + 'state = torch.load("ckpt.pt")\n')
     (edit,) = result.edits
     assert edit.rules == ("TT110", "TT111") and edit.rule == "TT110,TT111" and result.fixed == 2
-    assert edit.line == 4 and edit.span == (4, 4)
+    assert edit.line == 5 and edit.span == (5, 5)
     assert 'map_location="cpu", weights_only=True' in edit.description
 
 
 def test_crlf_line_endings_are_kept():
     head = _HEAD.replace("\n", "\r\n")
+    head += SAVED.replace("\n", "\r\n")
     before = head + 'state = torch.load("ckpt.pt")  # é\r\nx = torch.randn(2)\r\nx.cuda()\r\ny.cuda()\r\n'
     after = head + 'state = torch.load("ckpt.pt", map_location="cpu", weights_only=True)  # é\r\n' \
                    'x = torch.randn(2)\r\nx = x.cuda()\r\ny.cuda()\r\n'
@@ -154,7 +174,7 @@ def test_crlf_line_endings_are_kept():
 
 
 def test_edit_lines_refer_to_the_original_source():
-    src = _HEAD + "l = nn.MSELoss(\n    size_average=False,\n    reduce=True,\n)\nstate = torch.load(p)\n"
+    src = _HEAD + "l = nn.MSELoss(\n    size_average=False,\n    reduce=True,\n)\nnet.load_state_dict(torch.load(p))\n"
     result = fix_source(src)
     assert [(e.rules, e.line, e.span) for e in result.edits] == [(("TT109",), 4, (5, 6)),
                                                                  (("TT110", "TT111"), 8, (8, 8))]
@@ -170,9 +190,10 @@ def test_select_and_ignore_limit_the_fixes():
 
 
 def test_noqa_lines_are_not_fixed():
-    src = _HEAD + "state = torch.load(p)  # noqa\nother = torch.load(q)  # noqa: TT110\n"
+    src = _HEAD + "net.load_state_dict(torch.load(p))  # noqa\nnet.load_state_dict(torch.load(q))  # noqa: TT110\n"
     assert fix_source(src).source == _HEAD + \
-        'state = torch.load(p)  # noqa\nother = torch.load(q, weights_only=True)  # noqa: TT110\n'
+        'net.load_state_dict(torch.load(p))  # noqa\n' \
+        'net.load_state_dict(torch.load(q, weights_only=True))  # noqa: TT110\n'
 
 
 # --------------------------------------------------------------------------- look-alikes left alone
@@ -196,6 +217,26 @@ NOT_FIXABLE = {
     "load-pickle-module": ("import pickle\nstate = torch.load(p, map_location='cpu', pickle_module=pickle)\n",
                            "TT111", "pickle_module"),
     "load-star-args": ("state = torch.load(*args, weights_only=True)\n", "TT110", "*args"),
+    # weights_only=True only where the file shows tensors or state_dicts: elsewhere it may break the load
+    "load-whole-module": ('net = nn.Linear(2, 2)\ntorch.save(net, "m.pt")\nm = torch.load("m.pt", map_location="cpu")\n',
+                          "TT111", "whole pickled module (net saved on line 5)"),
+    "load-module-among-saves": ('net = nn.Linear(2, 2)\nif full:\n    torch.save(net, "m.pt")\nelse:\n'
+                                '    torch.save(net.state_dict(), "m.pt")\nm = torch.load("m.pt", map_location="cpu")\n',
+                                "TT111", "whole pickled module"),
+    "load-unknown-origin": ('def restore(path):\n    return torch.load(path, map_location="cpu")\n',
+                            "TT111", "does not show what the checkpoint holds"),
+    "load-same-name-other-function": ("def save(net, path):\n    torch.save(net.state_dict(), path)\n\n\n"
+                                      'def load(path):\n    return torch.load(path, map_location="cpu")\n',
+                                      "TT111", "does not show"),
+    "load-other-buffer": ("import io\n\n\ndef send(net):\n    buf = io.BytesIO()\n"
+                          "    torch.save(net.state_dict(), buf)\n\n\n"
+                          "def receive(data):\n    buf = io.BytesIO(data)\n    return torch.load(buf)\n",
+                          "TT111", "does not show"),
+    "load-dict-changed-in-place": ('ckpt = {"model": net.state_dict(), "epoch": 3}\nckpt["args"] = args\n'
+                                   'torch.save(ckpt, p)\nstate = torch.load(p, map_location="cpu")\n',
+                                   "TT111", "on line 6 (ckpt) is not shown to be only tensors/state_dicts"),
+    "load-other-object": ('torch.save({"model": net.state_dict(), "args": vars(args)}, p)\n'
+                          'state = torch.load(p, map_location="cpu")\n', "TT111", "not shown to be only"),
     "deterministic-keyword": ("torch.set_deterministic(d=True)\n", "TT118", "keywords"),
 }
 
@@ -221,6 +262,15 @@ def test_partly_fixable_load_fixes_what_it_can():
     assert [u.finding.rule for u in result.unfixed] == ["TT111"]
 
 
+def test_a_chained_and_nested_load_gets_weights_only_only_where_the_file_shows_it():
+    src = _HEAD + SAVED_AT_PATH + "keys = torch.load(torch.load(path)).keys()\n"
+    result = fix_source(src)
+    assert result.source == _HEAD + SAVED_AT_PATH + 'keys = torch.load(torch.load(path, map_location="cpu", ' \
+                                                    'weights_only=True), map_location="cpu").keys()\n'
+    (left,) = result.unfixed  # the outer load reads a file named by what the inner one loaded: unknown
+    assert left.finding.rule == "TT111" and "does not show" in left.reason
+
+
 def test_source_that_does_not_parse_raises_and_is_not_fixed():
     with pytest.raises(SyntaxError):
         fix_source("import torch\nstate = torch.load(p\n")
@@ -231,16 +281,16 @@ def test_source_that_does_not_parse_raises_and_is_not_fixed():
 
 def test_fix_paths_writes_atomically_keeps_the_mode_and_reports_the_diff(tmp_path):
     path = tmp_path / "train.py"
-    path.write_bytes(b"import torch\r\nstate = torch.load(p)  # \xc3\xa9\r\n")
+    path.write_bytes(b"import torch\r\nnet.load_state_dict(torch.load(p))  # \xc3\xa9\r\n")
     path.chmod(0o640)
     (fixed,) = fix_paths([tmp_path], write=False)
-    assert not fixed.written and fixed.diff and path.read_bytes().endswith(b"torch.load(p)  # \xc3\xa9\r\n")
+    assert not fixed.written and fixed.diff and path.read_bytes().endswith(b"torch.load(p))  # \xc3\xa9\r\n")
     assert fixed.diff.startswith(f"--- {path}\n+++ {path}\n")
-    assert '+state = torch.load(p, map_location="cpu", weights_only=True)  # é\r\n' in fixed.diff
+    assert '+net.load_state_dict(torch.load(p, map_location="cpu", weights_only=True))  # é\r\n' in fixed.diff
     (fixed,) = fix_paths([tmp_path])
     assert fixed.written and fixed.error is None and fixed.fixed == 2
-    assert path.read_bytes() == b'import torch\r\nstate = torch.load(p, map_location="cpu", weights_only=True)  ' \
-                                b'# \xc3\xa9\r\n'
+    assert path.read_bytes() == b'import torch\r\nnet.load_state_dict(torch.load(p, map_location="cpu", ' \
+                                b'weights_only=True))  # \xc3\xa9\r\n'
     assert stat.S_IMODE(path.stat().st_mode) == 0o640
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]
     assert fix_paths([tmp_path]) == []  # nothing fixable left: the file is not listed
@@ -248,10 +298,11 @@ def test_fix_paths_writes_atomically_keeps_the_mode_and_reports_the_diff(tmp_pat
 
 def test_a_file_in_a_declared_encoding_is_written_back_in_it(tmp_path):
     path = tmp_path / "old.py"
-    path.write_bytes(b"# -*- coding: latin-1 -*-\nimport torch\nstate = torch.load('caf\xe9.pt')\n")
+    saved = b"import torch\ntorch.save(net.state_dict(), 'caf\xe9.pt')\n"
+    path.write_bytes(b"# -*- coding: latin-1 -*-\n" + saved + b"state = torch.load('caf\xe9.pt')\n")
     (fixed,) = fix_paths([path])
     assert fixed.written
-    assert path.read_bytes() == b"# -*- coding: latin-1 -*-\nimport torch\n" \
+    assert path.read_bytes() == b"# -*- coding: latin-1 -*-\n" + saved + \
                                 b"state = torch.load('caf\xe9.pt', map_location=\"cpu\", weights_only=True)\n"
 
 
@@ -313,11 +364,11 @@ def test_cli_fix_reports_a_file_it_could_not_write_and_fails(capsys, tmp_path, m
 
 def test_cli_fix_rewrites_reports_per_file_and_exits_on_what_is_left(capsys, tmp_path):
     a = tmp_path / "a.py"
-    a.write_text("import torch\nstate = torch.load(p)\n")
+    a.write_text("import torch\nnet.load_state_dict(torch.load(p))\n")
     b = tmp_path / "b.py"
     b.write_text("import torch\nfor batch in loader:\n    batch['x'].cuda()\n    torch.set_deterministic(True)\n")
     code, out, err = run(capsys, "doctor", "--fix", tmp_path)
-    assert a.read_text() == 'import torch\nstate = torch.load(p, map_location="cpu", weights_only=True)\n'
+    assert a.read_text() == 'import torch\nnet.load_state_dict(torch.load(p, map_location="cpu", weights_only=True))\n'
     assert "torch.use_deterministic_algorithms(True)" in b.read_text()
     assert f"{a}: 2 fixes applied\n" in err and f"{b}: 1 fix applied, 1 not fixable there\n" in err
     assert "3 fixes applied to 2 file(s)" in err
@@ -328,11 +379,11 @@ def test_cli_fix_rewrites_reports_per_file_and_exits_on_what_is_left(capsys, tmp
 
 def test_cli_diff_prints_the_patch_writes_nothing_and_exits_1_only_if_there_is_something(capsys, tmp_path):
     a = tmp_path / "a.py"
-    a.write_text("import torch\nstate = torch.load(p)\n")
+    a.write_text("import torch\nnet.load_state_dict(torch.load(p))\n")
     code, out, err = run(capsys, "doctor", "--diff", a)
-    assert code == 1 and a.read_text() == "import torch\nstate = torch.load(p)\n"
-    assert out == (f"--- {a}\n+++ {a}\n@@ -1,2 +1,2 @@\n import torch\n-state = torch.load(p)\n"
-                   f'+state = torch.load(p, map_location="cpu", weights_only=True)\n')
+    assert code == 1 and a.read_text() == "import torch\nnet.load_state_dict(torch.load(p))\n"
+    assert out == (f"--- {a}\n+++ {a}\n@@ -1,2 +1,2 @@\n import torch\n-net.load_state_dict(torch.load(p))\n"
+                   f'+net.load_state_dict(torch.load(p, map_location="cpu", weights_only=True))\n')
     assert "2 fixes would be applied to 1 file(s)" in err
     code, out, err = run(capsys, "doctor", "--diff", a, "--json")
     (entry,) = __import__("json").loads(out)["files"]
@@ -371,6 +422,91 @@ def test_fixable_rules_are_static_rules():
     for rule_id in FIXABLE:
         rule = get_rule(rule_id)
         assert rule.kind == "static" and rule.message
+
+
+# --------------------------------------------------------------------------- TT111 on real checkpoints
+
+
+def run_script(tmp_path, monkeypatch, source: str) -> dict:
+    """Run ``source`` as a script in ``tmp_path`` (its checkpoints land there); its globals."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    monkeypatch.chdir(tmp_path)
+    return runpy.run_path(str(script))
+
+
+PICKLED_MODULE = ("import torch\nimport torch.nn as nn\n\ntorch.manual_seed(0)\n"
+                  "model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))\n"
+                  'torch.save(model, "m.pt")\n'
+                  'loaded = torch.load("m.pt", map_location="cpu")\n')
+
+
+def test_a_load_of_a_whole_pickled_module_is_left_and_the_finding_says_how_to_load_it(capsys, tmp_path,
+                                                                                     monkeypatch):
+    path = tmp_path / "train.py"
+    path.write_text(PICKLED_MODULE)
+    code, out, err = run(capsys, "doctor", "--fix", "--select", "TT110,TT111", path)
+    assert path.read_text() == PICKLED_MODULE  # no weights_only=True written
+    assert f"{path}: 0 fixes applied, 1 not fixable there" in err and "0 fixes applied to 0 file(s)" in err
+    (finding,) = [m for m in map(_LINE.match, out.splitlines()) if m]
+    assert code == 1 and (finding["rule"], finding["line"]) == ("TT111", "7")
+    message = finding["message"]
+    assert "whole pickled module (model saved on line 6)" in message and "weights_only=False" in message \
+        and "model.state_dict()" in message
+    (left,) = fix_source(PICKLED_MODULE).unfixed
+    assert "whole pickled module" in left.reason
+
+    # the line --fix used to write breaks this load on this torch; what the message says loads it
+    with pytest.raises(pickle.UnpicklingError):
+        run_script(tmp_path, monkeypatch, PICKLED_MODULE.replace('"cpu")', '"cpu", weights_only=True)'))
+    if torch.__version__ >= "2.6":  # and so does the default since 2.6: the finding is no mere style point
+        with pytest.raises(pickle.UnpicklingError):
+            run_script(tmp_path, monkeypatch, PICKLED_MODULE)
+    loaded = run_script(tmp_path, monkeypatch, PICKLED_MODULE.replace('"cpu")', '"cpu", weights_only=False)'))
+    x = torch.randn(5, 4)
+    assert isinstance(loaded["loaded"], torch.nn.Sequential)
+    assert torch.equal(loaded["loaded"](x), loaded["model"](x))
+
+
+STATE_DICT = ("import torch\nimport torch.nn as nn\n\ntorch.manual_seed(0)\nmodel = nn.Linear(4, 2)\n"
+              'p = "sd.pt"\ntorch.save(model.state_dict(), p)\nstate = torch.load(p)\n')
+CHECKPOINT = ("import torch\nimport torch.nn as nn\n\ntorch.manual_seed(0)\nmodel = nn.Linear(4, 2)\n"
+              "opt = torch.optim.AdamW(model.parameters(), lr=0.1)\n"
+              "for step in range(3):\n    opt.zero_grad()\n    model(torch.randn(8, 4)).pow(2).mean().backward()\n"
+              "    opt.step()\n"
+              'torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, "ckpt.pt")\n'
+              'ckpt = torch.load("ckpt.pt")\n')
+
+
+def test_a_load_of_a_state_dict_gets_weights_only_and_the_fixed_script_runs(tmp_path, monkeypatch):
+    result = fix_source(STATE_DICT)
+    assert result.source == STATE_DICT.replace("torch.load(p)", 'torch.load(p, map_location="cpu", weights_only=True)')
+    assert result.fixed == 2 and not result.unfixed
+    ran = run_script(tmp_path, monkeypatch, result.source)
+    expected = ran["model"].state_dict()
+    assert list(ran["state"]) == list(expected)
+    assert all(torch.equal(ran["state"][k], expected[k]) for k in expected)
+
+
+def test_a_checkpoint_of_state_dicts_and_a_step_gets_weights_only_and_the_fixed_script_runs(tmp_path, monkeypatch):
+    result = fix_source(CHECKPOINT)
+    assert result.source == CHECKPOINT.replace('torch.load("ckpt.pt")',
+                                               'torch.load("ckpt.pt", map_location="cpu", weights_only=True)')
+    assert result.fixed == 2 and not result.unfixed
+    ran = run_script(tmp_path, monkeypatch, result.source)
+    ckpt, model = ran["ckpt"], ran["model"]
+    assert ckpt["step"] == 2 and torch.equal(ckpt["model"]["weight"], model.weight.detach())
+    assert ckpt["optimizer"]["state"][0]["step"].item() == 3  # AdamW's state came back with it
+
+
+def test_a_load_of_unknown_contents_keeps_its_finding_and_is_not_given_weights_only():
+    src = _HEAD + "def restore(path):\n    return torch.load(path)\n"
+    result = fix_source(src)
+    assert result.source == _HEAD + 'def restore(path):\n    return torch.load(path, map_location="cpu")\n'
+    (left,) = result.unfixed
+    assert left.finding.rule == "TT111" and "check what it holds" in left.finding.message
+    assert "does not show what the checkpoint holds" in left.reason
+    compile(result.source, "fixed.py", "exec")
 
 
 # --------------------------------------------------------------------------- the must-show test

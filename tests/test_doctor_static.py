@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_tricks.doctor import list_rules
+from torch_tricks.doctor import get_rule, list_rules
 from torch_tricks.doctor.config import DoctorConfig, load_config
 from torch_tricks.doctor.registry import Finding
 from torch_tricks.doctor.static import (LintResult, check_rule_codes, exit_code, format_text, lint_paths,
@@ -67,6 +67,27 @@ def test_rules_are_documented_with_their_source_and_fix():
         assert re.search(r"\b(X|[TDP]\d+)\b", rule.source), f"{rule.id}: source names no catalogue id"
         assert "Fix" in rule.explanation or "Map:" in rule.explanation, f"{rule.id}: explanation gives no fix"
         assert "\n" not in rule.message
+
+
+
+def test_torch_load_without_weights_only_says_what_the_file_shows_it_reads():
+    """TT111 goes by the torch.save writing the same path or buffer (or the result handed to
+    load_state_dict): the advice for a whole pickled module is the opposite of the one for state_dicts."""
+    path = CORPUS / "TT111" / "pos_what_it_reads.py"
+    messages = {f.line: f.message for f in lint_source(path.read_text(encoding="utf-8"), select=["TT111"])}
+    for line, saved in ((12, 11), (17, 15)):  # a path string; a file opened by the same open(...) path
+        assert messages[line].startswith(f"torch.load of a whole pickled module (model saved on line {saved}) fails "
+                                         f"under weights_only=True, the default since torch 2.6: pass "
+                                         f"weights_only=False for a trusted file, or save model.state_dict()")
+    assert "of tensors/state_dicts (saved on line 21): pass weights_only=True" in messages[22]
+    assert "of tensors/state_dicts (handed to load_state_dict on line 26): pass weights_only=True" in messages[26]
+    assert "whose contents this code does not show: check what it holds" in messages[27]
+    other = lint_source("import torch\nstate = {'model': net.state_dict()}\nstate['args'] = args\n"
+                        "torch.save(state, p)\nx = torch.load(p, map_location='cpu')\n", select=["TT111"])
+    assert [(f.line, f.message.split(":")[0]) for f in other] == [
+        (5, "torch.load without weights_only of what torch.save stores on line 4 (state), not shown to be only "
+            "tensors/state_dicts")]
+    assert "weights_only=True" in get_rule("TT111").message and "2.6" in get_rule("TT111").message
 
 
 # --------------------------------------------------------------------------- noqa, select, ignore

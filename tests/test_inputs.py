@@ -182,3 +182,62 @@ def test_check_input_names_of_a_transformers_model():
     message = str(err.value)
     assert message.startswith("model GPT2LMHeadModel's forward takes no input named 'foo': it takes input_ids, ")
     assert "attention_mask" in message and "\n" not in message
+
+
+# -- a causal LM's positional token input is input_ids; keyword inputs by position (issue 34) ----------
+
+def _gpt2():
+    pytest.importorskip("transformers")
+    from torch_tricks.models import load_model
+
+    torch.manual_seed(0)
+    return load_model("hf:gpt2", hf_config="n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=16")[0]
+
+
+def test_a_causal_lms_positional_token_input_becomes_input_ids():
+    from torch_tricks.inspect.inputs import is_causal_lm, token_input_as_keyword
+
+    model, ids = _gpt2(), torch.randint(0, 64, (2, 8))
+    assert is_causal_lm(model) and not is_causal_lm(torch.nn.Linear(2, 2))
+    for given in (ids, (ids,), [ids]):
+        out = token_input_as_keyword(model, given)
+        assert list(out) == ["input_ids"] and out["input_ids"] is ids
+    floats = (torch.randn(2, 8),)
+    assert token_input_as_keyword(model, floats) is floats  # not token ids
+    two = (ids, torch.ones_like(ids))
+    assert token_input_as_keyword(model, two) is two  # which is which is the user's to say, by name
+    named = {"input_ids": ids}
+    assert token_input_as_keyword(model, named) is named
+    other = torch.nn.Embedding(64, 4)
+    assert token_input_as_keyword(other, (ids,)) == (ids,)  # not a transformers causal LM
+
+
+def test_example_batch_of_positional_ids_trains_the_lm_on_its_own_loss_as_named_ones_do():
+    from torch_tricks.batches import example_batch, labels_go_in
+    from torch_tricks.outputs import get_loss
+
+    model, ids = _gpt2(), torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    positional, loss_fn = example_batch(model, (ids,))
+    named, _ = example_batch(model, {"input_ids": ids})
+    assert set(positional) == {"input_ids", "labels"} and torch.equal(positional["labels"], ids)
+    assert labels_go_in(model, positional, loss_fn)  # what chunked_lm_loss needs: the model's loss of its labels
+    assert all(torch.equal(positional[k], named[k]) for k in named)
+    ce_batch, _ = example_batch(model, (ids,), loss="ce")  # a loss of the user's: the target is outside the model
+    assert isinstance(ce_batch, tuple) and not labels_go_in(model, ce_batch, get_loss("ce"))
+
+
+def test_keyword_inputs_go_by_position_where_they_bind_to_the_first_arguments():
+    from torch_tricks.inspect.inputs import keyword_as_positional
+
+    class Two(torch.nn.Module):
+        def forward(self, a, b=None, c=None):
+            return a if b is None else a + b
+
+    x, y = torch.ones(2), torch.full((2,), 2.0)
+    assert keyword_as_positional(Two(), {"b": y, "a": x}, "optimize") == (x, y)  # the forward's order
+    assert keyword_as_positional(Two(), {"a": x}, "optimize") == (x,)
+    with pytest.raises(UserError, match=r"^optimize calls the model with positional inputs, and Two's forward takes "
+                                        r"'b' before 'c', so c cannot go by position: leave it out"):
+        keyword_as_positional(Two(), {"a": x, "c": y}, "optimize")
+    with pytest.raises(UserError, match="Two's forward has no positional argument 'd'"):
+        keyword_as_positional(Two(), {"d": x}, "optimize")

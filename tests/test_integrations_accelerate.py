@@ -93,7 +93,9 @@ def test_the_printed_loop_runs(tmp_path):
         "import sys", f"sys.path.insert(0, {str(Path(__file__).parent)!r})",
         "from torch.utils.data import DataLoader",
         "from _trainer_data import gpt2, lm_data",
-        "model, loader, total_steps = gpt2(), DataLoader(lm_data(), batch_size=4), 2",
+        "import torch",
+        "model, loader = gpt2(), DataLoader(lm_data(), batch_size=4)",
+        "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)",
         *lines,
         "print('steps', tricks.step_count)"]))
     run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -123,3 +125,67 @@ def test_what_accelerate_cannot_serve_is_one_line(cfg, match):
     assert "\n" not in str(err.value)
     with pytest.raises(UserError, match=match):
         tricks_for(cfg)
+
+
+# -- issue 34: after_step follows the accelerator's real steps, and the Tricks' state survives save/load_state -------
+
+def _loop(folder, stop_at: int = 0, resume: bool = False):
+    """8 optimizer steps over 16 micro-batches of 2 (accumulation 2), a cosine schedule and the EMA from the
+    configuration; stops after ``stop_at`` steps with ``accelerator.save_state()`` (a killed job's checkpoint)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    cfg = {"ema": True, "ema_decay": 0.9, "accumulate": 2, "schedule": "cosine", "lr": 1e-2, "max_steps": 8,
+           "device": "cpu", "checkpoint_dir": str(folder), "progress": False}
+    accelerator = accelerate.Accelerator(**accelerator_kwargs_from(cfg))
+    tricks = tricks_for(cfg, accelerator)
+    model, optimizer = tricks.prepare(gpt2())  # the configuration's AdamW and its cosine schedule over max_steps
+    loader = DataLoader(lm_data(32), batch_size=2, shuffle=False)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if resume:
+        accelerator.load_state()
+        loader = accelerator.skip_first_batches(loader, 2 * tricks.step_count)
+    lrs, micro = [], 0
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            tricks.guard(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if tricks.after_step():  # nothing on the first micro-batch of each group
+                lrs.append(optimizer.param_groups[0]["lr"])
+        micro += 1
+        if stop_at and tricks.step_count == stop_at:
+            accelerator.save_state()
+            break
+    return tricks, lrs, micro
+
+
+def test_after_step_does_nothing_on_a_micro_batch_that_did_not_step(tmp_path):
+    tricks, lrs, micro = _loop(tmp_path / "whole")
+    assert micro == 16 and tricks.step_count == len(lrs) == 8 and tricks.ema.num_updates == 8
+    assert lrs[-1] == pytest.approx(0.0, abs=1e-12)  # the cosine reaches 0 at the 8th step, not halfway
+
+
+def test_stopped_and_resumed_the_ema_and_the_lr_equal_an_uninterrupted_run(tmp_path):
+    whole, whole_lrs, _ = _loop(tmp_path / "whole")
+    _, first, _ = _loop(tmp_path / "cut", stop_at=4)
+    resumed, second, _ = _loop(tmp_path / "cut", resume=True)
+    assert resumed.step_count == 8 and len(first) == len(second) == 4
+    assert first + second == pytest.approx(whole_lrs, rel=1e-6)
+    assert resumed.ema.num_updates == whole.ema.num_updates == 8
+    for (k, a), b in zip(whole.ema.module.state_dict().items(), resumed.ema.module.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_a_toml_with_only_precision_changes_no_other_keyword_of_yours(tmp_path):
+    toml = tmp_path / "tricks.toml"
+    toml.write_text('[train]\nprecision = "bf16"\n')
+    kw = accelerator_kwargs_from(str(toml), gradient_accumulation_steps=2, cpu=True)
+    assert dict(kw) == {"gradient_accumulation_steps": 2, "cpu": True, "mixed_precision": "bf16"}
+    assert kw.tricks_changes == {"mixed_precision": (None, "bf16")}
+    with pytest.raises(UserError, match=r"conflict: mixed_precision='no' in your Accelerator keywords, "
+                                        r"mixed_precision='bf16' from the configuration's precision"):
+        accelerator_kwargs_from(str(toml), mixed_precision="no")

@@ -74,8 +74,9 @@ def test_each_switch_is_in_effect_in_a_real_trainer_and_the_loss_goes_down(tmp_p
 
 
 def test_a_plain_tricks_loop_and_the_trainer_give_the_same_first_losses(tmp_path):
+    # the schedule and clipping stated: a key not given stays the Trainer's own (linear decay, clipping at 1.0)
     cfg = {"batch_size": 4, "lr": 1e-3, "max_steps": 3, "progress": False, "log_every": 1, "weight_decay": 0.01,
-           "seed": 0}
+           "seed": 0, "schedule": "constant", "grad_clip": 0.0}
     data = _data(mask_first=True)
     model = _gpt2()
     seen = Seen(model)
@@ -151,7 +152,7 @@ def test_the_mapped_arguments():
 def test_the_emitted_lines_carry_what_needs_your_own_code():
     lines = "\n".join(trainer_lines({"optimizer_state": "bf16", "resume": True, "checkpoint_dir": "ck"}))
     assert "optimizer_cls_and_kwargs=(Bf16StateAdam" in lines and "resume_from_checkpoint=True" in lines
-    assert "TricksCallback({" in lines and "'optimizer_state': 'bf16'" in lines
+    assert "callbacks=[TricksCallback(cfg)]" in lines and "'optimizer_state': 'bf16'" in lines
 
 
 @pytest.mark.parametrize("cfg, match", [
@@ -212,7 +213,7 @@ def test_on_cuda_the_trainer_autocasts_bf16_and_the_callback_offloads_activation
     assert saved_on_cpu and all(saved_on_cpu)  # save_on_cpu's hooks were in force inside the forward
 
 
-def test_tune_emit_hf_prints_lines_that_run_in_a_trainer_script(tmp_path, capsys):
+def test_tune_emit_hf_then_emit_of_its_toml_print_lines_that_run_in_a_trainer_script(tmp_path, capsys):
     import json
     import subprocess
     import sys
@@ -227,16 +228,20 @@ def test_tune_emit_hf_prints_lines_that_run_in_a_trainer_script(tmp_path, capsys
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["emit"]["target"] == "hf"
     md = (tmp_path / "out" / "report.md").read_text()  # the report's "how to apply it" carries the same lines
-    assert "### In your transformers Trainer script" in md and data["emit"]["lines"][3].splitlines()[0] in md
+    assert "### In your transformers Trainer script" in md and data["emit"]["lines"][-2] in md
+    toml = tmp_path / "out" / "tricks.toml"
+    assert main(["emit", "--config", str(toml), "--for", "hf"]) == 0  # the same file, later, without a new tune
+    lines = capsys.readouterr().out.splitlines()
+    assert f"cfg = {str(toml)!r}" in lines
     script = tmp_path / "train_hf.py"
     script.write_text("\n".join([
         "import sys",
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})",
         "from _trainer_data import gpt2, lm_data",
         "model, train_dataset = gpt2(), lm_data()",
-        *data["emit"]["lines"],  # pasted as printed
-        "trainer.args.max_steps = 2",
-        "trainer.train()",
+        # pasted as printed; the user's own arguments line gets their own settings
+        *(line.replace('TrainingArguments(output_dir="out"', 'TrainingArguments(output_dir="out", max_steps=2, '
+                       'report_to=[]') for line in lines),
         "print('steps', trainer.state.global_step)",
     ]))
     run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -244,8 +249,149 @@ def test_tune_emit_hf_prints_lines_that_run_in_a_trainer_script(tmp_path, capsys
     assert run.stdout.strip().splitlines()[-1] == "steps 2", run.stdout[-2000:]
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["emit", "--config", "missing.toml", "--for", "hf"], "config file 'missing.toml' not found"),
+    (["emit", "--config", "missing.toml", "--for", "keras"], "--for keras: give one of hf, lightning, accelerate, loop"),
+])
+def test_emit_of_a_missing_file_or_an_unknown_target_is_one_line_and_exit_2(capsys, argv, match):
+    from torch_tricks.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1, err
+
+
 def test_emit_of_an_unknown_trainer_is_one_line():
     from torch_tricks.integrations import emit_lines
 
-    with pytest.raises(UserError, match="--emit keras: give one of hf, lightning, accelerate"):
+    with pytest.raises(UserError, match="--emit keras: give one of hf, lightning, accelerate, loop"):
         emit_lines({}, "keras")
+
+
+# -- issue 34: the Trainer gets exactly what the configuration gives, and keeps its state on resume --------------
+
+def _fields(args: TrainingArguments) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+
+
+def test_a_toml_with_only_precision_changes_no_other_field_of_your_arguments(tmp_path):
+    toml = tmp_path / "tricks.toml"
+    toml.write_text('[train]\nprecision = "bf16"\n')
+    yours = TrainingArguments(output_dir=str(tmp_path / "o"), learning_rate=3e-4, num_train_epochs=1, use_cpu=True,
+                              report_to=[])
+    assert training_args_from(toml) == {"bf16": True, "fp16": False}  # nothing of torch-tricks' own defaults
+    merged = training_args_from(str(toml), base=yours)
+    before, after = _fields(yours), _fields(merged)
+    assert {k for k in before if before[k] != after[k]} == {"bf16"}, {k: (before[k], after[k]) for k in before
+                                                                       if before[k] != after[k]}
+    assert merged.tricks_changes == {"bf16": (False, True)}
+    assert (merged.learning_rate, merged.num_train_epochs, merged.max_grad_norm) == (3e-4, 1, 1.0)
+    assert str(merged.lr_scheduler_type.value) == "linear"  # the Trainer's own schedule stays
+
+
+def test_a_conflict_with_your_explicit_argument_is_one_line_unless_you_say_which_wins(tmp_path):
+    yours = TrainingArguments(output_dir=str(tmp_path / "o"), learning_rate=3e-4, use_cpu=True, report_to=[])
+    cfg = {"lr": 1e-3, "accumulate": 2}
+    with pytest.raises(UserError, match=r"conflict: learning_rate=0.0003 in your TrainingArguments, "
+                                        r"learning_rate=0.001 from the configuration's lr.*prefer='tuned'") as err:
+        training_args_from(cfg, base=yours)
+    assert "\n" not in str(err.value)
+    tuned = training_args_from(cfg, base=yours, prefer="tuned")
+    assert (tuned.learning_rate, tuned.gradient_accumulation_steps) == (1e-3, 2)
+    kept = training_args_from(cfg, base=yours, prefer="yours")
+    assert (kept.learning_rate, kept.gradient_accumulation_steps) == (3e-4, 2)
+    assert kept.tricks_changes == {"gradient_accumulation_steps": (1, 2)}
+    as_dict = training_args_from(cfg, base={"learning_rate": 3e-4, "output_dir": "o"}, prefer="yours")
+    assert as_dict == {"learning_rate": 3e-4, "output_dir": "o", "gradient_accumulation_steps": 2}
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"precision": "bf16"}, r"precision = 'bf16' in the configuration needs bf16=True, but the Trainer's arguments "
+                            r"have bf16=False: build them with training_args_from\(cfg, base=your_args\)"),
+    ({"accumulate": 4}, r"accumulate = 4 .* needs gradient_accumulation_steps=4, but .* have "
+                        r"gradient_accumulation_steps=1"),
+    ({"fused_optimizer": False}, r"fused_optimizer = False .* needs optim='adamw_torch'"),
+    ({"grad_clip": 0.5}, r"grad_clip = 0.5 .* needs max_grad_norm=0.5"),
+])
+def test_the_callback_refuses_a_configuration_the_trainers_arguments_do_not_carry(tmp_path, cfg, match):
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[])
+    with pytest.raises(UserError, match=match) as err:
+        InOrder(model=_gpt2(), args=args, train_dataset=_data(), callbacks=[TricksCallback(cfg)])
+    assert "\n" not in str(err.value)
+
+
+def test_applied_lists_the_trainers_own_switches_too(tmp_path):
+    cfg = {"precision": "bf16", "accumulate": 2, "keep_heap": False}
+    args = training_args_from(cfg, base=TrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[]))
+    trainer = InOrder(model=_gpt2(), args=args, train_dataset=_data(), callbacks=[TricksCallback(cfg)])
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TricksCallback))
+    assert "precision=bf16 (bf16=True)" in cb.applied and "accumulate=2 (gradient_accumulation_steps=2)" in cb.applied
+
+
+class Steps(TrainerCallback):
+    """The lr after each optimizer step; stops the run after ``stop_at`` steps (as a killed job would, after its
+    checkpoint)."""
+
+    def __init__(self, stop_at: int = 0) -> None:
+        self.lrs: list[float] = []
+        self.stop_at = stop_at
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+        if state.global_step == self.stop_at:
+            control.should_training_stop = True
+
+
+def test_stopped_and_resumed_the_ema_and_the_lr_equal_an_uninterrupted_run(tmp_path):
+    def run(out, stop_at=0, resume=False):
+        cfg = {"ema": True, "ema_decay": 0.9, "accumulate": 2, "schedule": "cosine", "lr": 1e-2, "batch_size": 2,
+               "max_steps": 8, "checkpoint_dir": str(out), "checkpoint_every": 4, "device": "cpu", "progress": False}
+        steps = Steps(stop_at)
+        callback = TricksCallback(cfg)
+        trainer = InOrder(model=_gpt2(), args=training_args_from(cfg, base=TrainingArguments(report_to=[])),
+                          train_dataset=_data(), callbacks=[callback, steps])
+        trainer.train(resume_from_checkpoint=resume or None)
+        return callback, steps, trainer
+
+    whole, whole_steps, _ = run(tmp_path / "whole")
+    _, first, _ = run(tmp_path / "cut", stop_at=4)
+    resumed, second, trainer = run(tmp_path / "cut", resume=True)
+    assert trainer.state.global_step == 8 and len(first.lrs) == 4
+    assert first.lrs + second.lrs == pytest.approx(whole_steps.lrs, rel=1e-6)
+    assert resumed.ema.num_updates == whole.ema.num_updates == 8
+    assert any("ema restored from" in a for a in resumed.applied)
+    for (k, a), b in zip(whole.ema.module.state_dict().items(), resumed.ema.module.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_resumed_without_the_ema_file_is_one_line(tmp_path):
+    cfg = {"ema": True, "batch_size": 4, "max_steps": 2, "checkpoint_dir": str(tmp_path), "checkpoint_every": 1,
+           "device": "cpu", "progress": False}
+    InOrder(model=_gpt2(), args=training_args_from(cfg, base=TrainingArguments(report_to=[])),
+            train_dataset=_data(), callbacks=[TricksCallback({**cfg, "ema": False})]).train()
+    with pytest.raises(UserError, match=r"resumed at step 2 with ema = true, but .*checkpoint-2/ema.pt does not exist"):
+        InOrder(model=_gpt2(), args=training_args_from({**cfg, "max_steps": 3}, base=TrainingArguments(report_to=[])),
+                train_dataset=_data(), callbacks=[TricksCallback({**cfg, "max_steps": 3})]).train(
+            resume_from_checkpoint=True)
+
+
+def test_the_ema_weights_for_evaluation_and_save_model(tmp_path):
+    cfg = {"ema": True, "ema_decay": 0.5, "batch_size": 4, "max_steps": 3, "lr": 1e-2, "device": "cpu",
+           "progress": False}
+    model = _gpt2()
+    callback = TricksCallback(cfg, ema_weights_at_end=True)
+    trainer = InOrder(model=model, args=training_args_from(cfg, base=TrainingArguments(output_dir=str(tmp_path),
+                                                                                       report_to=[])),
+                      train_dataset=_data(), callbacks=[callback])
+    trainer.train()
+    for k, v in callback.ema.module.state_dict().items():  # the model holds the average: evaluate and save_model use it
+        torch.testing.assert_close(model.state_dict()[k], v)
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved").is_dir()
+    raw = {k: v + 1 for k, v in model.state_dict().items() if v.is_floating_point()}
+    model.load_state_dict(raw, strict=False)
+    with callback.ema_weights() as m:
+        torch.testing.assert_close(m.transformer.wte.weight, callback.ema.module.transformer.wte.weight)
+    torch.testing.assert_close(model.transformer.wte.weight, raw["transformer.wte.weight"])  # its own weights back

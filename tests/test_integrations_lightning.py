@@ -38,7 +38,8 @@ class LM(lightning.LightningModule):
     def configure_optimizers(self):
         if self.own_optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.1)
-        return optimizers_from(self.cfg, self)
+        # the optimizer and lr are the user's where the configuration gives none
+        return optimizers_from(self.cfg, self, optimizer="adamw", **({} if "lr" in self.cfg else {"lr": 1e-3}))
 
 
 class Seen(lightning.Callback):
@@ -102,10 +103,11 @@ def test_the_configurations_schedule_steps_with_the_optimizer(tmp_path):
 def test_your_own_optimizer_or_seed_is_caught_in_one_line(tmp_path):
     lightning.seed_everything(0, workers=True, verbose=False)
     with pytest.raises(UserError, match=r"configuration's optimizer is not in effect \(SGD.*optimizers_from"):
-        _fit({"max_steps": 1}, tmp_path, LM({}, own_optimizer=True))
+        _fit({"max_steps": 1, "fused_optimizer": True}, tmp_path, LM({}, own_optimizer=True))
+    _fit({"max_steps": 1}, tmp_path, LM({}, own_optimizer=True))  # a configuration without optimizer keys: yours
     lightning.seed_everything(5, workers=True, verbose=False)
     with pytest.raises(UserError, match=r"seed = 0 in the configuration, but lightning.seed_everything\(5\) ran"):
-        _fit({"max_steps": 1}, tmp_path, LM({}))
+        _fit({"max_steps": 1, "seed": 0}, tmp_path, LM({}))
 
 
 def test_a_non_finite_loss_stops_the_trainer_naming_the_step(tmp_path):
@@ -122,7 +124,7 @@ def test_the_mapped_keywords():
                               "max_steps": 0, "swa": True, "swa_lr": 0.05, "swa_start": 0.5, "log_dir": "logs",
                               "checkpoint_dir": "ck", "checkpoint_every": 10, "keep_checkpoints": 3})
     assert kw["precision"] == "16-mixed" and kw["gradient_clip_val"] == 1.0 and kw["deterministic"] is True
-    assert kw["benchmark"] is True and kw["max_steps"] == -1 and kw["default_root_dir"] == "ck"
+    assert kw["benchmark"] is True and kw.get("max_steps", -1) == -1 and kw["default_root_dir"] == "ck"  # -1: the default, left out
     names = [type(c).__name__ for c in kw["callbacks"]]
     assert names == ["TricksCallback", "StochasticWeightAveraging", "ModelCheckpoint"], names
     swa, ck = kw["callbacks"][1], kw["callbacks"][2]
@@ -134,9 +136,10 @@ def test_the_mapped_keywords():
 
 
 def test_the_emitted_lines_carry_what_needs_your_own_code():
-    text = "\n".join(trainer_lines({"precision": "bf16", "resume": True, "checkpoint_dir": "ck", "seed": 3}))
+    text = "\n".join(trainer_lines({"precision": "bf16", "resume": True, "checkpoint_dir": "ck", "seed": 3,
+                                    "fused_optimizer": True}))
     assert "lightning.seed_everything(3, workers=True)" in text and "precision='bf16-mixed'" in text
-    assert 'trainer.fit(module, ckpt_path="last")' in text and "optimizers_from(cfg, self)" in text
+    assert 'trainer.fit(module, ckpt_path="last")' in text and "optimizers_from(cfg, self, optimizer=" in text
     assert text.index("seed_everything") < text.index("lightning.Trainer(") < text.index("ckpt_path")
 
 
@@ -162,3 +165,94 @@ def test_without_lightning_it_is_one_line_naming_the_extra(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert 'the Lightning integration needs lightning: pip install "torch-tricks[lightning]"' in err, err
+
+
+# -- issue 34: the Trainer gets exactly what the configuration gives, and keeps its state on resume --------------
+
+def test_a_toml_with_only_precision_changes_no_other_keyword_of_yours(tmp_path):
+    toml = tmp_path / "tricks.toml"
+    toml.write_text('[train]\nprecision = "bf16"\n')
+    yours = {"max_epochs": 1, "accumulate_grad_batches": 2, "log_every_n_steps": 5, "gradient_clip_val": 0.5}
+    kw = trainer_kwargs_from(str(toml), **yours)
+    assert {k: v for k, v in kw.items() if k != "callbacks"} == {**yours, "precision": "bf16-mixed"}
+    assert kw.tricks_changes == {"precision": (None, "bf16-mixed")}  # None: Lightning's own default
+    assert [type(c).__name__ for c in kw["callbacks"]] == ["TricksCallback"]
+    trainer = lightning.Trainer(**kw, logger=False, enable_checkpointing=False, enable_model_summary=False,
+                                default_root_dir=str(tmp_path))
+    assert (trainer.max_epochs, trainer.accumulate_grad_batches, trainer.log_every_n_steps) == (1, 2, 5)
+
+
+def test_a_conflict_with_your_keyword_is_one_line_unless_you_say_which_wins():
+    with pytest.raises(UserError, match=r"conflict: accumulate_grad_batches=2 in your Trainer keywords, "
+                                        r"accumulate_grad_batches=4 from the configuration's accumulate") as err:
+        trainer_kwargs_from({"accumulate": 4}, accumulate_grad_batches=2)
+    assert "\n" not in str(err.value)
+    assert trainer_kwargs_from({"accumulate": 4}, prefer="tuned", accumulate_grad_batches=2)[
+        "accumulate_grad_batches"] == 4
+    assert trainer_kwargs_from({"accumulate": 4}, prefer="yours", accumulate_grad_batches=2)[
+        "accumulate_grad_batches"] == 2
+    callbacks = trainer_kwargs_from({"precision": "bf16"}, callbacks=[Stop(0)])["callbacks"]
+    assert [type(c).__name__ for c in callbacks] == ["TricksCallback", "Stop"]  # lists are joined
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"precision": "bf16"}, r"precision = 'bf16' in the configuration needs precision='bf16-mixed', but the Trainer "
+                            r"has precision='32-true'"),
+    ({"accumulate": 2}, r"accumulate = 2 .* needs accumulate_grad_batches=2, but the Trainer has "
+                        r"accumulate_grad_batches=1"),
+    ({"grad_clip": 1.0}, r"grad_clip = 1.0 .* needs gradient_clip_val=1.0, but the Trainer has gradient_clip_val=None"),
+])
+def test_the_callback_refuses_a_configuration_the_trainer_does_not_carry(tmp_path, cfg, match):
+    lightning.seed_everything(0, workers=True, verbose=False)
+    trainer = lightning.Trainer(callbacks=[TricksCallback(cfg)], max_steps=1, accelerator="cpu", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                default_root_dir=str(tmp_path))
+    with pytest.raises(UserError, match=match) as err:
+        trainer.fit(LM({}), DataLoader(lm_data(), batch_size=4))
+    assert "\n" not in str(err.value)
+
+
+class Stop(lightning.Callback):
+    """The lr after each optimizer step; stops the run at the end of epoch ``stop_after`` (a killed job, after its
+    checkpoint)."""
+
+    def __init__(self, stop_after: int) -> None:
+        self.lrs: list[float] = []
+        self.stop_after, self._step = stop_after, 0
+
+    def on_train_start(self, trainer, pl_module):
+        self._step = trainer.global_step  # a resumed run starts at the checkpoint's step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step > self._step:
+            self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+        self._step = trainer.global_step
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if self.stop_after and trainer.current_epoch + 1 == self.stop_after:
+            trainer.should_stop = True
+
+
+def test_stopped_and_resumed_the_ema_and_the_lr_equal_an_uninterrupted_run(tmp_path):
+    def run(folder, stop_after=0, resume=False):
+        cfg = {"ema": True, "ema_decay": 0.9, "accumulate": 2, "schedule": "cosine", "lr": 1e-2, "epochs": 2,
+               "checkpoint_dir": str(folder), "device": "cpu", "progress": False, "seed": 0}
+        lightning.seed_everything(0, workers=True, verbose=False)
+        module, stop = LM(cfg), Stop(stop_after)
+        kw = trainer_kwargs_from(cfg, logger=False, enable_model_summary=False)
+        kw["callbacks"].append(stop)
+        trainer = lightning.Trainer(**kw)
+        # 16 samples, 2 a micro-batch, 2 micro-batches a step: 4 optimizer steps an epoch, 8 in all
+        trainer.fit(module, DataLoader(lm_data(16), batch_size=2, shuffle=False),
+                    ckpt_path=str(folder / "last.ckpt") if resume else None)
+        cb = next(c for c in trainer.callbacks if isinstance(c, TricksCallback))
+        return cb, stop, trainer
+
+    whole, whole_stop, _ = run(tmp_path / "whole")
+    _, first, _ = run(tmp_path / "cut", stop_after=1)
+    resumed, second, trainer = run(tmp_path / "cut", resume=True)
+    assert trainer.global_step == 8 and len(first.lrs) == 4 and len(second.lrs) == 4
+    assert first.lrs + second.lrs == pytest.approx(whole_stop.lrs, rel=1e-6)
+    assert resumed.ema.num_updates == whole.ema.num_updates == 8
+    for (k, a), b in zip(whole.ema.module.state_dict().items(), resumed.ema.module.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)

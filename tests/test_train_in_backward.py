@@ -1,6 +1,7 @@
 """T30 optimizer step in backward: the same parameters as the plain step (AdamW, SGD with momentum, a
-scheduler), no gradient alive after backward, a checkpoint that resumes, a lower peak; refused with
-one line where it cannot be right."""
+scheduler: the config's or yours, moved onto it), no gradient alive after backward, a checkpoint that
+resumes, a stepped optimizer going on from its state, a lower peak; refused with one line where it cannot
+be right."""
 
 from __future__ import annotations
 
@@ -104,12 +105,57 @@ def test_what_cannot_be_right_is_one_line(kw, needle):
         TrainConfig(optimizer_in_backward=True, **kw).validate()
 
 
-def test_a_scheduler_bound_to_the_users_optimizer_is_refused():
+def test_your_scheduler_is_moved_onto_it_and_its_lr_reaches_each_parameters_step():
     model = _net()
-    opt = torch.optim.AdamW(model.parameters())
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-    with pytest.raises(UserError, match="a scheduler bound to your optimizer does not reach: pass prepare"):
-        Tricks(device="cpu", optimizer_in_backward=True).prepare(model, opt, sched)
+    opt = torch.optim.AdamW([{"params": list(model[0].parameters()), "lr": 1e-2},
+                             {"params": [p for m in list(model)[1:] for p in m.parameters()], "lr": 1e-2}])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0, lambda s: 0.0 if s >= 1 else 1.0])
+    tricks = Tricks(device="cpu", optimizer_in_backward=True)
+    model, opt2, sched2 = tricks.prepare(model, opt, sched)
+    assert sched2 is sched and sched.optimizer is opt2 and len(opt2.param_groups) == 2
+    x, y = _batches(1)[0]
+    for step in range(2):
+        before = [p.detach().clone() for p in model.parameters()]
+        tricks.backward(F.cross_entropy(model(x), y))
+        tricks.step()
+        moved = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
+        assert all(moved[:2]) and all(moved[2:]) == (step == 0)  # the second group's lr is 0 from the 2nd step
+    assert [g["lr"] for g in opt2.param_groups] == [1e-2, 0.0]
+
+
+def test_a_stepped_optimizer_goes_on_from_its_state():
+    """Converting after some plain steps (or after loading a state into it) keeps the moments: the same parameters
+    as plain steps all along."""
+    batches = _batches(5)
+
+    def train(switch_after: int) -> nn.Module:
+        model = _net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+        for i, (x, y) in enumerate(batches):
+            if i == switch_after:
+                opt = optimizer_in_backward(opt)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return model
+
+    for a, b in zip(train(99).parameters(), train(2).parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_moments_stay_bf16_after_a_load(tmp_path):
+    from torch_tricks.train.optim_state import low_precision_state
+
+    model = _net()
+    opt = optimizer_in_backward(low_precision_state(torch.optim.AdamW(model.parameters()), "bf16"))
+    x, y = _batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    saved = opt.state_dict()
+    fresh = optimizer_in_backward(low_precision_state(torch.optim.AdamW(model.parameters()), "bf16"))
+    fresh.load_state_dict(saved)
+    moments = [s[k] for s in fresh.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert len(moments) == 2 * len(list(model.parameters())) and all(m.dtype == torch.bfloat16 for m in moments)
+    assert all(o.state is fresh.state for o in fresh.optimizers)
 
 
 def test_the_cli_says_it_in_one_line_with_exit_2(capsys):

@@ -366,3 +366,61 @@ def test_history_text_lists_skipped_steps_compile_time_and_checkpoint():
         "checkpoint: ck/last.pt",
     ])
     assert History().to_text() == "model on data: 0 steps, 0 epochs in 0.0 s"
+
+
+# -- a list of per-sample dicts, as the transformers Trainer takes them (issue 34) -------------------
+
+GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 32, "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+def _gpt2():
+    pytest.importorskip("transformers")
+    from torch_tricks.models import load_model
+
+    torch.manual_seed(0)
+    return load_model("hf:gpt2", hf_config=GPT2)[0]
+
+
+def _samples(n=8, length=16):
+    ids = torch.randint(0, 128, (n, length), generator=torch.Generator().manual_seed(3))
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+
+
+def test_fit_collates_per_sample_dicts_into_batches_with_the_update_of_the_stacked_batch():
+    samples = _samples()
+    cfg = TrainConfig(epochs=1, batch_size=8, optimizer="sgd", lr=0.1, log_every=1, **QUIET)
+    per_sample, stacked, start = _gpt2(), _gpt2(), _gpt2()
+    h = fit(per_sample, samples, config=cfg)
+    batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+    h_ref = fit(stacked, [batch], config=cfg)
+    assert h.steps == h_ref.steps == 1
+    assert h.final["train_loss"] == pytest.approx(h_ref.final["train_loss"], rel=1e-5)  # the batch's rows permuted
+    for (n, a), b, p0 in zip(per_sample.named_parameters(), stacked.parameters(), start.parameters()):
+        delta, ref = (a - p0).detach(), (b - p0).detach()
+        assert (delta - ref).norm() <= 1e-4 * ref.norm() + 1e-8, n
+
+
+def test_fit_takes_samples_of_lists_as_of_tensors_and_batches_them_by_batch_size():
+    samples = _samples()
+    as_lists = [{k: v.tolist() for k, v in s.items()} for s in samples]
+    cfg = TrainConfig(epochs=1, batch_size=4, log_every=1, **QUIET)
+    h_tensors, h_lists = fit(_gpt2(), samples, config=cfg), fit(_gpt2(), as_lists, config=cfg)
+    assert h_tensors.steps == h_lists.steps == 2  # 8 samples in batches of 4
+    assert [r["loss"] for r in h_tensors.rows] == [r["loss"] for r in h_lists.rows]
+
+
+@pytest.mark.parametrize("broken,needle", [
+    (lambda s: s[:3] + [{"input_ids": s[3]["input_ids"][:10], "labels": s[3]["labels"][:10]}],
+     "sample 3's 'input_ids' has shape (10,), sample 0's (16,): samples of unequal length do not stack into a "
+     "batch; pad them to one length, or pass a DataLoader with a collate_fn that pads"),
+    (lambda s: s[:2] + [{"input_ids": s[2]["input_ids"]}], "sample 2 has the keys input_ids, sample 0 input_ids, "
+                                                          "labels: give every sample the same keys"),
+    (lambda s: s[:1] + [(s[1]["input_ids"], s[1]["labels"])], "item 1 of the data is a tuple"),
+    (lambda s: [{"input_ids": [1, 2, 3], "labels": [1, 2]}, {"input_ids": [[1], [2, 3]], "labels": [1, 2]}],
+     "sample 1's 'input_ids' is a list that does not make a tensor"),
+])
+def test_samples_that_do_not_collate_are_one_line(broken, needle):
+    with pytest.raises(UserError) as err:
+        fit(_gpt2(), broken(_samples()), config=TrainConfig(epochs=1, batch_size=4, **QUIET))
+    assert needle in str(err.value) and "\n" not in str(err.value), err.value

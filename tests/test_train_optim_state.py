@@ -220,8 +220,16 @@ def test_bad_uses_are_one_line():
         low_precision_state(torch.optim.AdamW(model.parameters()), "2bit")
     with pytest.raises(UserError, match="optimizer_state = 8bit needs optimizer = adamw or adam"):
         TrainConfig(optimizer="sgd", optimizer_state="8bit").validate()
-    with pytest.raises(UserError, match="builds the optimizer on low-precision state: pass prepare"):
-        Tricks(device="cpu", optimizer_state="8bit").prepare(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(UserError, match="has no maximize"):
+        low_precision_state(torch.optim.AdamW(model.parameters(), maximize=True), "bf16")
+    with pytest.raises(UserError, match="mix decoupled"):
+        low_precision_state(torch.optim.Adam([{"params": [model.transformer.wte.weight]},
+                                              {"params": [model.transformer.ln_f.weight],
+                                               "decoupled_weight_decay": True}]), "bf16")
+    stepped = torch.optim.AdamW(model.parameters())
+    stepped.state[model.transformer.wte.weight]["step"] = torch.tensor(1.0)
+    with pytest.raises(UserError, match="cannot carry over: convert it before its first step"):
+        low_precision_state(stepped, "bf16")
 
 
 def test_without_torchao_it_is_one_line_naming_the_install(monkeypatch, capsys):
@@ -257,3 +265,40 @@ def test_a_saved_8bit_state_loads_back_as_it_was(tmp_path, torchao):
 def _values(t: torch.Tensor) -> torch.Tensor:
     """A state tensor's values: a quantized one dequantized."""
     return t.dequantize() if type(t) is not torch.Tensor else t.float()
+
+
+def test_extra_group_keys_carry_over_and_adams_decoupled_decay_is_adamw():
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam([{"params": [model.weight], "name": "w"}, {"params": [model.bias], "name": "b"}],
+                           lr=2e-3, weight_decay=0.1, decoupled_weight_decay=True)
+    torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)  # sets each group's initial_lr
+    low = low_precision_state(opt, "bf16")
+    assert low.defaults["decoupled"] is True  # Adam(decoupled_weight_decay=True) steps as AdamW
+    assert [(g["name"], g["initial_lr"]) for g in low.param_groups] == [("w", 2e-3), ("b", 2e-3)]
+    assert not {"fused", "foreach", "maximize", "decoupled_weight_decay"} & set(low.param_groups[0])
+
+
+def test_a_bf16_state_resumes_to_the_same_rounding():
+    """The stochastic rounding's generator is part of the state: a loaded optimizer draws what the saved one
+    would have, so its next steps are the same to the bit."""
+    def run(opt, model, steps):
+        for i in range(steps):
+            model(torch.full((2, 8), float(i + 1))).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = Bf16StateAdam(model.parameters(), lr=1e-2)
+    run(opt, model, 2)
+    saved_model, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    run(opt, model, 2)
+    other = torch.nn.Linear(8, 4)
+    other.load_state_dict(saved_model)
+    resumed = Bf16StateAdam(other.parameters(), lr=1e-2)
+    resumed.load_state_dict(saved)
+    run(resumed, other, 2)
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(opt.state.values(), resumed.state.values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])

@@ -357,3 +357,90 @@ def test_bad_use_is_one_line():
         Tricks({"device": "cpu"}).prepare(nn.Linear(2, 2), None, "not a scheduler")
     with pytest.raises(UserError, match="no Tricks state"):
         tricks.load("/nonexistent/state.pt")
+
+
+# -- a loop where an Accelerator steps the optimizer ---------------------------------------------------
+
+class FakeAccelerator:
+    """What Tricks reads of an Accelerate ``Accelerator``: whether this micro-batch ends a real step, and whether its
+    fp16 scaler skipped that step."""
+
+    def __init__(self) -> None:
+        self.sync_gradients = True
+        self.optimizer_step_was_skipped = False
+
+
+def _accelerated(acc, **cfg):
+    tricks = Tricks({"device": "cpu", "ema": True, "schedule": "cosine", "max_steps": 8, "lr": 0.1},
+                    accelerator=acc, **cfg)
+    torch.manual_seed(0)
+    model, opt = tricks.prepare(nn.Linear(4, 2))
+    return tricks, model, opt
+
+
+def _accelerated_steps(tricks, model, opt, micro_batches: int) -> list[bool]:
+    """Two micro-batches a real step, as ``accelerator.accumulate(model)`` gives them; what after_step returned."""
+    acc, out = tricks.accelerator, []
+    g = torch.Generator().manual_seed(tricks.step_count)
+    for i in range(micro_batches):
+        acc.sync_gradients = i % 2 == 1
+        model(torch.randn(2, 4, generator=g)).square().mean().backward()
+        if acc.sync_gradients:
+            opt.step()
+            opt.zero_grad()
+        out.append(tricks.after_step())
+    return out
+
+
+def test_after_step_follows_only_the_accelerators_real_steps():
+    acc = FakeAccelerator()
+    tricks, model, opt = _accelerated(acc, ema_decay=0.9)  # keyword overrides still set config keys
+    assert tricks.accelerator is acc and tricks.config.ema_decay == 0.9
+    assert _accelerated_steps(tricks, model, opt, 6) == [False, True] * 3
+    assert tricks.step_count == 3 and tricks.scheduler.last_epoch == 3 and tricks.ema.num_updates == 3
+    acc.sync_gradients, acc.optimizer_step_was_skipped = True, True  # its fp16 scaler skipped this step
+    assert tricks.after_step() is False
+    assert (tricks.step_count, tricks.skipped_steps, tricks.scheduler.last_epoch, tricks.ema.num_updates) == (4, 1, 3, 3)
+    plain = Tricks({"device": "cpu"})  # no accelerator: each call is a step
+    plain.prepare(nn.Linear(4, 2))
+    assert plain.after_step() is True and plain.after_step() is True and plain.step_count == 2
+
+
+def test_checkpointable_is_the_state_an_accelerator_does_not_save(tmp_path):
+    import copy
+
+    tricks, model, opt = _accelerated(FakeAccelerator())
+    tricks.scaler = torch.amp.GradScaler("cpu", init_scale=512.0)  # an enabled scaler's state goes along too
+    _accelerated_steps(tricks, model, opt, 6)
+    state = tricks.checkpointable().state_dict()
+    assert set(state) == {"step_count", "skipped_steps", "scheduler", "ema", "scaler"}  # no model, no optimizer
+    torch.save(state, tmp_path / "custom_checkpoint_0.pkl")  # as accelerator.save_state writes it
+    accelerators_part = copy.deepcopy((model.state_dict(), opt.state_dict()))  # what the Accelerator saves itself
+    _accelerated_steps(tricks, model, opt, 4)
+
+    resumed, model2, opt2 = _accelerated(FakeAccelerator())
+    resumed.scaler = torch.amp.GradScaler("cpu")
+    model2.load_state_dict(accelerators_part[0])
+    opt2.load_state_dict(accelerators_part[1])
+    resumed.checkpointable().load_state_dict(torch.load(tmp_path / "custom_checkpoint_0.pkl", weights_only=False))
+    assert (resumed.step_count, resumed.scheduler.last_epoch, resumed.ema.num_updates) == (3, 3, 3)
+    assert resumed.scaler.get_scale() == 512.0
+    _accelerated_steps(resumed, model2, opt2, 4)
+    assert resumed.step_count == tricks.step_count == 5
+    assert resumed.scheduler.get_last_lr() == tricks.scheduler.get_last_lr()
+    assert tricks.scheduler.get_last_lr()[0] == pytest.approx(0.1 * (1 + math.cos(math.pi * 5 / 8)) / 2, rel=1e-9)
+    for a, b in zip(tricks.ema_model.parameters(), resumed.ema_model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_checkpointable_refuses_a_state_that_does_not_fit():
+    tricks, _, _ = _accelerated(FakeAccelerator())
+    state = tricks.checkpointable().state_dict()
+    with pytest.raises(UserError, match=r"not the state of tricks.checkpointable\(\) \(no step_count"):
+        tricks.checkpointable().load_state_dict({"ema": None})
+    bare = Tricks({"device": "cpu", "schedule": "cosine", "max_steps": 8})
+    bare.prepare(nn.Linear(4, 2))
+    with pytest.raises(UserError, match="the saved state has an EMA and this Tricks has none"):
+        bare.checkpointable().load_state_dict(state)
+    with pytest.raises(UserError, match="this Tricks has an lr schedule and the saved state has none"):
+        bare.checkpointable().load_state_dict({**state, "scheduler": None, "ema": None})

@@ -68,7 +68,7 @@ def test_tune_json(capsys, tmp_path):
                           "--skip", "compile", "--no-progress", "--json")
     assert code == 0, err
     data = json.loads(text)
-    assert data["inputs"] == [[784]] and data["recommended"]["batch_size"] * data["recommended"]["accumulate"] == 16
+    assert data["inputs"] == [[784]] and data["recommended"].get("batch_size", 16) * data["recommended"].get("accumulate", 1) == 16
     assert all(s["reason"] for s in data["skipped"])
     assert data["baseline"]["peak_bytes"] > 0 and data["noise"] is not None
 
@@ -118,3 +118,136 @@ def test_steps_flag_reaches_the_tune_and_a_bad_value_is_one_line(capsys):
     assert main(["tune", "--model", "mlp", "--steps", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "steps" in err[0] and ">= 1" in err[0]
+
+
+# -- one model, every command: tricks.toml records the model, train --config trains it (issue 34) ------
+
+GPT2_CFG = "n_layer=2,n_embd=64,n_head=2,vocab_size=256,n_positions=64"
+
+
+@pytest.fixture(scope="module")
+def gpt2_tuned(tmp_path_factory):
+    """One GPT-2 tune for the module (a small budget: the recommendation is not what these tests check), and a
+    token file of the tuned vocabulary."""
+    pytest.importorskip("transformers")
+    import numpy as np
+
+    root = tmp_path_factory.mktemp("gpt2")
+    buf, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
+        code = main(["tune", "--model", "hf:gpt2", "--hf-config", GPT2_CFG, "--input", "input_ids=long:32:256",
+                     "--batch", "4", "--budget-seconds", "15", "--out", str(root / "d"), "--no-progress"])
+    assert code == 0, err.getvalue()
+    np.random.default_rng(0).integers(0, 256, 4000).astype(np.uint16).tofile(root / "tokens.bin")
+    return root
+
+
+def _error_line(capsys, *argv) -> str:
+    code, out, err = run(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1 and lines[0].startswith("torch-tricks: error: "), err
+    return lines[0]
+
+
+def test_tricks_toml_records_the_model_the_tune_ran_on(gpt2_tuned, tuned_dir):
+    data = tomllib.loads((gpt2_tuned / "d" / "tricks.toml").read_text())
+    assert data["model"] == {"spec": "hf:gpt2", "hf_config": GPT2_CFG, "input": ["input_ids=long:32:256"],
+                             "batch": 4, "device": "cpu"}
+    assert json.loads((gpt2_tuned / "d" / "report.json").read_text())["model_record"] == data["model"]
+    assert tomllib.loads((gpt2_tuned / "d" / "tricks-largest-batch.toml").read_text())["model"] == data["model"]
+    out, _, _ = tuned_dir  # a built-in model without --input: its default input is recorded
+    assert tomllib.loads((out / "tricks.toml").read_text())["model"] == {"spec": "small_cnn", "input": ["1x8x8"],
+                                                                        "batch": 32, "device": "cpu"}
+
+
+def test_train_config_trains_the_recorded_gpt2_on_token_data(gpt2_tuned, capsys):
+    toml = str(gpt2_tuned / "d" / "tricks.toml")
+    tokens = str(gpt2_tuned / "tokens.bin")
+    code, text, err = run(capsys, "train", "--config", toml, "--data", tokens, "--max-steps", "20", "--no-progress",
+                          "--out", str(gpt2_tuned / "history.json"))
+    assert code == 0, err
+    assert text.splitlines()[0].startswith(f"hf:gpt2 on {tokens}: 20 steps"), text
+    history = json.loads((gpt2_tuned / "history.json").read_text())
+    recommended = tomllib.loads((gpt2_tuned / "d" / "tricks.toml").read_text())["train"]
+    assert all(history["config"][k] == v for k, v in recommended.items())
+    assert history["config"]["batch_size"] == recommended.get("batch_size", 4)  # else the batch the tune ran
+    # a 256-token LM on uniform random tokens: its loss stays near ln 256 = 5.55 (digits' 10 classes: ln 10 = 2.3)
+    assert 5.0 < history["final"]["train_loss"] < 6.2, history["final"]
+
+
+def test_train_config_of_a_token_model_without_data_is_one_line(gpt2_tuned, capsys):
+    line = _error_line(capsys, "train", "--config", str(gpt2_tuned / "d" / "tricks.toml"), "--max-steps", "1")
+    assert "model hf:gpt2 trains on token data: give --data TOKENS, a 1-D token file: FILE.bin of uint16" in line
+
+
+def test_model_on_the_command_line_wins_and_a_recorded_image_model_takes_digits(tuned_dir, gpt2_tuned, capsys):
+    code, text, err = run(capsys, "train", "--config", str(gpt2_tuned / "d" / "tricks.toml"), "--model",
+                          "small_cnn", "--max-steps", "1", "--no-progress")
+    assert code == 0 and text.startswith("small_cnn on digits: 1 steps"), err
+    out, _, _ = tuned_dir
+    code, text, err = run(capsys, "train", "--config", str(out / "tricks.toml"), "--max-steps", "1", "--no-progress")
+    assert code == 0 and text.startswith("small_cnn on digits: 1 steps"), err  # recorded, and digits fit it
+
+
+def _with_model(gpt2_tuned, name, table_lines):
+    """The tune's tricks.toml with its [model] table replaced by ``table_lines``."""
+    text = (gpt2_tuned / "d" / "tricks.toml").read_text()
+    head = text[: text.index("\n# the model the tune measured")]
+    path = gpt2_tuned / name
+    path.write_text(head + "\n" + "\n".join(table_lines) + "\n")
+    return str(path)
+
+
+def _bad_token_files(root):
+    import numpy as np
+
+    np.save(root / "two_d.npy", np.zeros((4, 64), dtype=np.int64))
+    np.arange(10, dtype=np.uint16).tofile(root / "short.bin")
+    np.arange(1000, dtype=np.uint16).tofile(root / "big_ids.bin")
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--data", "two_d.npy"], "token file two_d.npy holds a 2-D array of shape (4, 64): token ids must be 1-D"),
+    (["--data", "tokens.bin:int8"], "unknown token dtype 'int8'"),
+    (["--data", "short.bin"], "token file short.bin holds 10 tokens, fewer than one sequence of --seq 32"),
+    (["--data", "big_ids.bin"], "holds the id 999, but the model's vocabulary has 256 ids"),
+    (["--data", "tokens.bin", "--seq", "65"], "--seq 65 is longer than hf:gpt2's 64 positions"),
+    (["--data", "digits"], "--data digits holds images, and hf:gpt2 trains on token ids: give --data TOKENS"),
+    (["--data", "tokens.bin", "--model", "small_cnn"],
+     "is token data, for a transformers causal LM (e.g. --model hf:gpt2); small_cnn (SmallCNN) is not one"),
+    (["--data", "nope"], "unknown --data 'nope': a built-in data set (digits), or a 1-D token file"),
+])
+def test_token_data_that_does_not_fit_is_one_line(gpt2_tuned, capsys, monkeypatch, extra, needle):
+    _bad_token_files(gpt2_tuned)
+    monkeypatch.chdir(gpt2_tuned)
+    line = _error_line(capsys, "train", "--config", "d/tricks.toml", "--max-steps", "1", "--no-progress", *extra)
+    assert needle in line, line
+
+
+def test_a_recorded_model_that_cannot_be_built_here_is_one_line(gpt2_tuned, capsys, monkeypatch):
+    import sys
+
+    from torch_tricks.tuning.record import model_table
+
+    missing = _with_model(gpt2_tuned, "mypkg.toml", ["[model]", 'spec = "mypkg.nets:build"', 'input = ["1x8x8"]'])
+    line = _error_line(capsys, "train", "--config", missing, "--max-steps", "1")
+    assert "mypkg.toml's [model] mypkg.nets:build cannot be built here: cannot import 'mypkg.nets'" in line, line
+    assert line.endswith("(or give --model)")
+    python = _with_model(gpt2_tuned, "python.toml", model_table(None, "MyNet"))
+    line = _error_line(capsys, "train", "--config", python, "--max-steps", "1")
+    assert "python.toml was tuned from Python and does not name a model this command can build: give --model" in line
+    other = _with_model(gpt2_tuned, "resnet.toml", ["[model]", 'spec = "resnet18"', 'input = ["3x224x224"]'])
+    line = _error_line(capsys, "train", "--config", other, "--max-steps", "1")
+    assert "resnet18 takes 3x224x224 inputs, which no built-in data set holds (digits: 1x8x8 images)" in line
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if transformers were not installed
+    line = _error_line(capsys, "train", "--config", str(gpt2_tuned / "d" / "tricks.toml"), "--data",
+                       str(gpt2_tuned / "tokens.bin"), "--max-steps", "1")
+    assert "[model] hf:gpt2 cannot be built here: hf: models needs transformers: pip install" in line, line
+
+
+def test_a_fit_seq_tune_records_the_sequence_it_ran():
+    from torch_tricks.cli.cmd_train import _as_run
+
+    assert _as_run(["input_ids=long:32:256"], [[32]]) == ["input_ids=long:32:256"]  # as given
+    assert _as_run(["input_ids=long:32:256", "attention_mask=ones:32"], [[128], [128]]) == \
+        ["input_ids=int64:128:256", "attention_mask=ones:128"]  # --fit seq=128 ran 128 tokens

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from torch_tricks.errors import UserError
-from torch_tricks.inspect.inputs import split_inputs
+from torch_tricks.inspect.inputs import split_inputs, token_input_as_keyword
 from torch_tricks.outputs import get_loss, primary_output
 from torch_tricks.train.speed import to_channels_last
 
@@ -139,13 +139,16 @@ def example_batch(model: nn.Module, inputs: Any, *, seed: int = 0, loss: str | N
     output, of any structure (its prediction is :func:`torch_tricks.outputs.primary_output`).
     Targets: token logits ``(B, T, V)`` for integer ids ``(B, T)`` get next-token targets
     (for keyword inputs to a forward that takes ``labels``, the ids themselves as
-    ``labels``: transformers shifts them); ``(B, C)`` random class labels; otherwise a
+    ``labels``: transformers shifts them; a causal LM's one positional token input is
+    taken as ``input_ids`` for it); ``(B, C)`` random class labels; otherwise a
     random target of the output's shape (0/1 for bce-with-logits). Keyword inputs give a
     dict batch with ``labels``; positional ones ``(inputs, target)``. A forward that
     raises is a UserError naming the module and the shapes it got.
     """
     loss_fn = get_loss(loss)
     kind = (loss or "auto").lower().replace("_", "-")
+    if kind == "auto":  # the model's own loss: a causal LM's positional ids are its input_ids
+        inputs = token_input_as_keyword(model, inputs)
     named = isinstance(inputs, Mapping)
     xs = _input_tensors(inputs)
     out = _probe_forward(model, inputs, named, xs)

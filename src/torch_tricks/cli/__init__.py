@@ -3,7 +3,7 @@
 Bad input (an unknown model, a wrong shape, a missing file) prints one line on stderr
 and exits with status 2; ``--debug`` shows the traceback instead.
 
-One module per area (``cmd_inspect``, ``cmd_train``, ``cmd_data``, ``cmd_deploy``,
+One module per area (``cmd_inspect``, ``cmd_train``, ``cmd_emit``, ``cmd_data``, ``cmd_deploy``,
 ``cmd_doctor``), each adding its commands to the parser; the options every command shares
 (``--json``, ``--debug``, ``--no-progress``, the model and input options) are defined once in
 :mod:`torch_tricks.cli.common`. The library is imported inside the commands, so that
@@ -18,12 +18,12 @@ import os
 import sys
 from typing import Sequence
 
-from torch_tricks.cli import cmd_data, cmd_deploy, cmd_doctor, cmd_inspect, cmd_train
+from torch_tricks.cli import cmd_data, cmd_deploy, cmd_doctor, cmd_emit, cmd_inspect, cmd_train
 from torch_tricks.errors import UserError
 
 __all__ = ["main", "build_parser"]
 
-_AREAS = (cmd_inspect, cmd_train, cmd_doctor, cmd_data, cmd_deploy)
+_AREAS = (cmd_inspect, cmd_train, cmd_emit, cmd_doctor, cmd_data, cmd_deploy)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

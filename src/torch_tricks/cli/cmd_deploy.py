@@ -54,6 +54,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     out = _checked_out(args, steps)
     _set_threads(args.threads)
     model, inputs = load(args)
+    if isinstance(inputs, dict):  # NAME=SPEC: the deploy steps trace, export and time model(*inputs)
+        from torch_tricks.inspect.inputs import keyword_as_positional
+
+        inputs = keyword_as_positional(model, inputs, "optimize")
     calib = check = None
     if args.data:
         inputs, check, calib = _data_batches(args, inputs[0].device)
@@ -100,16 +104,12 @@ def _steps_asked(args: argparse.Namespace, known: dict[str, str]) -> list[str]:
 
 
 def _check_options(args: argparse.Namespace) -> None:
-    from torch_tricks.inspect.inputs import parse_input_specs
-
     if args.repeats < 1 or args.warmup < 0 or args.calib_batches < 1:
         raise UserError("--repeats and --calib-batches must be >= 1 and --warmup >= 0")
     if args.data and args.input:
         raise UserError("give --input or --data, not both: --data takes the inputs from the data set")
     if args.threads is not None and args.threads < 1:
         raise UserError("--threads must be >= 1")
-    if args.input and any(s.name for s in parse_input_specs(args.input)):
-        raise UserError("optimize takes positional inputs: give --input SPEC without NAME=")
 
 
 def _checked_out(args: argparse.Namespace, steps: Sequence[str]) -> Path | None:

@@ -55,19 +55,26 @@ def add_loss_option(sp: argparse.ArgumentParser) -> None:
 
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
     """Model and example inputs from --model/--input/--hf-config/--batch/--device."""
+    model, inputs, _ = load_with_specs(args)
+    return model, inputs
+
+
+def load_with_specs(args: argparse.Namespace) -> tuple[Any, Any, list[str]]:
+    """:func:`load`, and the input specs the inputs were made from (``--input`` as given, else the
+    model's default): what a tune records of the model it ran on."""
     from torch_tricks.device import resolve as resolve_device
     from torch_tricks.inspect.inputs import check_input_names, make_inputs, parse_input_specs
     from torch_tricks.models import load_model
 
     device = resolve_device(args.device, what="--device")
     model, default_input = load_model(args.model, hf_config=getattr(args, "hf_config", None))
-    spec = args.input or default_input
+    spec = list(args.input) if args.input else [default_input] if default_input else []
     if not spec:
         raise UserError(f"--input is required for {args.model}: give its input shape, e.g. --input 3x224x224")
     inputs = make_inputs(parse_input_specs(spec), args.batch, model=model, device=device)
     if isinstance(inputs, dict):  # keyword inputs: a name the forward does not take would be dropped or raise
         check_input_names(model, inputs)
-    return model.to(device), inputs
+    return model.to(device), inputs, spec
 
 
 def measured_step(args: argparse.Namespace, model: Any, inputs: Any) -> tuple[Any, Any, Any]:

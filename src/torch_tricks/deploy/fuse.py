@@ -60,7 +60,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.inspect.inputs import as_input_tuple
 from torch_tricks.models.resnet import BasicBlock, Bottleneck, ResNet
-from torch_tricks.deploy.steps import EXACT, StepContext, StepResult, deploy_step
+from torch_tricks.deploy.steps import EXACT, Coverage, StepContext, StepResult, deploy_step
 
 __all__ = ["FuseReport", "fuse", "fuse_with_report", "count_batchnorm"]
 
@@ -196,14 +196,17 @@ def count_batchnorm(model: nn.Module) -> int:
 def fuse_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResult]:
     """The ``fuse`` step of :func:`~torch_tricks.deploy.pipeline.optimize`: :func:`fuse_with_report`."""
     new, rep = fuse_with_report(model, example_inputs=ctx.example)
-    done = "nothing folded: the step is a no-op"
-    if rep.fused:
-        done = (f"folded {len(rep.fused)} Conv/Linear+BN pairs: BatchNorm layers "
-                f"{rep.batchnorm_before} -> {rep.batchnorm_after}")
     return new, ctx.result(
-        backend=rep.method, changed=bool(rep.fused), notes=[done, *rep.notes],
+        backend=rep.method, changed=bool(rep.fused), notes=list(rep.notes), coverage=_coverage(rep),
         details={"fused": len(rep.fused), "batchnorm_before": rep.batchnorm_before,
                  "batchnorm_after": rep.batchnorm_after, "kept_batchnorm": rep.kept_batchnorm})
+
+
+def _coverage(rep: FuseReport) -> Coverage:
+    """The BatchNorms folded of those in the model; the others are left by design (each says why)."""
+    kept = dict(k.split(": ", 1) if ": " in k else (k, "not folded") for k in rep.kept_batchnorm)
+    return Coverage("folded", len(rep.fused), rep.batchnorm_before,
+                    "BatchNorm layers into the conv/linear before them", kept=kept)
 
 
 def _plan(model: nn.Module, example_inputs: Any) -> tuple[list[tuple[str, str]], list[str], str, str]:

@@ -28,7 +28,8 @@ Steps (:func:`list_steps` gives the same list as data):
 ``int8[:B][:T]``   static int8, calibrated (:func:`~torch_tricks.deploy.quantize.quantize_static_int8`);
                    ``B`` = ``auto`` (PT2E, falling back to FX), ``pt2e`` or ``fx``; ``T`` = ``vnni``
                    or ``no-vnni`` forces the int8 setting (default: chosen for this CPU)
-``int8-dynamic``   int8 Linear/LSTM/GRU weights, activations quantized per call
+``int8-dynamic``   int8 Linear/LSTM/GRU weights, activations quantized per call; transformers'
+                   ``Conv1D`` (GPT-2) becomes ``nn.Linear`` first; a head tied to the embedding stays fp32
 ``fp16``/``bf16``  half-precision weights (fp16 is refused on CPU: slower than fp32 there)
 ``onnx``           export to ONNX and run the file in ONNX Runtime (CPU)
 ``onnx-int8[:M]``  ONNX, then ONNX Runtime's int8: ``static`` (calibrated, default) or ``dynamic``;
@@ -40,6 +41,14 @@ channel counts those change); at most one of the *final* steps (``int8``,
 ``int8-dynamic``, ``fp16``, ``bf16``, ``onnx``, ``onnx-int8``) and it comes last, because
 each turns the model into something the other steps cannot take (quantized kernels, a
 compiled graph, an ONNX Runtime session).
+
+What each step changed: the steps that target layers (``int8``, ``int8-dynamic``, ``fp16``/``bf16``,
+``prune``, ``fuse``) count the layers they changed of those they target
+(:class:`~torch_tricks.deploy.steps.Coverage`: "quantized 8 of 9 matmul layers; lm_head left
+fp32: ..."), in the table's ``changed`` column and the step's first note. A step's
+:attr:`~torch_tricks.deploy.steps.StepResult.status` is ``ok`` only if it changed the model
+within its tolerance; ``no change`` and ``partial`` (layers it targets left as they were,
+against its purpose) are said in the verdict line.
 
 Calibration (``int8``, ``onnx-int8``): the batches in ``calib`` (tensors, tuples, or
 ``(inputs, target)`` pairs from a DataLoader), or, without them, ``example_inputs`` plus
@@ -239,7 +248,10 @@ class OptimizeResult:
 
     @property
     def ok(self) -> bool:
-        """Every step within its stated tolerance (steps without one count as ok)."""
+        """Every step within its stated tolerance (steps without one count as ok): what the CLI's exit
+        status and its save guard go by. A step that changed nothing, or only some of the layers it
+        targets, is not "ok" in its own :attr:`StepResult.status` ("no change", "partial"), and the
+        verdict line names it, but the chain's model is still verified and may be saved."""
         return all(s.within_tolerance is not False for s in self.steps)
 
     def models(self) -> dict[str, Any]:
@@ -266,11 +278,13 @@ class OptimizeResult:
     as_dict = to_dict  # the earlier name; every result type of the package says to_dict
 
     def table_rows(self) -> tuple[list[str], list[list[str]]]:
-        """``(headers, rows)`` of strings: one row for the original and one per step."""
-        headers = ["step", "backend", "max abs diff", "top-1", "params", "size"]
+        """``(headers, rows)`` of strings: one row for the original and one per step. ``changed``: the
+        layers a step changed of those it targets (its notes say which kind); ``status``: see
+        :attr:`StepResult.status`."""
+        headers = ["step", "backend", "max abs diff", "top-1", "params", "size", "changed"]
         for b in self._timed_batches():
             headers += [f"bs{b} ms", f"bs{b} x"]
-        headers.append("tolerance")
+        headers.append("status")
         return headers, [self._row(r) for r in [self.original, *self.steps]]
 
     def _timed_batches(self) -> tuple[int, ...]:
@@ -283,10 +297,11 @@ class OptimizeResult:
             *_agreement_cells(r.agreement),
             si(r.params) if r.params else "-",
             human_bytes(r.size_bytes) if r.size_bytes else "-",
+            f"{r.coverage.changed}/{r.coverage.total}" if r.coverage is not None else "-",
         ]
         for b in self._timed_batches():
             row += _latency_cells(r.latency_s.get(b), r.speedup.get(b))
-        row.append(_tolerance_cell(r.within_tolerance))
+        row.append("-" if r is self.original else r.status)
         return row
 
     def format_table(self) -> str:
@@ -318,7 +333,7 @@ class OptimizeResult:
         lines = [*self._heading(model_name, steps, data_name), self.format_table(), ""]
         lines += [f"  {n}" for n in self.notes()]
         exceeded = [s for s in self.steps if s.within_tolerance is False]
-        lines.append(_verdict(exceeded))
+        lines.append(_verdict(exceeded, self.steps))
         lines += self._unchecked()
         lines += self._saved_lines(save_asked and bool(exceeded))
         return "\n".join(lines)
@@ -413,16 +428,17 @@ def _latency_cells(t: float | None, s: float | None) -> list[str]:
     return [f"{t * 1e3:.2f}" if t is not None else "-", f"{s:.2f}" if s is not None else "-"]
 
 
-def _tolerance_cell(within: bool | None) -> str:
-    if within is None:
-        return "-"
-    return "ok" if within else "EXCEEDED"
-
-
-def _verdict(exceeded: list[StepResult]) -> str:
+def _verdict(exceeded: list[StepResult], steps: list[StepResult]) -> str:
+    """The report's last word: verified or not, and the steps that changed nothing or only part of their layers."""
     if exceeded:
-        return "NOT verified: " + "; ".join(f"{s.step} exceeds {s.tolerance}" for s in exceeded)
-    return "verified: every step within its tolerance against the model before it"
+        text = "NOT verified: " + "; ".join(f"{s.step} exceeds {s.tolerance}" for s in exceeded)
+    else:
+        text = "verified: every step within its tolerance against the model before it"
+    for status, words in (("no change", "changed nothing"), ("partial", "changed only some of its layers")):
+        named = [s.step for s in steps if s.status == status]
+        if named:
+            text += f"; {', '.join(named)} {words} (see the notes)"
+    return text
 
 
 # -- optimize -----------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.inspect.inputs import as_input_tuple
 from torch_tricks.inspect.summarize import summary
-from torch_tricks.deploy.steps import StepContext, StepResult, deploy_step
+from torch_tricks.deploy.steps import Coverage, StepContext, StepResult, deploy_step
 from torch_tricks.registry import register_trick
 
 __all__ = [
@@ -374,13 +374,23 @@ def prune_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResul
     new, rep = prune_channels_with_report(model, ctx.example, amount, target_macs=target)
     new.eval()
     return new, ctx.result(
-        backend="torch.fx channel pruning",
+        backend="torch.fx channel pruning", coverage=_coverage(model, rep),
         details={"amount": rep.amount, "target_macs": rep.target_macs, "macs_before": rep.macs_before,
                  "macs_after": rep.macs_after, "mac_ratio": rep.mac_ratio,
                  "params_before": rep.params_before, "params_after": rep.params_after,
                  "groups_pruned": len(rep.groups), "layers_skipped": len(rep.skipped)},
         notes=[f"removed {rep.amount:.0%} of the channels of {len(rep.groups)} layer groups: "
                f"{rep.mac_ratio:.0%} of the MACs kept", *rep.notes])
+
+
+def _coverage(model: nn.Module, rep: ChannelPruneReport) -> Coverage:
+    """The conv layers that lost output channels, of all the model's convs; the others say why they kept theirs."""
+    convs = [n for n, m in model.named_modules() if isinstance(m, nn.modules.conv._ConvNd)]
+    pruned = {n for g in rep.groups for n in g["layers"]}
+    skipped = {n: s["reason"] for s in rep.skipped for n in s["layers"]}
+    kept = {n: skipped.get(n, "every channel kept (the share removed rounds to none of them)")
+            for n in convs if n not in pruned}
+    return Coverage("pruned", len(convs) - len(kept), len(convs), "conv layers (output channels removed)", kept=kept)
 
 
 def _check_step_arg(arg: str) -> None:

@@ -6,7 +6,12 @@ others did not, because with torch >= 2.10 the answer depends on the stack insta
 
 * **Dynamic int8** (:func:`quantize_dynamic_int8`): weights of ``nn.Linear`` / LSTM / GRU
   stored as int8, activations quantized on the fly per batch. No calibration, good for
-  linear-heavy models (transformers, RNNs) on CPU. It uses ``torch.ao``'s
+  linear-heavy models (transformers, RNNs) on CPU. ``transformers``' ``Conv1D`` (GPT-2's
+  attention and MLP: ``y = x @ W + b``, ``W`` stored [in, out]) is first replaced by the
+  equivalent ``nn.Linear`` (``W`` transposed) so it is quantized too, and a head whose weight
+  is tied to the input embedding stays fp32 (an int8 copy beside the fp32 embedding would make
+  the file larger, not smaller); the report's ``coverage`` says how many matmul layers were
+  quantized and why any were not. It uses ``torch.ao``'s
   ``quantize_dynamic`` (fbgemm/x86 kernels): torchao's ``Int8DynamicActivationInt8Weight``
   was measured *slower* than fp32 eager here without ``torch.compile`` (tensor-subclass
   dispatch) and only on par with it. ``nn.TransformerEncoderLayer`` is first rewritten
@@ -53,7 +58,8 @@ from torch_tricks._optional import install_hint
 from torch_tricks.device import module_device
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.inspect.inputs import as_input_tuple
-from torch_tricks.deploy.steps import INT8, StepContext, StepResult, Tolerance, deploy_step, quiet_torch, report_details
+from torch_tricks.deploy.steps import (INT8, Coverage, StepContext, StepResult, Tolerance, deploy_step, quiet_torch,
+                                       report_details)
 from torch_tricks.registry import register_trick
 
 __all__ = [
@@ -91,6 +97,7 @@ class QuantReport:
     notes: list[str] = field(default_factory=list)
     # int8 steps: the range / types the kernels got and why (Int8Setting.to_dict())
     int8_setting: dict[str, Any] | None = None
+    coverage: Coverage | None = None  # how many of the layers it targets it changed, and why not the others
 
     @property
     def size_ratio(self) -> float:
@@ -106,41 +113,42 @@ class QuantReport:
 # -- dynamic int8 ------------------------------------------------------------------------------
 
 
-def quantize_dynamic_int8(model: nn.Module) -> tuple[nn.Module, QuantReport]:
+def quantize_dynamic_int8(model: nn.Module, *, quantize_tied: bool = False) -> tuple[nn.Module, QuantReport]:
     """Int8 weights for ``nn.Linear``/``nn.LSTM``/``nn.GRU``, activations quantized per call.
 
     ``nn.TransformerEncoderLayer``\\ s are first replaced by an equivalent layer that
     never takes PyTorch's fused fast path (which crashes on quantized linears,
     pytorch#109987) and whose attention uses ``nn.Linear`` q/k/v and output projections,
     so those are quantized too; ``nn.MultiheadAttention`` elsewhere keeps fp32
-    projections. Inference only (the result has no trainable int8 weights).
+    projections. ``transformers``' ``Conv1D`` layers (GPT-2) become the equivalent
+    ``nn.Linear`` and are quantized. A linear layer whose weight is shared with another
+    module (a head tied to the input embedding) stays fp32 unless ``quantize_tied``: its
+    int8 copy would be stored beside the fp32 weight, so the file grows (while the head's
+    matmul gets faster). The report's ``coverage`` counts the matmul layers quantized and
+    says why the others were not. Inference only (the result has no trainable int8 weights).
     """
     _check_module(model, "quantize_dynamic_int8")
     _check_cpu(model, "int8 dynamic quantization")
     t0 = time.perf_counter()
     work = copy.deepcopy(model).eval()
     rewritten = _rewrite_encoder_layers(work)
-    targets = {nn.Linear, nn.LSTM, nn.GRU}
-    if not any(type(m) in targets for m in work.modules()):
+    converted = _conv1d_to_linear(work)
+    if not any(type(m) in _DYNAMIC_TARGETS for m in work.modules()):
         raise UserError(
             f"int8 dynamic: {type(model).__name__} has no nn.Linear/LSTM/GRU layer to quantize: "
             "use quantize_static_int8 for convolutional models"
         )
+    layers = _matmul_layers(work)
+    kept = {} if quantize_tied else _tied_layers(work, layers)
+    spec: dict[Any, Any] = {t: torch.ao.quantization.default_dynamic_qconfig for t in _DYNAMIC_TARGETS}
+    spec.update({name: None for name in kept})  # a name's entry overrides its type's
     with quiet_torch():
-        qmodel = torch.ao.quantization.quantize_dynamic(work, targets, dtype=torch.qint8, inplace=True)
-    notes = []
-    if rewritten:
-        notes.append(
-            f"{rewritten} nn.TransformerEncoderLayer(s) rewritten without the fused fast path "
-            "(it crashes on quantized linears, pytorch#109987); attention projections quantized too"
-        )
+        qmodel = torch.ao.quantization.quantize_dynamic(work, spec, dtype=torch.qint8, inplace=True)
+    coverage = _dynamic_coverage(qmodel, layers, kept)
+    notes = _dynamic_notes(rewritten, converted)
     if any(isinstance(m, nn.TransformerEncoderLayer) for m in qmodel.modules()):
         qmodel = without_mha_fastpath(qmodel)
         notes.append("some encoder layers could not be rewritten: the model runs with the MHA fast path off")
-    notes.append(
-        "torch.ao quantize_dynamic used: torchao's Int8DynamicActivationInt8Weight measured slower "
-        "than fp32 eager on CPU without torch.compile"
-    )
     setting = _dynamic_setting()
     notes.append(f"int8 setting: {setting.describe()}")
     return qmodel, QuantReport(
@@ -153,7 +161,129 @@ def quantize_dynamic_int8(model: nn.Module) -> tuple[nn.Module, QuantReport]:
         seconds=time.perf_counter() - t0,
         notes=notes,
         int8_setting=setting.to_dict(),
+        coverage=coverage,
     )
+
+
+_DYNAMIC_TARGETS = (nn.Linear, nn.LSTM, nn.GRU)  # exact types: torch.ao swaps these and no subclass
+
+
+def _dynamic_notes(rewritten: int, converted: int) -> list[str]:
+    """What :func:`quantize_dynamic_int8` rewrote before quantizing, and which implementation ran."""
+    notes = []
+    if rewritten:
+        notes.append(
+            f"{rewritten} nn.TransformerEncoderLayer(s) rewritten without the fused fast path "
+            "(it crashes on quantized linears, pytorch#109987); attention projections quantized too"
+        )
+    if converted:
+        notes.append(f"{converted} transformers Conv1D layer(s) (weight stored [in, out], GPT-2 style) replaced by "
+                     "the equivalent nn.Linear (weight transposed), so they are quantized too")
+    notes.append(
+        "torch.ao quantize_dynamic used: torchao's Int8DynamicActivationInt8Weight measured slower "
+        "than fp32 eager on CPU without torch.compile"
+    )
+    return notes
+
+
+def _is_hf_conv1d(m: nn.Module) -> bool:
+    """``transformers``' ``Conv1D`` itself (checked by name: transformers is not imported here;
+    a subclass may change ``forward``, so only the class itself)."""
+    cls = type(m)
+    return cls.__name__ == "Conv1D" and cls.__module__ in ("transformers.pytorch_utils", "transformers.modeling_utils")
+
+
+def _conv1d_to_linear(model: nn.Module) -> int:
+    """Replace (in place) each ``transformers`` ``Conv1D`` whose weight is its own by the equivalent
+    ``nn.Linear``: ``Conv1D`` computes ``x @ W + b`` with ``W`` [in, out], ``nn.Linear``
+    ``x @ W.T + b`` with ``W`` [out, in], so the weight is transposed. A shared weight stays (a
+    copy would untie it)."""
+    shared = _shared_parameters(model)
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _is_hf_conv1d(child) and id(child.weight) not in shared:
+                setattr(parent, name, _linear_of_conv1d(child))
+                count += 1
+    return count
+
+
+def _linear_of_conv1d(conv: nn.Module) -> nn.Linear:
+    w, b = conv.weight, conv.bias
+    linear = torch.nn.utils.skip_init(nn.Linear, w.shape[0], w.shape[1], bias=b is not None,
+                                      device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(w.t())
+        if b is not None:
+            linear.bias.copy_(b)
+    return linear.train(conv.training)
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """The ids of parameters that more than one module holds (tied weights)."""
+    owners: dict[int, int] = {}
+    for _, mod in model.named_modules(remove_duplicate=False):
+        for p in mod.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return {k for k, n in owners.items() if n > 1}
+
+
+def _matmul_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers int8-dynamic targets: every ``nn.Linear`` (subclasses too: they count, even
+    where torch.ao leaves them), LSTM, GRU and ``transformers`` ``Conv1D`` left unconverted."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, _DYNAMIC_TARGETS) or _is_hf_conv1d(m)}
+
+
+def _tied_layers(model: nn.Module, layers: dict[str, nn.Module]) -> dict[str, str]:
+    """Layer -> why it stays fp32, for the layers whose weight another module holds too."""
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            holders.setdefault(id(p), []).append((name, mod))
+    out = {}
+    for name, m in layers.items():
+        weight = getattr(m, "weight", None)
+        others = [(n, o) for n, o in holders.get(id(weight), []) if n != name] if weight is not None else []
+        if others:
+            out[name] = _tied_why(*others[0])
+    return out
+
+
+def _tied_why(name: str, other: nn.Module) -> str:
+    if isinstance(other, nn.Embedding):
+        return (f"tied to the input embedding ({name}): an int8 copy would be stored beside its fp32 weight "
+                "and the file would grow (quantize_dynamic_int8(model, quantize_tied=True) quantizes it anyway)")
+    return f"its weight is shared with {name} (an int8 copy would be stored beside it)"
+
+
+def _dynamic_coverage(qmodel: nn.Module, layers: dict[str, nn.Module], kept: dict[str, str]) -> Coverage:
+    """How many of ``layers`` (named as in ``qmodel``) torch.ao quantized, and why not the others."""
+    missed = {}
+    done = 0
+    for name, before in layers.items():
+        if _is_quantized_layer(qmodel.get_submodule(name)):
+            done += 1
+        elif name not in kept:
+            missed[name] = _why_not_dynamic(name, before, qmodel)
+    return Coverage("quantized", done, len(layers), "matmul layers", left_as="fp32", kept=kept, missed=missed)
+
+
+def _why_not_dynamic(name: str, layer: nn.Module, qmodel: nn.Module) -> str:
+    parent = qmodel.get_submodule(name.rpartition(".")[0]) if "." in name else qmodel
+    if isinstance(parent, nn.MultiheadAttention):
+        return "nn.MultiheadAttention reads its projection weights itself, so torch.ao leaves them fp32"
+    if _is_hf_conv1d(layer):
+        return "a transformers Conv1D whose weight is shared (converting it would untie it)"
+    return f"{type(layer).__name__} is not a type torch.ao's dynamic quantization converts (exact nn.Linear/LSTM/GRU)"
+
+
+def _is_quantized_layer(m: nn.Module) -> bool:
+    """A ``torch.ao`` int8 layer holding weights (a quantized conv / linear, or a dynamic LSTM/GRU)."""
+    if type(m).__name__.endswith(("PackedParams", "PackedParameter")):
+        return False
+    return ".quantized" in type(m).__module__ and (callable(getattr(m, "_weight_bias", None))
+                                                  or hasattr(m, "_all_weight_values"))
 
 
 def _dynamic_setting() -> Int8Setting:
@@ -678,7 +808,35 @@ def _static_report(
         seconds=seconds,
         notes=notes,
         int8_setting=setting.to_dict() if setting is not None else None,
+        coverage=_static_coverage(model, qmodel, backend, quantized),
     )
+
+
+_STATIC_TARGETS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+
+def _static_coverage(model: nn.Module, qmodel: nn.Module, backend: str, quantized: dict[str, int]) -> Coverage:
+    """How many of the model's conv / linear layers have int8 weights after static quantization.
+
+    FX keeps the module names, so the layers left fp32 are named; the PT2E graph holds one int8
+    weight per quantized conv / linear (BatchNorms folded in), so only their count is known.
+    """
+    layers = [n for n, m in model.named_modules() if isinstance(m, _STATIC_TARGETS)]
+    kind, why = "conv/linear layers", "left fp32 by the quantizer (no int8 pattern matched it)"
+    if backend == "pt2e":
+        done = quantized.get("int8 weight tensors", 0)
+        left = len(layers) - done
+        missed = {f"{left} layer(s)": why} if left > 0 else {}
+        return Coverage("quantized", done, max(len(layers), done), kind, left_as="fp32", missed=missed)
+    missed = {n: why for n in layers if not _is_quantized_layer(_submodule_or_none(qmodel, n))}
+    return Coverage("quantized", len(layers) - len(missed), len(layers), kind, left_as="fp32", missed=missed)
+
+
+def _submodule_or_none(model: nn.Module, name: str) -> Any:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:  # FX drops the modules its graph no longer calls
+        return None
 
 
 def _eval_copy(model: nn.Module) -> nn.Module:
@@ -859,15 +1017,19 @@ def cast_half(
     work.register_forward_hook(functools.partial(_cast_outputs, dtype=torch.float32))
     name = str(dtype).removeprefix("torch.")
     notes.append("inputs are cast to " + name + " and outputs back to float32 by hooks")
+    cast = sum(1 for t in work.state_dict().values() if t.dtype == dtype)
+    floating = [t.dtype for t in model.state_dict().values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return work, QuantReport(
         step="half",
         backend="cast",
         dtype=name,
-        quantized={"floating tensors": sum(1 for t in work.state_dict().values() if t.dtype == dtype)},
+        quantized={"floating tensors": cast},
         size_bytes=model_size_bytes(model),
         new_size_bytes=model_size_bytes(work),
         seconds=time.perf_counter() - t0,
         notes=notes,
+        coverage=Coverage(f"cast to {name}", sum(d != dtype for d in floating), len(floating),
+                          "floating-point weight and buffer tensors"),
     )
 
 
@@ -946,12 +1108,13 @@ def int8_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResult
     new, rep = quantize_static_int8(model, ctx.calib, ctx.example, backend=ctx.mode or "auto",
                                     reduce_range=None if ctx.for_vnni is None else not ctx.for_vnni)
     return new, ctx.result(backend=rep.backend, size_method=rep.size_method, details=report_details(rep),
-                           notes=list(rep.notes), int8_setting=rep.int8_setting)
+                           notes=list(rep.notes), int8_setting=rep.int8_setting, coverage=rep.coverage)
 
 
 @deploy_step(
     "int8-dynamic",
-    summary="int8 Linear/LSTM/GRU weights, activations quantized per call (transformers, RNNs)",
+    summary="int8 Linear/LSTM/GRU weights (transformers' Conv1D too; a head tied to the embedding stays fp32), "
+            "activations quantized per call (transformers, RNNs)",
     final=True,
     cpu_only=True,
     tolerance=Tolerance(max_rel_diff=0.1, min_top1=0.9),
@@ -970,7 +1133,7 @@ def int8_dynamic_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, St
     """The ``int8-dynamic`` step of :func:`~torch_tricks.deploy.pipeline.optimize`: :func:`quantize_dynamic_int8`."""
     new, rep = quantize_dynamic_int8(model)
     return new, ctx.result(backend=rep.backend, details=report_details(rep), notes=list(rep.notes),
-                           int8_setting=rep.int8_setting)
+                           int8_setting=rep.int8_setting, coverage=rep.coverage)
 
 
 @deploy_step(
@@ -1012,7 +1175,8 @@ def bf16_step(model: nn.Module, ctx: StepContext) -> tuple[nn.Module, StepResult
 
 def _half_step(model: nn.Module, ctx: StepContext, dtype: torch.dtype) -> tuple[nn.Module, StepResult]:
     new, rep = cast_half(model, dtype, ctx.device)
-    return new, ctx.result(backend=rep.backend, details=report_details(rep), notes=list(rep.notes))
+    return new, ctx.result(backend=rep.backend, details=report_details(rep), notes=list(rep.notes),
+                           coverage=rep.coverage)
 
 
 def _check_torchao(mode: str) -> None:

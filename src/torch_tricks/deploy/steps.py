@@ -31,6 +31,7 @@ from torch_tricks.errors import UserError, one_line
 from torch_tricks.registry import always, register_trick, unregister_trick
 
 __all__ = [
+    "Coverage",
     "DeployStep",
     "StepContext",
     "StepResult",
@@ -97,6 +98,50 @@ INT8 = Tolerance(max_rel_diff=0.3, min_top1=0.9)
 
 
 @dataclass
+class Coverage:
+    """How many of the layers a step targets it changed, and why it left the others as they were.
+
+    A step's speed-up or size says nothing about *what* it changed: int8-dynamic once quantized
+    only GPT-2's head and still showed a speed-up. ``kept``: layers the step leaves on purpose
+    (a head tied to the input embedding stays fp32, or the file would hold a second copy;
+    a BatchNorm after no conv); ``missed``: layers the step is meant to change and could not.
+    Both map a layer name (or a count, where the backend gives no names) to why. A step with
+    ``missed`` layers is ``partial``; one that changed none, ``no change`` (:attr:`StepResult.status`).
+    """
+
+    verb: str  # what the step does to a layer: "quantized", "folded", "cast", "pruned"
+    changed: int
+    total: int
+    kind: str  # what it counts: "matmul layers", "BatchNorm layers" ...
+    left_as: str = "as they were"  # how the others stay: "fp32"
+    kept: dict[str, str] = field(default_factory=dict)
+    missed: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """``"quantized 8 of 9 matmul layers; lm_head left fp32: tied to the input embedding ..."``."""
+        text = f"{self.verb} {self.changed} of {self.total} {self.kind}"
+        for why, names in _by_reason({**self.kept, **self.missed}).items():
+            text += f"; {_some_names(names)} left {self.left_as}: {why}"
+        return text
+
+
+def _by_reason(left: Mapping[str, str]) -> dict[str, list[str]]:
+    """Layer -> why, as why -> layers (in order), so one reason is said once."""
+    out: dict[str, list[str]] = {}
+    for name, why in left.items():
+        out.setdefault(why, []).append(name)
+    return out
+
+
+def _some_names(names: list[str], shown: int = 3) -> str:
+    """``lm_head``, or ``5 layers (a, b, c, ...)``: a line stays short on a large model."""
+    if len(names) == 1:
+        return names[0]
+    more = ", ..." if len(names) > shown else ""
+    return f"{len(names)} layers ({', '.join(names[:shown])}{more})"
+
+
+@dataclass
 class StepResult:
     """One model of the chain (``"original"`` or a step) measured against the original.
 
@@ -109,7 +154,9 @@ class StepResult:
     for ONNX; ``latency_s``/``speedup`` map a batch size to the median seconds and to
     original / this (``None`` where the model cannot run that batch, or not measured).
     ``int8_setting`` (int8 steps): the int8 range and types the kernels got and why
-    (:meth:`~torch_tricks.deploy.cpu_int8.Int8Setting.to_dict`).
+    (:meth:`~torch_tricks.deploy.cpu_int8.Int8Setting.to_dict`). ``coverage``: how many of the
+    layers it targets it changed (None for steps that do not count layers); a coverage of none
+    makes ``changed`` False. :attr:`status` is the word the table shows.
     """
 
     step: str
@@ -130,12 +177,32 @@ class StepResult:
     details: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     int8_setting: dict[str, Any] | None = None
+    coverage: Coverage | None = None
     model: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.coverage is not None and self.coverage.changed == 0:
+            self.changed = False
+
+    @property
+    def status(self) -> str:
+        """``EXCEEDED`` (outside its tolerance), ``no change``, ``partial`` (layers it targets
+        missed), ``ok`` (changed the model, within its tolerance), or ``-`` (not held to one)."""
+        if self.within_tolerance is False:
+            return "EXCEEDED"
+        if not self.changed:
+            return "no change"
+        if self.coverage is not None and self.coverage.missed:
+            return "partial"
+        return "ok" if self.within_tolerance else "-"
 
     def to_dict(self) -> dict[str, Any]:
         shallow = copy.copy(self)
         shallow.model = None  # asdict would deep-copy the model
-        return json_safe({k: v for k, v in asdict(shallow).items() if k != "model"})
+        d = {k: v for k, v in asdict(shallow).items() if k != "model"}
+        d["status"] = self.status
+        d["coverage_text"] = self.coverage.describe() if self.coverage is not None else None
+        return json_safe(d)
 
 
 @dataclass
@@ -160,7 +227,11 @@ class StepContext:
     for_vnni: bool | None = None
 
     def result(self, **fields: Any) -> StepResult:
-        """A :class:`StepResult` for this step, named as the chain gave it."""
+        """A :class:`StepResult` for this step, named as the chain gave it; its coverage (how many
+        layers it changed) is its first note, so every view that lists the notes says it."""
+        cov = fields.get("coverage")
+        if cov is not None:
+            fields["notes"] = [cov.describe(), *fields.get("notes", [])]
         return StepResult(step=self.text, name=self.name, **fields)
 
 
@@ -355,6 +426,7 @@ def report_details(rep: Any) -> dict[str, Any]:
     d.pop("agreement", None)  # measured by optimize itself, against the original
     d.pop("notes", None)
     d.pop("int8_setting", None)  # a field of the step itself
+    d.pop("coverage", None)  # likewise
     return d
 
 

@@ -19,10 +19,13 @@ finding of these rules is left alone and reported as not fixable there (:class:`
 
 - TT110 / TT111 ``torch.load`` without ``map_location`` / ``weights_only``: add
   ``map_location="cpu"`` / ``weights_only=True`` (both in one edit when both are missing). Not
-  ``map_location`` when ``*args`` may already pass it; not ``weights_only=True`` when a
-  ``pickle_module`` is given (torch refuses the pair). Loaded tensors then land on the CPU and
-  non-tensor objects in the file need an allowlist: the behaviour torch recommends, and the
-  default of ``weights_only`` since torch 2.6.
+  ``map_location`` when ``*args`` may already pass it. ``weights_only=True`` only where the file
+  shows that what the load reads is tensors or state_dicts (a ``torch.save`` of a state_dict, a
+  tensor, or a dict of them and numbers to the same path or buffer; or the result handed to
+  ``load_state_dict``: :func:`~torch_tricks.doctor.rules.serialization.loaded_checkpoint`): a
+  whole pickled module or another object fails to load with it, and a file of unknown contents
+  may (the default since torch 2.6 refuses them too; the finding says what to pass instead). Not
+  when a ``pickle_module`` is given (torch refuses the pair). Loaded tensors then land on the CPU.
 - TT109 ``size_average=`` / ``reduce=`` given as ``True``/``False``/``None``: replaced with the
   ``reduction=`` torch's own legacy rule gives (``reduce=False`` -> ``"none"``,
   ``size_average=False`` -> ``"sum"``, otherwise ``"mean"``), for the losses whose signature is
@@ -68,7 +71,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from torch_tricks.doctor import Finding
-from torch_tricks.doctor.analysis import called_method, dotted
+from torch_tricks.doctor.analysis import FileAnalysis, called_method, dotted
+from torch_tricks.doctor.rules.serialization import MODULE, OBJECT, WEIGHTS, Checkpoint, loaded_checkpoint
 from torch_tricks.doctor.static import DoctorConfig, lint_paths, lint_source
 
 __all__ = ["FIXABLE", "Edit", "Unfixed", "FixResult", "FileFix", "FixError", "fix_source", "fix_paths"]
@@ -503,6 +507,13 @@ class _Doc:
         self._tokens: list[_Tok] | None = None
         self._comments: list[int] = []
         self._imports: dict[str, str | None] | None = None
+        self._analysis: FileAnalysis | None = None
+
+    def analysis(self) -> FileAnalysis:
+        """The doctor's reading of this tree (what a ``torch.load`` reads), made when first asked."""
+        if self._analysis is None:
+            self._analysis = FileAnalysis(self.tree, self.source)
+        return self._analysis
 
     # ---- positions
 
@@ -741,7 +752,7 @@ def _fix_load(doc: _Doc, call: ast.Call, group: list[Finding]) -> tuple[_Fix | N
     """One edit adding what ``call`` lacks (``map_location``, ``weights_only`` or both), and the
     rules it cannot fix there, with why."""
     rules = {f.rule for f in group}
-    add, why = _load_additions(call, rules)
+    add, why = _load_additions(doc, call, rules)
     if not add:
         return None, why
     text = ", ".join(f"{k}={v}" for _, k, v in add)
@@ -756,14 +767,15 @@ def _fix_load(doc: _Doc, call: ast.Call, group: list[Finding]) -> tuple[_Fix | N
                 mutate), why
 
 
-def _load_additions(call: ast.Call, rules: set[str]) -> tuple[list[tuple[str, str, str]], dict[str, str]]:
+def _load_additions(doc: _Doc, call: ast.Call, rules: set[str]) -> tuple[list[tuple[str, str, str]],
+                                                                          dict[str, str]]:
     """(rule, keyword, value) to add to the ``torch.load`` ``call`` for each of ``rules`` it can fix, and
     why it cannot fix the others."""
     add, why = [], {}
     for rule, keyword, value, blocker in _LOAD_FIXES:
         if rule not in rules:
             continue
-        reason = blocker(call)
+        reason = blocker(doc, call)
         if reason is not None:
             why[rule] = reason
         else:
@@ -771,20 +783,35 @@ def _load_additions(call: ast.Call, rules: set[str]) -> tuple[list[tuple[str, st
     return add, why
 
 
-def _map_location_blocker(call: ast.Call) -> str | None:
+def _map_location_blocker(doc: _Doc, call: ast.Call) -> str | None:
     """Why ``map_location`` cannot be added to this ``torch.load`` call; None if it can."""
     if any(isinstance(a, ast.Starred) for a in call.args) or _kw(call, "map_location") or len(call.args) > 1:
         return "*args may already pass map_location"
     return None
 
 
-def _weights_only_blocker(call: ast.Call) -> str | None:
-    """Why ``weights_only=True`` cannot be added to this ``torch.load`` call; None if it can."""
+def _weights_only_blocker(doc: _Doc, call: ast.Call) -> str | None:
+    """Why ``weights_only=True`` cannot be added to this ``torch.load`` call; None if it can: the file
+    shows that the call reads tensors or state_dicts."""
     if _custom_pickle(call):
         return "a pickle_module is given, which weights_only=True refuses"
     if _kw(call, "weights_only") or any(k.arg is None for k in call.keywords):
         return "**kwargs may already pass weights_only"
-    return None
+    return _checkpoint_blocker(loaded_checkpoint(doc.analysis(), call))
+
+
+def _checkpoint_blocker(c: Checkpoint) -> str | None:
+    """Why ``weights_only=True`` may break a load of ``c``; None for tensors and state_dicts."""
+    if c.holds == WEIGHTS:
+        return None
+    if c.holds == MODULE:
+        return (f"it loads a whole pickled module ({c.saved} saved on line {c.line}), which weights_only=True "
+                f"refuses: pass weights_only=False for a trusted file, or save {c.saved}.state_dict()")
+    if c.holds == OBJECT:
+        return (f"what torch.save stores on line {c.line} ({c.saved}) is not shown to be only tensors/state_dicts, "
+                f"which weights_only=True needs")
+    return ("the file does not show what the checkpoint holds (no torch.save to it here, no load_state_dict of "
+            "the result), and weights_only=True refuses pickled objects: check it and pass weights_only by hand")
 
 
 def _custom_pickle(call: ast.Call) -> bool:

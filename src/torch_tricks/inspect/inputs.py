@@ -34,7 +34,8 @@ from torch_tricks.errors import UserError
 
 __all__ = [
     "InputSpec", "parse_input_specs", "make_inputs", "describe_inputs", "as_input_tuple", "normalize_inputs",
-    "split_inputs", "input_tensors", "call_model", "check_input_names",
+    "split_inputs", "input_tensors", "call_model", "check_input_names", "is_causal_lm", "token_input_as_keyword",
+    "keyword_as_positional",
 ]
 
 _DTYPES = {
@@ -316,3 +317,59 @@ def _declared_kwargs(annotation: Any, model: Any) -> list[str] | None:
             return None
         return list(getattr(TransformersKwargs, "__annotations__", {}))
     return None
+
+
+# -- a causal LM's token input, and keyword inputs where only positional ones work -------------------
+
+def is_causal_lm(model: Any) -> bool:
+    """Whether ``model`` is a transformers causal language model (``AutoModelForCausalLM``'s classes)."""
+    if not type(model).__module__.startswith("transformers."):
+        return False
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return False
+    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def token_input_as_keyword(model: Any, inputs: Any) -> Any:
+    """A causal LM's one positional token input as ``{"input_ids": ids}``; any other inputs as they are.
+
+    Why: a causal LM trains with its own loss of ``model(input_ids=..., labels=...)``
+    (shifted, ``-100`` ignored, and chunkable by ``chunked_lm_loss``); positional
+    ``--input long:32:50257`` means the same ids, so it must not train differently.
+    """
+    args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    if isinstance(inputs, Mapping) or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+        return inputs
+    ids = args[0]
+    if ids.is_floating_point() or ids.dtype == torch.bool or not is_causal_lm(model):
+        return inputs
+    params = _forward_params(getattr(model, "forward", model)) or []
+    return {"input_ids": ids} if params and params[0].name == "input_ids" else inputs
+
+
+def keyword_as_positional(model: Any, inputs: Mapping[str, Any], what: str) -> tuple[Any, ...]:
+    """Keyword inputs as the positional arguments they bind to, for code that calls ``model(*args)``.
+
+    The names must be the forward's first parameters in some order, none left between
+    them (``input_ids, attention_mask`` for BERT): then ``model(*args)`` is exactly
+    ``model(**inputs)``. Otherwise a UserError naming ``what`` and the parameter in the way.
+    """
+    if not inputs:
+        return ()
+    params = [p for p in (_forward_params(getattr(model, "forward", model)) or [])
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [p.name for p in params]
+    unknown = next((n for n in inputs if n not in names), None)
+    if unknown is not None:
+        raise UserError(f"{what} calls the model with positional inputs, and {type(model).__name__}'s forward has "
+                        f"no positional argument {unknown!r}: give the inputs it takes first, in order "
+                        f"({', '.join(names[:4]) or 'none'})")
+    last = max(names.index(n) for n in inputs)
+    gap = [n for n in names[: last + 1] if n not in inputs]
+    if gap:
+        raise UserError(f"{what} calls the model with positional inputs, and {type(model).__name__}'s forward "
+                        f"takes {gap[0]!r} before {names[last]!r}, so {names[last]} cannot go by position: leave it "
+                        f"out (its default), or name the inputs up to it ({', '.join(names[: last + 1])})")
+    return tuple(inputs[n] for n in names[: last + 1])

@@ -25,20 +25,30 @@ and nothing for the second; a callback is its own way of adding behaviour.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import dataclasses
 import math
 import os
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
 from torch_tricks._io import atomic_path
 from torch_tricks._optional import require
-from torch_tricks.errors import UserError
-from torch_tricks.integrations.mapping import changed_keys, check_keywords, config_of, keywords, routes
+from torch_tricks.errors import UserError, one_line
+from torch_tricks.integrations.mapping import (
+    changed_keys,
+    check_keywords,
+    code_lines,
+    config_of,
+    routes,
+    sourced_keywords,
+)
+from torch_tricks.integrations.merge import check_prefer, merge, same
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.ema import EMA
 from torch_tricks.train.offload import check_device as check_offload_device
@@ -53,16 +63,46 @@ from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 __all__ = ["training_args_from", "trainer_lines", "TricksCallback"]
 
 
-def training_args_from(cfg: Any) -> dict[str, Any]:
-    """The ``TrainingArguments`` keywords for ``cfg`` (a path to ``tricks.toml``, a ``TrainConfig`` or a dict).
+def training_args_from(cfg: Any, base: Any = None, *, prefer: str | None = None) -> Any:
+    """The ``TrainingArguments`` keywords of the keys ``cfg`` was given (a path to ``tricks.toml``, a
+    ``TrainConfig`` or a dict): no default of torch-tricks replaces one of the Trainer's.
 
-    A value with no place in the Trainer, or a keyword the installed transformers lacks, is one
-    line saying which and what to do (``UserError``).
+    With ``base`` (your ``TrainingArguments``, or a dict of their keywords), your arguments with those keywords
+    set: a new ``TrainingArguments`` (or dict) whose ``tricks_changes`` maps each field changed to ``(old, new)``.
+    A field you set to another value than the configuration's is one line naming both, unless ``prefer`` is
+    ``"tuned"`` or ``"yours"`` (see :mod:`torch_tricks.integrations.merge`). A value with no place in the Trainer,
+    or a field the installed transformers lacks, is one line too (``UserError``).
     """
-    have = {f.name for f in fields(TrainingArguments)}
-    out = {_RENAMED.get(k, k) if _RENAMED.get(k) in have else k: v for k, v in keywords(config_of(cfg), "hf").items()}
-    check_keywords(out, have, "hf", _transformers, "TrainingArguments field")
+    config = config_of(cfg)
+    check_prefer(prefer)
+    have = {f.name: f for f in fields(TrainingArguments)}
+    tuned = training_args_sources(config)
+    check_keywords(tuned, set(have), "hf", _transformers, "TrainingArguments field")
+    if base is None:
+        return {k: v for k, (v, _) in tuned.items()}
+    if isinstance(base, dict):
+        merged = merge(tuned, base, explicit=set(base), defaults=_defaults(base), prefer=prefer,
+                       where="your arguments")
+        return merged
+    if not isinstance(base, TrainingArguments):
+        raise UserError(f"base must be your TrainingArguments or a dict of their keywords, not {type(base).__name__}")
+    yours = {k: getattr(base, k) for k, f in have.items() if f.init}
+    defaults = _defaults(yours)
+    explicit = {k for k, v in yours.items() if k in defaults and not same(v, defaults[k])}
+    merged = merge(tuned, yours, explicit=explicit, defaults=defaults, prefer=prefer, where="your TrainingArguments")
+    try:
+        out = dataclasses.replace(base, **{k: merged[k] for k in merged.tricks_changes})
+    except ValueError as exc:  # TrainingArguments' own checks (bf16 on a machine without a GPU needs use_cpu)
+        raise UserError(f"TrainingArguments refuse the merged arguments: {one_line(exc)}") from None
+    out.tricks_changes = merged.tricks_changes
     return out
+
+
+def _defaults(yours: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer's own value of each field, as ``TrainingArguments`` holds it after its own checks (enums)."""
+    plain = TrainingArguments(output_dir=yours.get("output_dir") or "trainer_output",
+                              use_cpu=bool(yours.get("use_cpu", False)))
+    return {f.name: getattr(plain, f.name) for f in fields(TrainingArguments) if f.init}
 
 
 # Fields a newer transformers renamed (the old name still works there, with a deprecation warning).
@@ -70,33 +110,46 @@ _RENAMED = {"gradient_checkpointing": "activation_checkpointing",
             "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
 
 
-def trainer_lines(cfg: Any) -> list[str]:
-    """The lines of a Trainer script that carry ``cfg``: the arguments, the callback, and any line of your own
-    code a key needs (``trainer.train(resume_from_checkpoint=True)``)."""
+def trainer_lines(cfg: Any, source: str | None = None) -> list[str]:
+    """The lines of a Trainer script that carry ``cfg``: your arguments with the configuration's fields set, the
+    callback, and any line of your own code a key needs (``trainer.train(resume_from_checkpoint=True)``).
+    ``source``: how the script names the configuration (a path to tricks.toml); default: its given keys."""
     config = config_of(cfg)
     args = training_args_from(config)
-    extra = [r.line for r in routes(config, "hf").values() if r.how == "code"]
-    kw = ",\n    ".join(f"{k}={v!r}" for k, v in args.items())
+    extra = code_lines(config, "hf")
+    train = extra.pop("resume", "trainer.train()")
+    sets = ", ".join(f"{k}={v!r}" for k, v in args.items()) or "nothing"
     return ["from transformers import Trainer, TrainingArguments",
-            "from torch_tricks.integrations.hf import TricksCallback",
+            "from torch_tricks.integrations.hf import TricksCallback, training_args_from",
             "",
-            f"args = TrainingArguments(\n    {kw},\n)",
-            "trainer = Trainer(model=model, args=args, train_dataset=train_dataset,",
-            f"                  callbacks=[TricksCallback({repr(changed_keys(config))})])",
-            *extra]
+            f"cfg = {source!r}" if source else f"cfg = {changed_keys(config)!r}",
+            f"args = TrainingArguments(output_dir=\"out\"{_cpu_note(config)})  # your own arguments",
+            f"args = training_args_from(cfg, base=args)  # sets {sets}",
+            *extra.values(),
+            "trainer = Trainer(model=model, args=args, train_dataset=train_dataset, callbacks=[TricksCallback(cfg)])",
+            train]
 
 
 class TricksCallback(TrainerCallback):
     """The switches of a configuration that ``TrainingArguments`` has no field for, applied from the Trainer's hooks.
 
-    After training, :attr:`ema` holds the EMA (``ema.module`` the averaged model) when ``ema`` is on.
+    At the Trainer's start it checks that the Trainer's own arguments carry the keys of the configuration that
+    belong to them (precision, accumulation, optimizer, clipping, schedule ...): one line naming the field
+    otherwise (build them with :func:`training_args_from`). :attr:`applied` lists every switch in effect, the
+    Trainer's own included. After training, :attr:`ema` holds the EMA (``ema.module`` the averaged model) when
+    ``ema`` is on; it is saved as ``ema.pt`` in each checkpoint folder and restored from the checkpoint a run
+    resumes (``ema_checkpoint``: that folder, where it is not ``output_dir/checkpoint-<step>``). With
+    ``ema_weights_at_end`` the model holds the EMA weights when training ends, so ``trainer.evaluate()`` and
+    ``trainer.save_model()`` use them; :meth:`ema_weights` does it for one block of your code.
     """
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, *, ema_weights_at_end: bool = False, ema_checkpoint: str | None = None) -> None:
         self.config = config_of(cfg)
         routes(self.config, "hf")  # a value the Trainer cannot serve is refused here, before any training
         self.applied: list[str] = []
         self.ema: Any = None
+        self.ema_weights_at_end = ema_weights_at_end
+        self.ema_checkpoint = ema_checkpoint
         self._model: nn.Module | None = None
         self._step = 0
         self._log_file: Path | None = Path(self.config.log_dir) / "metrics.csv" if self.config.log_dir else None
@@ -106,14 +159,15 @@ class TricksCallback(TrainerCallback):
                     **kwargs: Any) -> None:
         if model is None:
             raise UserError("TricksCallback needs the model: build the Trainer with model=...")
+        self.applied = _check_arguments(self.config, args)
         cfg = self.config
         switches = cfg.replace(checkpointing="" if cfg.checkpointing == "blocks" else cfg.checkpointing)
-        changed, self.applied = apply_model_switches(model, switches, distributed=_launched(), channels_last_weights=True)
+        changed, applied = apply_model_switches(model, switches, distributed=_launched(), channels_last_weights=True)
         if changed is not model:
             raise UserError(f"checkpointing = {cfg.checkpointing!r} wraps the model in a new module, which the "
                             "Trainer would not train: apply it before building the Trainer "
                             "(torch_tricks.train.memory.checkpoint_sequential_sqrt), or use a name pattern")
-        self.applied += _process_switches(cfg, model)
+        self.applied += applied + _process_switches(cfg, model)
         if cfg.offload_activations:
             check_offload_device(next(model.parameters()).device)
             _offload_in_forward(model)
@@ -125,9 +179,13 @@ class TricksCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, model: nn.Module | None = None,
                        **kwargs: Any) -> None:
-        if self.config.ema and self.ema is None:
+        if not self.config.ema:
+            return
+        if self.ema is None:
             self.ema = EMA(self._model if self._model is not None else model, decay=self.config.ema_decay)
             self.applied.append("ema")
+        if state.global_step > 0:  # resumed: the average goes on from the checkpoint's, not from the weights
+            self._restore_ema(args, state.global_step)
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, model: nn.Module | None = None,
                     **kwargs: Any) -> None:
@@ -141,6 +199,34 @@ class TricksCallback(TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         folder.mkdir(parents=True, exist_ok=True)
         _atomic_save(self.ema.state_dict(), folder / "ema.pt")
+
+    def on_train_end(self, args: TrainingArguments, state: Any, control: Any, model: nn.Module | None = None,
+                     **kwargs: Any) -> None:
+        if self.ema is not None and self.ema_weights_at_end:
+            _copy_weights(self.ema.module, self._model if self._model is not None else model)
+
+    @contextlib.contextmanager
+    def ema_weights(self, model: nn.Module | None = None) -> Iterator[nn.Module]:
+        """The model holding the EMA weights inside the block (``trainer.evaluate()``, ``trainer.save_model()``),
+        its own weights back after it."""
+        if self.ema is None:
+            raise UserError("ema_weights() needs ema = true in the configuration")
+        target = model if model is not None else self._model
+        own = {k: v.detach().clone() for k, v in target.state_dict().items()}
+        _copy_weights(self.ema.module, target)
+        try:
+            yield target
+        finally:
+            target.load_state_dict(own)
+
+    def _restore_ema(self, args: TrainingArguments, step: int) -> None:
+        folder = Path(self.ema_checkpoint) if self.ema_checkpoint else Path(args.output_dir) / f"checkpoint-{step}"
+        path = folder / "ema.pt"
+        if not path.is_file():
+            raise UserError(f"resumed at step {step} with ema = true, but {path} does not exist: give "
+                            "TricksCallback(cfg, ema_checkpoint='<the checkpoint folder resumed>'), or switch ema off")
+        self.ema.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        self.applied.append(f"ema restored from {path} ({self.ema.num_updates} updates)")
 
     def on_log(self, args: TrainingArguments, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
@@ -168,6 +254,40 @@ class TricksCallback(TrainerCallback):
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
+
+def _cpu_note(config: TrainConfig) -> str:
+    """``, use_cpu=True`` where mixed precision runs on a machine without a GPU: the Trainer refuses bf16 there
+    otherwise."""
+    if config.precision == "fp32" or torch.cuda.is_available() or "use_cpu" in training_args_sources(config):
+        return ""
+    return ", use_cpu=True"
+
+
+def _check_arguments(config: TrainConfig, args: TrainingArguments) -> list[str]:
+    """The configuration's keys that belong to ``TrainingArguments``, checked against the Trainer's: the switches
+    in effect (``key=value (field=...)``), or one line naming a field that does not carry its key."""
+    applied = []
+    for name, (value, key) in training_args_sources(config).items():
+        have = getattr(args, name, None)
+        if not same(have, value):
+            raise UserError(f"{key} = {getattr(config, key)!r} in the configuration needs {name}={value!r}, but the "
+                            f"Trainer's arguments have {name}={have!r}: build them with "
+                            "training_args_from(cfg, base=your_args)")
+        applied.append(f"{key}={getattr(config, key)} ({name}={value!r})")
+    return list(dict.fromkeys(applied))
+
+
+def training_args_sources(config: TrainConfig) -> dict[str, tuple[Any, str]]:
+    """Each ``TrainingArguments`` field the configuration sets: its value and the key that sets it."""
+    have = {f.name for f in fields(TrainingArguments)}
+    return {_RENAMED.get(k, k) if _RENAMED.get(k) in have else k: v for k, v in sourced_keywords(config, "hf").items()}
+
+
+def _copy_weights(src: nn.Module, dst: nn.Module) -> None:
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(src.state_dict().items(), dst.state_dict().items()):
+            b.copy_(a)
+
 
 
 

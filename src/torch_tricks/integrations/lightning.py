@@ -42,14 +42,18 @@ import torch.nn as nn
 from torch_tricks._optional import require
 from torch_tricks.errors import UserError
 from torch_tricks.integrations.mapping import (
-    Make,
+    OPTIMIZER_KEYS,
     build,
     changed_keys,
     check_keywords,
+    code_lines,
     config_of,
     keywords,
     routes,
+    sourced_keywords,
 )
+from torch_tricks.integrations.merge import Tuned, check_prefer, merge, same
+from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.ema import EMA
 from torch_tricks.train.lm_loss import chunk_lm_loss, why_not_chunkable
 from torch_tricks.train.offload import check_device as check_offload_device
@@ -68,24 +72,36 @@ from lightning.pytorch import Callback  # noqa: E402
 __all__ = ["trainer_kwargs_from", "optimizers_from", "trainer_lines", "TricksCallback"]
 
 
-def trainer_kwargs_from(cfg: Any) -> dict[str, Any]:
-    """``lightning.Trainer``'s keywords for ``cfg`` (a path to ``tricks.toml``, a ``TrainConfig`` or a dict), with
-    :class:`TricksCallback` in ``callbacks``. A value with no place in Lightning, or a keyword the installed
+def trainer_kwargs_from(cfg: Any, *, prefer: str | None = None, **yours: Any) -> dict[str, Any]:
+    """``lightning.Trainer``'s keywords for the keys ``cfg`` was given (a path to ``tricks.toml``, a ``TrainConfig``
+    or a dict), merged into ``yours`` (your own keywords: ``trainer_kwargs_from(cfg, max_epochs=3)``), with
+    :class:`TricksCallback` in ``callbacks``. The result's ``tricks_changes`` maps each keyword the configuration
+    set to ``(Lightning's default, new)``; a keyword of yours with another value is one line naming both, unless
+    ``prefer`` is ``"tuned"`` or ``"yours"``. A value with no place in Lightning, or a keyword the installed
     Lightning lacks, is one line saying which and what to do (``UserError``)."""
     config = config_of(cfg)
-    kwargs = keywords(config, "lightning")
-    check_keywords(kwargs, set(inspect.signature(_lightning.Trainer.__init__).parameters), "lightning", _lightning,
-                   "Trainer keyword")
-    built = {k: build(v) for k, v in kwargs.items()}
+    tuned = sourced_keywords(config, "lightning")
+    params = inspect.signature(_lightning.Trainer.__init__).parameters
+    check_keywords(tuned, set(params), "lightning", _lightning, "Trainer keyword")
+    defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+    merged = merge(tuned, yours, explicit=set(yours), defaults=defaults, prefer=prefer,
+                   where="your Trainer keywords")
+    built = Tuned({k: build(v) for k, v in merged.items()})
+    built.tricks_changes = merged.tricks_changes
     built["callbacks"] = [TricksCallback(config), *built.get("callbacks", [])]
     return built
 
 
-def optimizers_from(cfg: Any, module: Any) -> dict[str, Any]:
+def optimizers_from(cfg: Any, module: Any, *, prefer: str | None = None, **yours: Any) -> dict[str, Any]:
     """What ``configure_optimizers`` returns for ``cfg``: the optimizer ``Tricks`` builds (no-decay groups, fused
     step, low-precision state, scaled lr) over ``module``, and its lr schedule stepped every optimizer step
-    (its length: the Trainer's ``estimated_stepping_batches``)."""
-    config = config_of(cfg)
+    (its length: the Trainer's ``estimated_stepping_batches``).
+
+    ``yours``: your own optimizer settings as configuration keys (``lr=3e-4, weight_decay=0.1,
+    schedule="cosine"``), merged with the configuration's (a different value is one line unless ``prefer``). The
+    optimizer's kind and lr must be stated by one of the two: torch-tricks' own defaults are not your optimizer.
+    """
+    config = _optimizer_config(config_of(cfg), yours, prefer)
     trainer = getattr(module, "_trainer", None)
     world = trainer.world_size if trainer is not None else 1
     optimizer, _ = config_optimizer(module, config, world_size=world)
@@ -103,20 +119,50 @@ def optimizers_from(cfg: Any, module: Any) -> dict[str, Any]:
     return out
 
 
-def trainer_lines(cfg: Any) -> list[str]:
-    """The lines of a Lightning script that carry ``cfg``."""
+def _optimizer_config(config: TrainConfig, yours: dict[str, Any], prefer: str | None) -> TrainConfig:
+    """``config`` with your optimizer settings; a conflict is one line; the kind and lr must be given by one."""
+    check_prefer(prefer)
+    mine = TrainConfig.from_dict(yours)
+    unknown = set(mine.given) - OPTIMIZER_KEYS
+    if unknown:
+        raise UserError(f"optimizers_from takes optimizer settings ({', '.join(sorted(OPTIMIZER_KEYS))}), not "
+                        f"{', '.join(sorted(unknown))}")
+    clash = [k for k in sorted(mine.given & config.given) if not same(getattr(mine, k), getattr(config, k))]
+    if clash and prefer is None:
+        raise UserError("conflict: " + "; ".join(f"{k}={getattr(mine, k)!r} of yours, {k}={getattr(config, k)!r} "
+                                                 "in the configuration" for k in clash)
+                        + ": remove one, or pass prefer='tuned' or prefer='yours'")
+    keep = mine.given if prefer == "yours" else mine.given - config.given
+    out = config.replace(**{k: getattr(mine, k) for k in keep})
+    missing = [k for k in ("optimizer", "lr") if k not in out.given]
+    if missing:
+        raise UserError(f"optimizers_from: the configuration does not give {' or '.join(missing)}: pass yours, e.g. "
+                        "optimizers_from(cfg, self, optimizer='adamw', lr=3e-4)")
+    return out
+
+
+def trainer_lines(cfg: Any, source: str | None = None) -> list[str]:
+    """The lines of a Lightning script that carry ``cfg``. ``source``: how the script names the configuration
+    (a path to tricks.toml); default: its given keys."""
     config = config_of(cfg)
     kwargs = keywords(config, "lightning")
-    kwargs["callbacks"] = [Make("torch_tricks.integrations.lightning.TricksCallback", {"cfg": changed_keys(config)}),
-                           *kwargs.get("callbacks", [])]
-    code = [r.line for r in routes(config, "lightning").values() if r.how == "code"]
-    kw = ",\n    ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    code = code_lines(config, "lightning")
+    fit = code.pop("resume", "trainer.fit(module, train_loader)")
+    code.pop("lr", None)
+    tuned = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "nothing"
+    optimizer_line = ["# in your LightningModule:",
+                      "#     def configure_optimizers(self):",
+                      "#         return optimizers_from(cfg, self, optimizer='adamw', lr=3e-4)  # your optimizer and lr "
+                      "where the configuration has none"] if config.given & OPTIMIZER_KEYS else []
     return ["import lightning",
-            "from torch_tricks.integrations.lightning import TricksCallback, optimizers_from",
-            f"cfg = {changed_keys(config)!r}",
-            *[line for line in code if "fit(" not in line],
-            f"trainer = lightning.Trainer(\n    {kw},\n)",
-            *[line for line in code if "fit(" in line]]
+            "from torch_tricks.integrations.lightning import optimizers_from, trainer_kwargs_from",
+            "",
+            f"cfg = {source!r}" if source else f"cfg = {changed_keys(config)!r}",
+            *code.values(),
+            *optimizer_line,
+            f"trainer = lightning.Trainer(**trainer_kwargs_from(cfg))  # with your own keywords too; sets {tuned}, "
+            "and TricksCallback",
+            fit]
 
 
 class TricksCallback(Callback):
@@ -127,7 +173,7 @@ class TricksCallback(Callback):
 
     def __init__(self, cfg: Any) -> None:
         self.config = config_of(cfg)
-        routes(self.config, "lightning")  # a value Lightning cannot serve is refused here, before any training
+        routes(self.config, "lightning", given=True)  # a value Lightning cannot serve is refused here, before any training
         self.applied: list[str] = []
         self.ema: Any = None
         self._offload: contextlib.AbstractContextManager[Any] | None = None
@@ -138,13 +184,16 @@ class TricksCallback(Callback):
         if stage != "fit" or self.applied:
             return
         cfg = self.config
-        self._seed()
+        self.applied = _check_trainer(cfg, trainer)
+        if "seed" in cfg.given:
+            self._seed()
         switches = cfg.replace(chunked_lm_loss=False)
-        changed, self.applied = apply_model_switches(pl_module, switches, distributed=trainer.world_size > 1,
+        changed, applied = apply_model_switches(pl_module, switches, distributed=trainer.world_size > 1,
                                                      channels_last_weights=True)
         if changed is not pl_module:
             raise UserError(f"checkpointing = {cfg.checkpointing!r} wraps the model in a new module, which Lightning "
                             "would not train: use 'blocks' or a name pattern")
+        self.applied += applied
         if cfg.chunked_lm_loss:
             _chunk_the_lm(pl_module)
             self.applied.append("chunked_lm_loss")
@@ -159,7 +208,7 @@ class TricksCallback(Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         mine = [o for o in trainer.optimizers if not getattr(o, "_torch_tricks_config", False)]
-        if mine:
+        if mine and self.config.given & OPTIMIZER_KEYS:
             raise UserError(f"the configuration's optimizer is not in effect ({type(mine[0]).__name__} from your "
                             "configure_optimizers): return torch_tricks.integrations.lightning.optimizers_from(cfg, "
                             "self) there")
@@ -170,6 +219,9 @@ class TricksCallback(Callback):
             self.ema = EMA(pl_module, decay=self.config.ema_decay)
             self.applied.append("ema")
         self._steps_seen = trainer.global_step
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._steps_seen = trainer.global_step  # a resumed run's step is restored after on_fit_start
 
     # -- each batch ------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -214,6 +266,28 @@ class TricksCallback(Callback):
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
+
+# Where a running lightning.Trainer holds the value of each keyword the callback checks.
+_TRAINER_HOLDS = {"precision": lambda t: t.precision, "accumulate_grad_batches": lambda t: t.accumulate_grad_batches,
+                  "gradient_clip_val": lambda t: t.gradient_clip_val, "max_epochs": lambda t: t.max_epochs,
+                  "max_steps": lambda t: t.max_steps, "log_every_n_steps": lambda t: t.log_every_n_steps}
+
+
+def _check_trainer(config: TrainConfig, trainer: Any) -> list[str]:
+    """The configuration's keys that belong to the Trainer's own keywords, checked against the running Trainer:
+    the switches in effect (``key=value (keyword=...)``), or one line naming a keyword that does not carry its key."""
+    applied = []
+    for name, (value, key) in sourced_keywords(config, "lightning").items():
+        if name not in _TRAINER_HOLDS:
+            continue
+        have = _TRAINER_HOLDS[name](trainer)
+        if not same(have, value):
+            raise UserError(f"{key} = {getattr(config, key)!r} in the configuration needs {name}={value!r}, but the "
+                            f"Trainer has {name}={have!r}: build it with lightning.Trainer(**trainer_kwargs_from(cfg, "
+                            "...your keywords))")
+        applied.append(f"{key}={getattr(config, key)} ({name}={value!r})")
+    return applied
+
 
 def _chunk_the_lm(pl_module: nn.Module) -> None:
     """The chunked loss on the causal LM inside the LightningModule (the first submodule it can serve)."""

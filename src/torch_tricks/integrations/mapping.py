@@ -27,8 +27,8 @@ from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.schedule import scale_lr
 from torch_tricks.train.tricks import as_config
 
-__all__ = ["TARGETS", "Route", "Place", "Make", "routes", "keywords", "check_keywords", "build", "place_table", "places",
-           "config_of", "changed_keys"]
+__all__ = ["TARGETS", "Route", "Place", "Make", "routes", "keywords", "sourced_keywords", "code_lines", "OPTIMIZER_KEYS",
+           "check_keywords", "build", "place_table", "places", "config_of", "changed_keys"]
 
 TARGETS = {"fit": "torch-tricks fit / Tricks", "hf": "transformers Trainer", "lightning": "lightning.Trainer",
            "accelerate": "Accelerate"}
@@ -67,23 +67,47 @@ class Place:
     route: Callable[[TrainConfig], Route]
 
 
-def routes(config: TrainConfig, target: str) -> dict[str, Route]:
-    """Every key of ``config`` routed into ``target`` (one line naming key and target where a value has no place)."""
+def routes(config: TrainConfig, target: str, *, given: bool = False) -> dict[str, Route]:
+    """Every key of ``config`` routed into ``target`` (one line naming key and target where a value has no place);
+    with ``given``, only the keys the configuration was given (:attr:`TrainConfig.given`): a default of
+    torch-tricks is never routed into a trainer, whose own default it would replace."""
     table = places(target)
     config.validate()
-    return {key: table[key].route(config) for key in _keys()}
+    keys = [k for k in _keys() if k in config.given] if given else _keys()
+    out = {key: table[key].route(config) for key in keys}
+    for key, needs in _NEEDS.items() if target != "fit" else ():
+        if key in config.given and getattr(config, key) and not needs & config.given:
+            raise UserError(f"{key} = {getattr(config, key)!r} needs {' or '.join(sorted(needs))} in the same "
+                            f"configuration (it is computed from it): add it, or leave {key} out")
+    return out
+
+
+# A given key whose routed value is computed from another key that must be given too (else from a default).
+_NEEDS = {"scale_lr": frozenset({"lr"}), "swa": frozenset({"lr", "swa_lr"})}
 
 
 def keywords(config: TrainConfig, target: str) -> dict[str, Any]:
-    """The keywords of ``target``'s own object that carry ``config``: its ``arg`` routes in one dict, the lists
-    several keys give (Lightning's ``callbacks``) joined; objects still as :class:`Make` (see :func:`build`)."""
-    out: dict[str, Any] = {}
-    for route in routes(config, target).values():
+    """The keywords of ``target``'s own object that carry the given keys of ``config``: their ``arg`` routes in one
+    dict, the lists several keys give (Lightning's ``callbacks``) joined; objects still as :class:`Make` (see
+    :func:`build`)."""
+    return {k: v for k, (v, _) in sourced_keywords(config, target).items()}
+
+
+def sourced_keywords(config: TrainConfig, target: str) -> dict[str, tuple[Any, str]]:
+    """:func:`keywords` with, for each keyword, the configuration key that set it (what a conflict names)."""
+    out: dict[str, tuple[Any, str]] = {}
+    for key, route in routes(config, target, given=True).items():
         if route.how != "arg":
             continue
         for k, v in route.kwargs.items():
-            out[k] = out.get(k, []) + v if isinstance(v, list) and k in out else v
+            joined = isinstance(v, list) and k in out
+            out[k] = (out[k][0] + v, out[k][1] + ", " + key) if joined else (v, out[k][1] if k in out else key)
     return out
+
+
+def code_lines(config: TrainConfig, target: str) -> dict[str, str]:
+    """The lines of the user's own script that the given keys of ``config`` need, by key."""
+    return {k: r.line for k, r in routes(config, target, given=True).items() if r.how == "code"}
 
 
 def check_keywords(kwargs: dict[str, Any], have: set[str], target: str, package: Any, what: str) -> None:
@@ -176,9 +200,8 @@ def config_of(cfg: Any) -> TrainConfig:
 
 
 def changed_keys(config: TrainConfig) -> dict[str, Any]:
-    """The keys of ``config`` that differ from the defaults (what an emitted script states)."""
-    default = TrainConfig()
-    return {k: v for k, v in config.to_dict().items() if getattr(default, k) != v}
+    """The keys ``config`` was given (what an emitted script states)."""
+    return config.given_dict()
 
 
 def world_size() -> int:
@@ -194,6 +217,10 @@ def learning_rate(c: TrainConfig) -> float:
 
 
 # -- lightning.Trainer: its keywords (callbacks and logger included), configure_optimizers, TricksCallback ---------
+
+# The keys of the optimizer and its lr schedule: a trainer integration builds them with the user's own settings.
+OPTIMIZER_KEYS = frozenset({"lr", "optimizer", "weight_decay", "momentum", "schedule", "warmup_steps", "scale_lr",
+                            "base_batch", "fused_optimizer", "no_decay_norm_bias", "optimizer_state"})
 
 _PL = "lightning"
 _OPTIMIZERS = "`configure_optimizers`: `return optimizers_from(cfg, self)`"
@@ -222,15 +249,25 @@ def _pl_checkpoints(c: TrainConfig) -> dict[str, Any]:
         "lightning.pytorch.callbacks.ModelCheckpoint",
         {"dirpath": c.checkpoint_dir, **every, "save_last": True,
          # the newest N: Lightning keeps the top k of a monitored value, and "step" rises
-         **({"save_top_k": c.keep_checkpoints, "monitor": "step", "mode": "max"} if c.keep_checkpoints
-            else {"save_top_k": -1})})]}
+         **_pl_keep(c)})]}
+
+
+def _pl_keep(c: TrainConfig) -> dict[str, Any]:
+    """ModelCheckpoint's keep: Lightning's own unless keep_checkpoints is given (the newest N: Lightning keeps the
+    top k of a monitored value, and "step" rises)."""
+    if "keep_checkpoints" not in c.given:
+        return {}
+    if not c.keep_checkpoints:
+        return {"save_top_k": -1}
+    return {"save_top_k": c.keep_checkpoints, "monitor": "step", "mode": "max"}
 
 
 def _pl_swa(c: TrainConfig) -> dict[str, Any]:
     if not c.swa:
         return {}
+    start = {"swa_epoch_start": c.swa_start} if "swa_start" in c.given else {}
     return {"callbacks": [Make("lightning.pytorch.callbacks.StochasticWeightAveraging",
-                               {"swa_lrs": c.swa_lr or learning_rate(c), "swa_epoch_start": c.swa_start})]}
+                               {"swa_lrs": c.swa_lr or learning_rate(c), **start})]}
 
 
 def _pl_code(line: str, when: Callable[[TrainConfig], bool] = lambda c: True) -> Callable[[TrainConfig], Route]:
@@ -322,9 +359,9 @@ def _ac_device(c: TrainConfig) -> dict[str, Any]:
 def _ac_checkpoints(c: TrainConfig) -> dict[str, Any]:
     if not c.checkpoint_dir:
         return {}
+    keep = {"total_limit": c.keep_checkpoints or None} if "keep_checkpoints" in c.given else {}
     return {"project_config": Make("accelerate.utils.ProjectConfiguration", {
-        "project_dir": c.checkpoint_dir, "automatic_checkpoint_naming": True,
-        "total_limit": c.keep_checkpoints or None})}
+        "project_dir": c.checkpoint_dir, "automatic_checkpoint_naming": True, **keep})}
 
 
 def _ac_code(line: Callable[[TrainConfig], str], when: Callable[[TrainConfig], bool] = lambda c: True
@@ -433,7 +470,7 @@ def _hf_optim(c: TrainConfig) -> dict[str, Any]:
 
 def _hf_schedule(c: TrainConfig) -> dict[str, Any]:
     kind = {"constant": "constant_with_warmup" if c.warmup_steps else "constant"}.get(c.schedule, c.schedule)
-    return {"lr_scheduler_type": kind, "warmup_steps": c.warmup_steps}
+    return {"lr_scheduler_type": kind}
 
 
 def _hf_saving(c: TrainConfig) -> dict[str, Any]:
@@ -441,7 +478,14 @@ def _hf_saving(c: TrainConfig) -> dict[str, Any]:
         return {"save_strategy": "no"}
     every = {"save_strategy": "steps", "save_steps": c.checkpoint_every} if c.checkpoint_every else \
         {"save_strategy": "epoch"}
-    return {"output_dir": c.checkpoint_dir, **every, "save_total_limit": c.keep_checkpoints or None}
+    keep = {"save_total_limit": c.keep_checkpoints or None} if "keep_checkpoints" in c.given else {}
+    return {"output_dir": c.checkpoint_dir, **every, **keep}
+
+
+def _hf_save_every(c: TrainConfig) -> dict[str, Any]:
+    if "checkpoint_dir" in c.given or not c.checkpoint_every:
+        return {}  # with checkpoint_dir; 0 (each epoch) alone would change no saving of the Trainer's own
+    return {"save_strategy": "steps", "save_steps": c.checkpoint_every}
 
 
 def _hf_distributed(c: TrainConfig) -> dict[str, Any]:
@@ -460,11 +504,12 @@ def _hf_device(c: TrainConfig) -> dict[str, Any]:
 
 def _hf_bf16_state(c: TrainConfig) -> Route:
     if c.optimizer_state != "bf16":
-        return Route("arg")
+        return Route("arg", _hf_optim(c) if c.optimizer_state else {})
     decoupled = c.optimizer == "adamw"
     return Route("code", line=(
-        "Trainer(..., optimizer_cls_and_kwargs=(Bf16StateAdam, {'lr': %r, 'weight_decay': %r, 'decoupled': %r}))  "
-        "# from torch_tricks.train.optim_state import Bf16StateAdam" % (learning_rate(c), c.weight_decay, decoupled)))
+        "Trainer(..., optimizer_cls_and_kwargs=(Bf16StateAdam, {'lr': args.learning_rate, 'weight_decay': "
+        "args.weight_decay, 'decoupled': %r}))  # from torch_tricks.train.optim_state import Bf16StateAdam"
+        % decoupled))
 
 
 def _hf_resume(c: TrainConfig) -> Route:
@@ -478,16 +523,16 @@ _HF: dict[str, Place] = {
     "lr": arg("`learning_rate`", lambda c: {"learning_rate": learning_rate(c)}),
     "optimizer": arg("`optim` (adamw: `adamw_torch`; sgd: `sgd` with `optim_args` momentum)", _hf_optim),
     "weight_decay": arg("`weight_decay`", lambda c: {"weight_decay": c.weight_decay}),
-    "momentum": arg("`optim_args=\"momentum=...\"` (sgd)", lambda c: {}),
+    "momentum": arg("`optim_args=\"momentum=...\"` (sgd)", lambda c: _hf_optim(c) if c.optimizer == "sgd" else {}),
     "schedule": arg("`lr_scheduler_type`", _hf_schedule),
-    "warmup_steps": arg("`warmup_steps`", lambda c: {}),
+    "warmup_steps": arg("`warmup_steps`", lambda c: {"warmup_steps": c.warmup_steps}),
     "scale_lr": arg("`learning_rate`, scaled to the global batch", lambda c: {}),
     "base_batch": arg("`learning_rate`, scaled to the global batch", lambda c: {}),
     "precision": arg("`bf16` / `fp16`", lambda c: {"bf16": c.precision == "bf16", "fp16": c.precision == "fp16"}),
     "channels_last": callback("the model's weights channels_last"),
     "compile": arg("`torch_compile`", lambda c: {"torch_compile": c.compile}),
     "cudnn_benchmark": callback("torch.backends.cudnn.benchmark"),
-    "fused_optimizer": arg("`optim=\"adamw_torch_fused\"`", lambda c: {}),
+    "fused_optimizer": arg("`optim=\"adamw_torch_fused\"`", _hf_optim),
     "no_decay_norm_bias": refuse_unless(
         "no_decay_norm_bias", "hf", lambda v: v, "the Trainer always exempts biases and LayerNorm weights from "
         "weight decay: set no_decay_norm_bias = true (or weight_decay = 0)",
@@ -522,8 +567,8 @@ _HF: dict[str, Place] = {
     "detect_anomaly": callback("torch.autograd anomaly detection"),
     "nan_guard": callback("stops on a non-finite loss, naming the step"),
     "checkpoint_dir": arg("`output_dir` (and `save_strategy`)", _hf_saving),
-    "checkpoint_every": arg("`save_steps` (0: `save_strategy=\"epoch\"`)", lambda c: {}),
-    "keep_checkpoints": arg("`save_total_limit` (0: all)", lambda c: {}),
+    "checkpoint_every": arg("`save_steps` (0: `save_strategy=\"epoch\"`)", _hf_save_every),
+    "keep_checkpoints": arg("`save_total_limit` (0: all)", lambda c: {"save_total_limit": c.keep_checkpoints or None}),
     "resume": Place("`trainer.train(resume_from_checkpoint=True)`", _hf_resume),
     "log_every": arg("`logging_steps`", lambda c: {"logging_steps": c.log_every}),
     "log_dir": callback("metrics.csv of the Trainer's logs"),

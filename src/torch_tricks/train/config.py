@@ -82,8 +82,26 @@ class TrainConfig:
     sync_bn: bool = False  # T19
     device: str = "auto"  # auto | cpu | cuda | cuda:N
 
+    def __post_init__(self) -> None:
+        # Built directly, the keys given are those whose value is not the default; from_dict and replace name
+        # them exactly (a file's ``fused_optimizer = true`` is given although it is the default).
+        self._given = frozenset(k for k, v in _DEFAULTS.items() if getattr(self, k) != v)
+
+    @property
+    def given(self) -> frozenset[str]:
+        """The keys this configuration was given (by its file, dict, flags or :meth:`replace`), not defaulted:
+        what the trainer integrations route, so a default of torch-tricks never replaces one of the trainer's."""
+        return self._given
+
+    def given_dict(self) -> dict[str, Any]:
+        """The given keys and their values, in field order."""
+        return {k: getattr(self, k) for k in _FIELDS if k in self._given}
+
     def replace(self, **changes: Any) -> "TrainConfig":
-        return dataclasses.replace(self, **_coerce(changes))
+        coerced = _coerce(changes)
+        out = dataclasses.replace(self, **coerced)
+        out._given = self._given | frozenset(coerced)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -175,6 +193,7 @@ def _parse_yaml(text: str) -> Any:
 _PARSERS = {".toml": _parse_toml, ".yaml": _parse_yaml, ".yml": _parse_yaml}
 
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
+_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 
 
 def _coerce(changes: Mapping[str, Any]) -> dict[str, Any]:

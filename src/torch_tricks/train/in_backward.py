@@ -5,17 +5,21 @@ as many bytes as the trainable parameters. PyTorch's recipe ("How to save memory
 the optimizer step into the backward pass") steps each parameter as soon as its gradient is
 accumulated (``Tensor.register_post_accumulate_grad_hook``) and frees that gradient at once,
 so at most the gradients backward is still producing are alive. :func:`optimizer_in_backward`
-turns a built optimizer into one per parameter (the same class, the parameter's group's
-settings) behind an :class:`InBackwardOptimizer`: a ``torch.optim.Optimizer`` whose
-``param_groups`` and ``state`` are the per-parameter optimizers' own (an lr scheduler on it
-reaches them; its ``state_dict`` saves and restores them; its ``step`` and ``zero_grad`` have
-nothing left to do). ``Tricks`` does it under ``optimizer_in_backward = true``.
+turns a built optimizer into one per parameter (the same class) behind an
+:class:`InBackwardOptimizer`: a ``torch.optim.Optimizer`` with the built one's parameter groups
+(the same groups, settings and extra keys, so an lr scheduler sized to those groups runs on it)
+and the per-parameter optimizers' shared ``state``. Each per-parameter optimizer takes its
+group's settings (lr, betas, momentum, weight decay) just before its step, so what a scheduler
+writes into the groups reaches them; the built optimizer's state, where it has stepped or loaded
+one already, carries over (the same tensors, not copies: step the new optimizer only). Its
+``state_dict`` saves and restores them; its ``step`` and ``zero_grad`` have nothing left to do.
+``Tricks`` does it under ``optimizer_in_backward = true``, to your own optimizer too (an lr
+scheduler you pass ``prepare`` is moved onto it).
 
 It cannot be right where the whole gradient is needed before any step: accumulation over
 micro-batches (each backward would step), global-norm clipping (the norm needs every
 gradient), the fp16 grad scaler (it unscales and checks all gradients first), DDP / ZeRO /
-FSDP (their gradients are reduced across ranks after the local accumulation the hook sees),
-or an lr scheduler bound to the optimizer you built (the steps are taken by others):
+FSDP (their gradients are reduced across ranks after the local accumulation the hook sees):
 ``Tricks`` refuses each with one line. The NaN guard still stops the run on a non-finite
 loss, but after the step it could not wait for.
 
@@ -52,37 +56,38 @@ def optimizer_in_backward(optimizer: torch.optim.Optimizer) -> "InBackwardOptimi
     """Step ``optimizer``'s parameters inside backward, one optimizer per parameter (see the module doc)."""
     if isinstance(optimizer, InBackwardOptimizer):
         return optimizer
-    if any(optimizer.state.values()):
-        raise UserError("optimizer_in_backward: the optimizer has stepped already; convert it before the first step")
     return InBackwardOptimizer(optimizer)
 
 
 class InBackwardOptimizer(torch.optim.Optimizer):
-    """One optimizer per parameter, stepped from its gradient hook; this object holds their groups and state."""
+    """One optimizer per parameter, stepped from its gradient hook; this object holds the groups they take their
+    settings from, and their state."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         cls = type(optimizer)
         self.inner_class = cls.__name__
         self.optimizers: list[torch.optim.Optimizer] = []
-        groups = []
-        for group in optimizer.param_groups:
-            settings = {k: v for k, v in group.items() if k != "params"}
+        self._group_of: list[int] = []  # per optimizer: the index of the group it takes its settings from
+        for i, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 if p.requires_grad:
-                    opt = cls([{"params": [p], **settings}])
-                    self.optimizers.append(opt)
-                    groups.append(opt.param_groups[0])
-        if not groups:
+                    self.optimizers.append(cls([{"params": [p], **_settings(group)}]))
+                    self._group_of.append(i)
+        if not self.optimizers:
             raise UserError("optimizer_in_backward: the optimizer has no trainable parameter")
-        super().__init__([{"params": g["params"]} for g in groups], {})
-        self._link(groups)
+        super().__init__([dict(g, params=list(g["params"])) for g in optimizer.param_groups], {})
+        self._link()
+        for p, state in optimizer.state.items():  # a stepped (or loaded) optimizer goes on from where it was
+            if state:
+                self.state[p] = state
         self._paused = False
         self._handles = [opt.param_groups[0]["params"][0].register_post_accumulate_grad_hook(
-            functools.partial(self._step_and_free, opt)) for opt in self.optimizers]
+            functools.partial(self._step_and_free, opt, i)) for opt, i in zip(self.optimizers, self._group_of)]
 
-    def _step_and_free(self, opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    def _step_and_free(self, opt: torch.optim.Optimizer, i: int, p: torch.Tensor) -> None:
         if self._paused:
             return
+        opt.param_groups[0].update(_settings(self.param_groups[i]))  # what a scheduler wrote since the last step
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -96,11 +101,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         finally:
             self._paused = was
 
-    def _link(self, groups: list[dict[str, Any]]) -> None:
-        """This object's groups and state are the per-parameter optimizers' (one dict each, one shared state)."""
-        self.param_groups = groups
-        for opt, group in zip(self.optimizers, groups):
-            opt.param_groups = [group]
+    def _link(self) -> None:
+        """The per-parameter optimizers keep their state in this object's (one shared state)."""
+        for opt in self.optimizers:
             opt.state = self.state
 
     @torch.no_grad()
@@ -119,7 +122,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._link(self.param_groups)  # the load made new group dicts and a new state: hand them to the optimizers
+        self._link()  # the load made a new state: hand it to the optimizers
+        restore = getattr(self.optimizers[0], "restore_state_dtypes", None)
+        if restore is not None:  # a state kept in another dtype than the parameters' (bf16 moments)
+            restore()
 
     def remove(self) -> None:
         """Take the hooks off (the parameters are then stepped by no one)."""
@@ -131,3 +137,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 def paused(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
     """:meth:`InBackwardOptimizer.paused` for an optimizer stepped in backward; nothing for any other."""
     return optimizer.paused() if isinstance(optimizer, InBackwardOptimizer) else contextlib.nullcontext()
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's settings: all but its parameters (and their names)."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}

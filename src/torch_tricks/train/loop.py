@@ -32,7 +32,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -52,7 +52,7 @@ from torch_tricks.train.precision import autocast
 from torch_tricks.train.sharded_checkpoint import POINTER, load_sharded, save_sharded, sharded_to_resume
 from torch_tricks.train.tricks import Tricks, TrainingDiverged, _len, as_config, run_length
 
-__all__ = ["fit", "History", "TrainingDiverged", "TrainStep", "micro_batches"]
+__all__ = ["fit", "History", "TrainingDiverged", "TrainStep", "micro_batches", "samples_dataset"]
 
 
 @dataclass
@@ -125,8 +125,10 @@ def fit(
 ) -> History:
     """Train ``model`` on ``train_data`` with the switches of ``config`` (plus ``overrides``).
 
-    ``train_data``/``val_data`` are map-style datasets (the loop builds the loaders) or
-    iterables of ``(inputs, target)`` batches, e.g. DataLoaders. ``loss_fn(output,
+    ``train_data``/``val_data`` are map-style datasets (the loop builds the loaders),
+    iterables of ``(inputs, target)`` batches, e.g. DataLoaders, or a list of per-sample
+    dicts as the transformers Trainer takes them (``{"input_ids": ids, "labels": ids}``,
+    tensors or lists of equal length; collated into batches of ``batch_size``). ``loss_fn(output,
     target)`` must return the *mean* loss of its batch (default: ``--loss auto`` of
     :mod:`torch_tricks.outputs`: the output's own ``.loss``, else cross-entropy of the
     logits against class or token targets, mean squared error against float ones; the
@@ -136,7 +138,38 @@ def fit(
     """
     config = as_config(config)
     config = (config or TrainConfig()).replace(**overrides).validate()
+    train_data, val_data = samples_dataset(train_data), samples_dataset(val_data)
     return _Trainer(model, train_data, val_data, loss_fn or get_loss("auto"), optimizer, config).run()
+
+
+def samples_dataset(data: Any) -> Any:
+    """A list of per-sample dicts (the transformers Trainer's data) as a Dataset ``fit`` batches; other data as it is.
+
+    Why: ``fit`` takes a list as a list of *batches*; a list of samples would reach the
+    forward one sample at a time, without its batch dimension. A per-sample dict is told
+    from a batch by its form: a token input (``input_ids``, ``attention_mask`` ...) of one
+    dimension, an image (``pixel_values``) of three, or a value that is a number, a 0-d
+    tensor or a list (a batch holds tensors with a batch dimension).
+    """
+    if not isinstance(data, (list, tuple)) or not data or not _is_sample(data[0]):
+        return data
+    return _Samples(data)
+
+
+class _Samples(Dataset):
+    """Per-sample dicts as tensors, checked once to collate (same keys, same shapes per key) into batches."""
+
+    def __init__(self, samples: list[Any] | tuple[Any, ...]) -> None:
+        first = _sample_tensors(samples[0], 0)
+        self.samples = [first] + [_sample_tensors(s, i) for i, s in enumerate(samples[1:], start=1)]
+        for i, sample in enumerate(self.samples[1:], start=1):
+            _check_like(sample, first, i)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.samples[i]
 
 
 class TrainStep:
@@ -702,3 +735,56 @@ def _set_epoch(loader: Any, epoch: int, seed: int) -> None:
         sampler.generator.manual_seed(seed * 100_003 + epoch)
 
 
+
+
+_TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")
+_COLLATE_FIX = "pad them to one length, or pass a DataLoader with a collate_fn that pads"
+
+
+def _is_sample(item: Any) -> bool:
+    """Whether ``item`` is one sample's dict rather than a batch's (see :func:`samples_dataset`)."""
+    if not isinstance(item, Mapping) or set(item) == {"input", "target"}:
+        return False
+    tensors = {k: v for k, v in item.items() if isinstance(v, torch.Tensor)}
+    if any(_per_sample_shape(k, t) for k, t in tensors.items()) or _scalar_label(item.get("labels")):
+        return True
+    return not any(t.dim() > 0 for t in tensors.values()) and any(isinstance(v, list) for v in item.values())
+
+
+def _per_sample_shape(key: str, t: torch.Tensor) -> bool:
+    """A transformers input without its batch dimension: token ids / masks of 1 dimension, an image of 3."""
+    return (key in _TOKEN_KEYS and t.dim() == 1) or (key == "pixel_values" and t.dim() == 3)
+
+
+def _scalar_label(labels: Any) -> bool:
+    """One sample's class label (a batch's labels have a batch dimension)."""
+    if isinstance(labels, torch.Tensor):
+        return labels.dim() == 0
+    return isinstance(labels, (int, float)) and not isinstance(labels, bool)
+
+
+def _sample_tensors(sample: Any, i: int) -> dict[str, torch.Tensor]:
+    """One sample's values as tensors (a list of ids becomes an int64 tensor); a UserError for what cannot."""
+    if not isinstance(sample, Mapping):
+        raise UserError(f"fit: item {i} of the data is a {type(sample).__name__} while item 0 is a per-sample dict: "
+                        "give every sample as a dict of the same keys")
+    out = {}
+    for key, value in sample.items():
+        try:
+            out[key] = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise UserError(f"fit: sample {i}'s {key!r} is a {type(value).__name__} that does not make a tensor "
+                            f"(ragged or not numbers): {_COLLATE_FIX}, or tokenize it first") from None
+    return out
+
+
+def _check_like(sample: dict[str, torch.Tensor], first: dict[str, torch.Tensor], i: int) -> None:
+    """``sample`` stacks with sample 0: the same keys, each of the same shape."""
+    if list(sample) != list(first):
+        raise UserError(f"fit: sample {i} has the keys {', '.join(sample)}, sample 0 {', '.join(first)}: give every "
+                        "sample the same keys")
+    for key, t in sample.items():
+        if t.shape != first[key].shape:
+            raise UserError(f"fit: sample {i}'s {key!r} has shape {tuple(t.shape)}, sample 0's "
+                            f"{tuple(first[key].shape)}: samples of unequal length do not stack into a batch; "
+                            f"{_COLLATE_FIX}")

@@ -33,7 +33,7 @@ from torch_tricks._optional import install_hint, require
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 
-__all__ = ["STATES", "Bf16StateAdam", "low_precision_state", "state_bytes", "available"]
+__all__ = ["STATES", "Bf16StateAdam", "already_on", "low_precision_state", "state_bytes", "available"]
 
 STATES = ("8bit", "4bit", "bf16")
 _CLASSES = {("adamw", "8bit"): "AdamW8bit", ("adamw", "4bit"): "AdamW4bit", ("adam", "8bit"): "Adam8bit",
@@ -60,28 +60,38 @@ def available(device: torch.device) -> tuple[bool, str]:
 )
 def low_precision_state(optimizer: torch.optim.Optimizer, bits: str = "8bit") -> torch.optim.Optimizer:
     """torchao's Adam/AdamW on ``bits`` state (``"bf16"``: :class:`Bf16StateAdam`) over ``optimizer``'s parameter
-    groups and settings (a new one).
+    groups and settings (a new one; one already on that state is returned as it is).
 
-    ``optimizer`` must be a ``torch.optim.Adam`` or ``AdamW`` that has not stepped yet (its
-    state would be lost); its groups keep their lr, betas, eps, weight decay and amsgrad.
+    ``optimizer`` must be a ``torch.optim.Adam`` or ``AdamW`` (decoupled weight decay: AdamW's
+    step) that has not stepped yet: its fp32 moments have no place in the new state, so a
+    resumed run converts first and loads its saved state after. Its groups keep their lr, betas,
+    eps, weight decay, amsgrad and any other key (a scheduler's ``initial_lr``, a group's name);
+    a setting the new state cannot honour (``maximize``, ``capturable``, ``differentiable``;
+    amsgrad on bf16 state) is refused, not dropped.
     """
     if bits not in STATES:
         raise UserError(f"optimizer_state must be {' or '.join(STATES)} (or empty for the optimizer's own), "
                         f"not {bits!r}")
+    if already_on(optimizer, bits):
+        return optimizer
     kind = _adam_kind(optimizer)
-    if any(optimizer.state.values()):
-        raise UserError("low_precision_state: the optimizer has stepped already; convert it before the first step")
+    _check_carries_over(optimizer, bits)
     if bits == "bf16":
-        groups = [_group(g, lr_tensor=False) for g in optimizer.param_groups]
-        if any(g.get("amsgrad") for g in groups):
-            raise UserError("optimizer_state = bf16 has no amsgrad: build the optimizer with amsgrad=False, or use "
-                            "8bit / 4bit state")
-        return Bf16StateAdam(groups, decoupled=kind == "adamw")
+        return Bf16StateAdam([_group(g, lr_tensor=False) for g in optimizer.param_groups], decoupled=kind == "adamw")
     ao = require("torchao.optim", "deploy", f"optimizer_state = {bits}")
     cls = getattr(ao, _CLASSES[(kind, bits)])
     groups = [_group(g) for g in optimizer.param_groups]
     return cls(groups, lr=groups[0]["lr"], betas=groups[0]["betas"], eps=groups[0]["eps"],
                weight_decay=groups[0]["weight_decay"], amsgrad=groups[0].get("amsgrad", False))
+
+
+def already_on(optimizer: torch.optim.Optimizer, bits: str) -> bool:
+    """Whether ``optimizer`` keeps its state in ``bits`` already (built so by you): :func:`low_precision_state`
+    keeps it as it is."""
+    if bits == "bf16":
+        return isinstance(optimizer, Bf16StateAdam)
+    cls = type(optimizer)
+    return cls.__module__.startswith("torchao.") and cls.__name__ in {v for (_, b), v in _CLASSES.items() if b == bits}
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -99,8 +109,9 @@ class Bf16StateAdam(torch.optim.Optimizer):
     the second moment moves 0.1% a step, under bf16's 0.4% resolution. Large tensors are updated in
     slices (``2**18`` values on a CPU, ``2**22`` on a GPU, where each slice costs kernel launches), so
     the fp32 copies of a step stay a few MiB, not a copy of the largest weight. The rounding draws
-    from its own generator (``seed``), not the global one. A loaded state keeps its moments in bf16
-    (``Optimizer.load_state_dict`` casts them to the parameter's dtype; they are cast back, exactly).
+    from its own generator (``seed``), not the global one, whose state the state dict holds (a resumed run
+    rounds as the uninterrupted one). A loaded state keeps its moments in bf16 (``Optimizer.load_state_dict``
+    casts them to the parameter's dtype; they are cast back, exactly).
 
     Written here rather than taken from torchao: torchao's AdamW keeps its state in the parameter's
     dtype (bf16 state only for bf16 weights, its stochastic rounding a private function), and
@@ -129,8 +140,21 @@ class Bf16StateAdam(torch.optim.Optimizer):
                     self._update(p, group)
         return loss
 
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's optimizer state, and the rounding generators' states: a resumed run draws what this one would."""
+        return {**super().state_dict(), "rounding_rng": {str(d): g.get_state() for d, g in self._generators.items()}}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self.restore_state_dtypes()
+        here = {str(p.device) for g in self.param_groups for p in g["params"]}
+        for device, rng in (state_dict.get("rounding_rng") or {}).items():
+            if device in here:  # a state saved on another device than these parameters' starts from the seed
+                self._generator(torch.device(device)).set_state(rng.cpu())
+
+    def restore_state_dtypes(self) -> None:
+        """The moments back in bf16 after a load (``Optimizer.load_state_dict`` casts them to the parameter's
+        dtype); also what a step in backward calls after loading its per-parameter optimizers' shared state."""
         for state in self.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
@@ -174,29 +198,63 @@ class Bf16StateAdam(torch.optim.Optimizer):
     def _store(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``src`` (fp32) into ``dst`` (bf16), rounded up or down at random with the probability of its distance:
         16 random low bits added to the fp32 pattern, then cut to bf16's 16 high bits (exact in bf16)."""
-        gen = self._generators.get(src.device)
-        if gen is None:
-            gen = self._generators[src.device] = torch.Generator(src.device).manual_seed(self.seed)
-        bits = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, device=src.device, generator=gen)
+        bits = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, device=src.device,
+                             generator=self._generator(src.device))
         dst.copy_(bits.add_(src.view(torch.int32)).bitwise_and_(-65536).view(torch.float32))
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The rounding's generator on ``device``, seeded with ``seed`` on first use."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return gen
 
 
 # -- internals ------------------------------------------------------------------------------------
 
 def _adam_kind(optimizer: torch.optim.Optimizer) -> str:
-    if isinstance(optimizer, torch.optim.AdamW):
-        return "adamw"
-    if isinstance(optimizer, torch.optim.Adam):
-        return "adam"
-    raise UserError(f"optimizer_state needs Adam or AdamW (torchao quantizes their moments), not "
-                    f"{type(optimizer).__name__}: set optimizer = adamw, or leave optimizer_state empty")
+    """"adamw" or "adam": the weight decay's kind, AdamW's decoupled or Adam's L2 (Adam's own
+    ``decoupled_weight_decay=True`` is AdamW's step)."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise UserError(f"optimizer_state needs Adam or AdamW (it stores their two moments), not "
+                        f"{type(optimizer).__name__}: use torch.optim.AdamW (in the config: optimizer = adamw), or "
+                        f"leave optimizer_state empty")
+    default = isinstance(optimizer, torch.optim.AdamW)
+    decoupled = {bool(g.get("decoupled_weight_decay", default)) for g in optimizer.param_groups}
+    if len(decoupled) > 1:
+        raise UserError("optimizer_state: the optimizer's groups mix decoupled (AdamW) and L2 (Adam) weight decay, "
+                        "which one low-precision optimizer cannot: give every group the same decoupled_weight_decay")
+    return "adamw" if decoupled.pop() else "adam"
+
+
+# Settings of torch's Adam/AdamW the low-precision optimizers have no such switch for: True is refused, not dropped.
+_NOT_CARRIED = {"maximize": "it would minimise", "capturable": "CUDA graphs", "differentiable": "autograd through "
+                "the step"}
+# torch's implementation switches (the new optimizer has its own step), left out of the new groups.
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable", "maximize", "decoupled_weight_decay")
+
+
+def _check_carries_over(optimizer: torch.optim.Optimizer, bits: str) -> None:
+    """Refuse what the new optimizer could not keep: a state (it has stepped), or a setting it has no switch for."""
+    name = type(optimizer).__name__
+    if any(optimizer.state.values()):
+        raise UserError(f"optimizer_state = {bits} builds a new optimizer on low-precision state, and the state your "
+                        f"{name} holds (it has stepped, or loaded a state dict) cannot carry over: convert it before "
+                        "its first step (tricks.prepare() first), then resume from a state saved after converting")
+    for key, what in _NOT_CARRIED.items():
+        if any(g.get(key) for g in optimizer.param_groups):
+            raise UserError(f"optimizer_state = {bits} has no {key} ({what}): build your {name} with {key}=False, or "
+                            "leave optimizer_state empty")
+    if bits == "bf16" and any(g.get("amsgrad") for g in optimizer.param_groups):
+        raise UserError("optimizer_state = bf16 has no amsgrad: build the optimizer with amsgrad=False, or use "
+                        "8bit / 4bit state")
 
 
 def _group(g: dict[str, Any], lr_tensor: bool = True) -> dict[str, Any]:
-    """One group: its parameters and settings; for torchao lr as a tensor (its step requires it; an lr scheduler
-    fills it in place)."""
-    keep = ("lr", "betas", "eps", "weight_decay", "amsgrad")
-    out = {"params": list(g["params"]), **{k: g[k] for k in keep if k in g}}
+    """One group: its parameters, settings and other keys (an lr scheduler's 'initial_lr', a name), without torch's
+    implementation switches; for torchao lr as a tensor (its step requires it; an lr scheduler fills it in place)."""
+    out = {k: v for k, v in g.items() if k not in _IMPLEMENTATION}
+    out["params"] = list(g["params"])
     out["lr"] = torch.tensor(float(g["lr"])) if lr_tensor else float(g["lr"])
     return out
 

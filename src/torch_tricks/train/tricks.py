@@ -23,8 +23,10 @@ loop gets. Each switch of :class:`TrainConfig` is applied at the one place it be
   channels_last), then the wrappers (DDP, FSDP2 per block under ``distributed = fsdp``,
   compile); the optimizer (a ZeroRedundancyOptimizer under ``zero1``; built from the config
   with no-decay groups when you pass none; yours switched to its fused step in place, so
-  your own scheduler stays bound to it); the lr schedule (warm-up/cosine) when the config
-  asks for one; the grad scaler (fp16) and the EMA;
+  your own scheduler stays bound to it, or, under ``optimizer_state`` / ``optimizer_in_backward``,
+  rebuilt with the same groups and settings, your scheduler moved onto the new one and the
+  old one's ``step`` retired); the lr schedule (warm-up/cosine) when the config asks for one;
+  the grad scaler (fp16) and the EMA;
 * :meth:`autocast`: the forward's precision, and ``no_sync`` under DDP on every
   micro-batch but a group's last;
 * :meth:`backward`: the loss divided by ``accumulate`` (``fit`` passes each micro-batch's
@@ -35,6 +37,10 @@ loop gets. Each switch of :class:`TrainConfig` is applied at the one place it be
 
 :meth:`state_dict` holds what a resume needs: model, optimizer, scheduler, scaler, EMA,
 the step count and the accumulation position (with the gradients of a half-done group).
+In an Accelerate loop (``Tricks(..., accelerator=accelerator)``, the Accelerator stepping
+the optimizer), :meth:`after_step` follows the Accelerator's real steps only, and
+:meth:`checkpointable` is the part of the state the Accelerator does not save itself, for
+``accelerator.register_for_checkpointing``.
 
 Written here rather than taken from Accelerate: Accelerate has no activation
 checkpointing, channels_last, EMA, NaN guard or fused-optimizer switches, and the same
@@ -73,7 +79,7 @@ from torch_tricks.train.in_backward import optimizer_in_backward
 from torch_tricks.train.lm_loss import chunk_lm_loss
 from torch_tricks.train.offload import check_device as check_offload_device
 from torch_tricks.train.offload import offload_activations
-from torch_tricks.train.optim_state import low_precision_state
+from torch_tricks.train.optim_state import already_on, low_precision_state
 from torch_tricks.train.memory import (
     checkpoint_blocks,
     checkpoint_sequential_sqrt,
@@ -83,13 +89,14 @@ from torch_tricks.train.memory import (
 from torch_tricks.train.optim import _fused_devices, build_optimizer, param_groups
 from torch_tricks.train.precision import autocast as precision_autocast
 from torch_tricks.train.precision import check_precision, make_grad_scaler, scaler_step
+from torch_tricks.train.rebuild import check_scheduler, move_scheduler, retire
 from torch_tricks.train.schedule import scale_lr, warmup_schedule
 from torch_tricks.train.sharded_checkpoint import last_sharded, load_sharded, save_sharded
 from torch_tricks.train.sharding import shard_fsdp, zero1_optimizer
 from torch_tricks.train.speed import channels_last, compile_model, cudnn_benchmark, keep_heap
 from torch_tricks.train.syncbn import convert_sync_batchnorm
 
-__all__ = ["Tricks", "TrainingDiverged", "apply_model_switches", "config_optimizer", "config_scheduler"]
+__all__ = ["Tricks", "TricksState", "TrainingDiverged", "apply_model_switches", "config_optimizer", "config_scheduler"]
 
 
 class TrainingDiverged(UserError):
@@ -97,11 +104,16 @@ class TrainingDiverged(UserError):
 
 
 class Tricks:
-    """The step of a :class:`TrainConfig` (a path to its TOML/YAML file, a dict, or keyword overrides)."""
+    """The step of a :class:`TrainConfig` (a path to its TOML/YAML file, a dict, or keyword overrides).
 
-    def __init__(self, config: TrainConfig | dict[str, Any] | str | os.PathLike[str] | None = None,
-                 **overrides: Any) -> None:
+    ``accelerator``: the Accelerate ``Accelerator`` of a loop where it steps the optimizer (not a
+    config key): :meth:`after_step` then does nothing on a micro-batch it did not step on.
+    """
+
+    def __init__(self, config: TrainConfig | dict[str, Any] | str | os.PathLike[str] | None = None, *,
+                 accelerator: Any = None, **overrides: Any) -> None:
         self.config = (as_config(config) or TrainConfig()).replace(**overrides).validate()
+        self.accelerator = accelerator
         self.applied: list[str] = []  # the switches that took effect, in order
         self.model: nn.Module | None = None  # what to call: the prepared model under its wrappers
         self.unwrapped_model: nn.Module | None = None  # the prepared module whose parameters train
@@ -125,14 +137,19 @@ class Tricks:
         """``(model, optimizer, *extra)`` ready for the loop.
 
         ``optimizer``: yours (switched to its fused step in place when the config asks and
-        PyTorch has one), a callable ``params -> optimizer``, or None to build
-        ``config.optimizer`` with no-decay groups. ``extra``: your lr scheduler (stepped by
-        :meth:`step`) and/or DataLoaders (given a DistributedSampler under ``torchrun``),
-        returned in the order given. A schedule of the config (warm-up, cosine) is built
-        when you pass no scheduler; its length is ``total_steps``, else ``max_steps``, else
-        ``epochs`` x the steps of the first DataLoader given.
+        PyTorch has one; under ``optimizer_state`` or ``optimizer_in_backward`` rebuilt with
+        its groups and settings: use the one returned, the old one's ``step`` raises), a
+        callable ``params -> optimizer``, or None to build ``config.optimizer`` with no-decay
+        groups. ``extra``: your lr scheduler, built on your optimizer (stepped by :meth:`step`;
+        moved onto a rebuilt optimizer), and/or DataLoaders (given a DistributedSampler under
+        ``torchrun``), returned in the order given. A schedule of the config (warm-up, cosine)
+        is built when you pass no scheduler; its length is ``total_steps``, else ``max_steps``,
+        else ``epochs`` x the steps of the first DataLoader given.
         """
         self._check_can_prepare(model)
+        out = [self._prepare_extra(obj) for obj in extra]
+        if self.scheduler is not None:  # before anything changes: a scheduler that cannot follow is refused first
+            check_scheduler(self.scheduler, optimizer, self._rebuilt_by(optimizer))
         self.unwrapped_model = self._prepare_model(model)
         fsdp_ema = self._fsdp_mode() and self.config.ema
         if fsdp_ema:  # the average is copied from the whole model, then sharded as the model is
@@ -141,7 +158,8 @@ class Tricks:
         if fsdp_ema:
             self._shard(self.ema.module)
         self.optimizer = self._build_optimizer(optimizer)
-        out = [self._prepare_extra(obj) for obj in extra]
+        if isinstance(optimizer, torch.optim.Optimizer) and self.optimizer is not optimizer:
+            self._hand_over(optimizer)
         if self.scheduler is None:
             self.scheduler = self._build_scheduler(total_steps, _first_loader(out))
         if not fsdp_ema:
@@ -188,12 +206,28 @@ class Tricks:
         if not self._all_finite(loss.detach().float()):
             self._diverged(loss.detach())
 
-    def after_step(self) -> None:
+    def after_step(self) -> bool:
         """After an optimizer step your code took: the config's lr schedule and EMA follow it, and it is counted
-        (``step_count``)."""
+        (``step_count``); True. With an ``accelerator``: nothing on a micro-batch it did not step on
+        (``sync_gradients`` false), and a step its fp16 scaler skipped is counted (``skipped_steps``) but moves
+        neither the schedule nor the EMA; False for both."""
         self._need_prepare()
+        acc = self.accelerator
+        if acc is not None and not acc.sync_gradients:
+            return False
         self.step_count += 1
+        if acc is not None and getattr(acc, "optimizer_step_was_skipped", False):
+            self.skipped_steps += 1
+            return False
         self._after_step()
+        return True
+
+    def checkpointable(self) -> "TricksState":
+        """The part of the state an Accelerator does not save itself (step count, lr schedule, EMA with its update
+        count, grad scaler; not the model or optimizer): ``accelerator.register_for_checkpointing(
+        tricks.checkpointable())`` saves and restores it with ``save_state`` / ``load_state``."""
+        self._need_prepare()
+        return TricksState(self)
 
     # -- around the loop -----------------------------------------------------------------------
     @property
@@ -369,10 +403,6 @@ class Tricks:
                             f"got {type(obj).__name__}")
         if self.scheduler is not None:
             raise UserError("prepare() got two lr schedulers: give one")
-        if self.config.optimizer_in_backward:
-            raise UserError("optimizer_in_backward steps with one optimizer per parameter, which a scheduler bound to "
-                            "your optimizer does not reach: pass prepare() no scheduler (config.schedule), or build "
-                            "it on the optimizer prepare() returns")
         self.scheduler = obj
         return obj
 
@@ -483,17 +513,35 @@ class Tricks:
         return self._config_optimizer()
 
     def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The user's own optimizer, switched to its fused step in place when the config asks."""
+        """The user's own optimizer: rebuilt on low-precision state with its groups and settings when the config
+        asks (torchao and bf16 have their own step), else switched to its fused step in place when it asks."""
         cfg = self.config
         if self._sharded_mode():
             raise UserError(f"under distributed = {cfg.distributed} Tricks builds the optimizer it shards: pass "
                             "prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
         if cfg.optimizer_state:
-            raise UserError(f"optimizer_state = {cfg.optimizer_state} builds the optimizer on low-precision state: pass "
-                            "prepare() no optimizer (config.optimizer) or a callable params -> optimizer")
+            return self._low_precision_state(optimizer)
         if cfg.fused_optimizer:
             self.applied.append(_fast_step_note(_switch_to_fast_step(optimizer)))
         return optimizer
+
+    def _rebuilt_by(self, optimizer: Any) -> str:
+        """The switches that rebuild your ``optimizer`` into a new one ("" where prepare() keeps it)."""
+        cfg = self.config
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return ""
+        why = []
+        if cfg.optimizer_state and not already_on(optimizer, cfg.optimizer_state):
+            why.append(f"optimizer_state = {cfg.optimizer_state}")
+        if cfg.optimizer_in_backward:
+            why.append("optimizer_in_backward")
+        return " and ".join(why)
+
+    def _hand_over(self, old: torch.optim.Optimizer) -> None:
+        """Your optimizer was rebuilt: the scheduler you gave drives the new one, and the old one steps no more."""
+        if self.scheduler is not None:
+            move_scheduler(self.scheduler, self.optimizer)
+        retire(old, self._rebuilt_by(old))
 
     def _trainable(self) -> list[nn.Parameter]:
         return [p for p in self.unwrapped_model.parameters() if p.requires_grad]
@@ -590,6 +638,45 @@ class Tricks:
     def _need_prepare(self) -> None:
         if self.optimizer is None:
             raise UserError("call tricks.prepare(model, optimizer) first")
+
+
+class TricksState:
+    """The part of a :class:`Tricks`' state an Accelerator does not save itself: the step count (and fp16-skipped
+    steps), the lr schedule, the EMA with its update count and the grad scaler; not the model and the optimizer.
+    What :meth:`Tricks.checkpointable` returns, for ``accelerator.register_for_checkpointing``."""
+
+    def __init__(self, tricks: Tricks) -> None:
+        self.tricks = tricks
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.tricks
+        return {
+            "step_count": t.step_count,
+            "skipped_steps": t.skipped_steps,
+            "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
+            "ema": t.ema.state_dict() if t.ema is not None else None,
+            "scaler": t.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a schedule or EMA on one side only is refused (the run would not go on as
+        it was)."""
+        t = self.tricks
+        missing = [k for k in ("step_count", "scheduler", "ema", "scaler") if k not in state] \
+            if isinstance(state, dict) else ["step_count"]
+        if missing:
+            raise UserError(f"not the state of tricks.checkpointable() (no {', '.join(missing)}): load what its "
+                            "state_dict() returned")
+        _same_side("an lr schedule", state["scheduler"], t.scheduler,
+                   "the same schedule (config.schedule / warmup_steps, or your scheduler given to prepare())")
+        _same_side("an EMA", state["ema"], t.ema, "the same ema setting")
+        if t.scheduler is not None:
+            t.scheduler.load_state_dict(state["scheduler"])
+        if t.ema is not None:
+            t.ema.load_state_dict(state["ema"])
+        t.scaler.load_state_dict(state["scaler"])
+        t.step_count = int(state["step_count"])
+        t.skipped_steps = int(state.get("skipped_steps", 0))
 
 
 def apply_model_switches(model: nn.Module, config: TrainConfig, *, distributed: bool = False,
@@ -736,6 +823,13 @@ def _can_fuse(opt: torch.optim.Optimizer) -> bool:
 
 def _fusable_param(p: torch.Tensor) -> bool:
     return p.device.type in _fused_devices() and p.is_floating_point() and not p.is_sparse
+
+
+def _same_side(what: str, saved: Any, here: Any, fix: str) -> None:
+    """One line where the saved state and this Tricks disagree on having ``what``."""
+    if (saved is None) != (here is None):
+        has, lacks = ("the saved state", "this Tricks") if saved is not None else ("this Tricks", "the saved state")
+        raise UserError(f"{has} has {what} and {lacks} has none: resume with {fix}")
 
 
 def _first_loader(objs: list[Any]) -> Any:

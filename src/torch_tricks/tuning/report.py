@@ -23,11 +23,12 @@ from torch_tricks._optional import available, install_hint
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.tuning.efficiency import Efficiency
 from torch_tricks.tuning.race import margin
+from torch_tricks.tuning.record import model_table
 
 __all__ = ["Result", "TuneReport"]
 
 # The two ways to use a tune's result, shown in tricks.toml's header and report.md.
-# The config keys the tuner decides; tricks.toml states every one of them.
+# The config keys the tuner decides; tricks.toml states those of the tricks it measured (issue 34: no others).
 TUNED_KEYS = ("precision", "channels_last", "checkpointing", "compile", "fused_optimizer", "inplace",
               "memory_efficient_bn", "accumulate", "cudnn_benchmark", "ema", "deterministic", "chunked_lm_loss",
               "optimizer_in_backward", "offload_activations")
@@ -150,26 +151,39 @@ class TuneReport:
     distributed: dict[str, Any] | None = None  # the ddp/zero1/fsdp rows (tune --processes N, or under torchrun)
     run_steps: int | None = None  # the training run's optimizer steps a one-off cost (compile) must pay back within
     run_steps_source: str = ""  # "given" (tune(steps=...)) or "assumed"
+    model_record: dict[str, Any] | None = None  # what the tune ran on (tricks.toml's [model]; see tuning.record)
 
     # -- the recommended configuration ------------------------------------------------------
     def recommended_config(self, which: str = "throughput") -> dict[str, Any]:
-        """The TrainConfig keys of the chosen configuration: every tuned switch, the optimizer and the batch.
+        """The TrainConfig keys the tune decided for the chosen configuration, and no others.
 
-        ``batch_size`` is the loader batch ``fit`` takes: the tuned batch divided by
-        ``accumulate``, so the effective batch is the one measured (for ``which="batch"``,
-        the estimated largest batch).
+        Each switch of a trick it measured (on, where the chosen configuration has it, else as
+        the plain step had it); the optimizer where the tune's was not the default adamw, or a
+        decided key needs it; ``batch_size`` where the configuration changes the loader batch
+        (accumulation, ranks, the largest batch): the tuned batch divided by ``accumulate``, so
+        the effective batch is the one measured. A key not decided is not written, so a trainer
+        given the file keeps its own value (issue 34).
         """
         best = self.best_throughput if which == "throughput" else self.best_batch
-        cfg = _plain_switches()
-        if not self.own_optimizer:
+        chosen = best.changes if best else {}
+        plain = _plain_switches()
+        cfg = {k: plain[k] for k in TUNED_KEYS if k in self._decided_keys()}
+        cfg.update(chosen)
+        if not self.own_optimizer and (self.optimizer != TrainConfig.optimizer or cfg.get("optimizer_state")):
             cfg["optimizer"] = self.optimizer
-        cfg.update(best.changes if best else {})
         batch = self._tuned_batch(which, best)
         mode = self.distributed_choice() if which == "throughput" else None
         if mode is not None:  # fit's batch_size is per rank: the ranks together take the tuned global batch
             cfg["distributed"], batch = self._distributed_setting(mode, batch)
-        cfg["batch_size"] = max(batch // int(cfg.get("accumulate", 1)), 1)
+        loader_batch = max(batch // int(cfg.get("accumulate", 1)), 1)
+        if loader_batch != self.batch:
+            cfg["batch_size"] = loader_batch
         return cfg
+
+    def _decided_keys(self) -> set[str]:
+        """The tuned keys of the tricks measured (whether or not chosen): the ones the tune has an answer for."""
+        return {k for r in self.results + self.combos if r.status.startswith("measured") for k in r.changes
+                if k in TUNED_KEYS}
 
     def _tuned_batch(self, which: str, best: Result | None) -> int:
         """The batch measured, or for the largest-batch configuration the largest batch that ran under the limit."""
@@ -194,7 +208,7 @@ class TuneReport:
         """The switches the recommendation turns on (``key=value`` for non-boolean ones)."""
         cfg = self.recommended_config(which)
         plain = _plain_switches()
-        out = [k if cfg[k] is True else f"{k}={cfg[k]}" for k in TUNED_KEYS if cfg[k] != plain[k]]
+        out = [k if cfg[k] is True else f"{k}={cfg[k]}" for k in TUNED_KEYS if cfg.get(k, plain[k]) != plain[k]]
         if cfg.get("distributed") not in (None, "off"):
             out.append(f"distributed={cfg['distributed']}")
         return out
@@ -205,12 +219,14 @@ class TuneReport:
         on = self.recommended_tricks(which)
         head = f"# torch-tricks tune: {self.model}, batch {self.batch}, {self.device}, {self.optimizer}"
         lines = [head, f"# chosen for {self._chosen_for(which)}",
-                 f"# switched on: {', '.join(on) if on else 'nothing'}; every tuned switch is stated",
+                 f"# switched on: {', '.join(on) if on else 'nothing'}; [train] holds only the keys the tune "
+                 "decided (a trainer keeps its own value of any other)",
                  *self._distributed_header(which),
                  *(self._toml_reasons() if which == "throughput" else []),
                  *("# " + line if line else "#" for line in HOW_TO_APPLY.splitlines()),
                  "[train]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in cfg.items()]
+        lines += model_table(self.model_record, self.model)  # after [train]: load_config reads [train] only
         return "\n".join(lines) + "\n"
 
     def _chosen_for(self, which: str) -> str:
@@ -293,6 +309,9 @@ class TuneReport:
             r.decision, r.why, r.advice = self._explain(r)
             pb = self._compile_payback(r)
             r.break_even_steps = pb["steps"] if pb else None
+            target = self._on_top_target(r)
+            if target is not None:
+                r.verdict = self._on_top_verdict(target) or r.verdict
         if self.baseline is not None:
             b = self.baseline
             b.decision, b.why, b.advice = self._explain(b)
@@ -439,15 +458,33 @@ class TuneReport:
 
     def _explain_compile_row(self, r: Result) -> tuple[str, str, str] | None:
         """The compile row: its figures are the +compile one's, so is its verdict."""
-        if not r.reason.startswith("measured on top of"):
-            return None
-        target = self._by_name(r.reason.rsplit("see ", 1)[-1])
-        if target is None or target is r:
+        target = self._on_top_target(r)
+        if target is None:
             return None
         decision, why, advice = self._explain(target)
         if decision == "recommended":
             return "part of the recommendation", f"switched on in {target.name}, the recommendation", ""
         return decision, f"{r.reason}: {why}", advice
+
+    def _on_top_target(self, r: Result) -> Result | None:
+        """The row a compile row points at ("measured on top of X: see X+compile"); None for any other row."""
+        if not r.reason.startswith("measured on top of"):
+            return None
+        target = self._by_name(r.reason.rsplit("see ", 1)[-1])
+        return None if target is None or target is r else target
+
+    def _on_top_verdict(self, target: Result) -> str | None:
+        """The compile row's word: what compile did on top of the configuration it was measured on
+        (``target``'s ratio to it), not the speed of that configuration against plain."""
+        ratio, ref = target.vs_current, target.vs_current_name
+        if target.status != "measured" or not ref or not _measured(ratio):
+            return None
+        if not self._drift_ok(target):
+            return "drifts"
+        m = self._margin(target.vs_current_half_ci)
+        if ratio < 1 - m:
+            return f"faster than {ref}"
+        return f"slower than {ref}" if ratio > 1 + m else f"no measurable change on top of {ref}"
 
     def _explain_chosen(self, r: Result) -> tuple[str, str, str] | None:
         """The recommendation, or a trick it switches on."""
@@ -538,9 +575,12 @@ class TuneReport:
             return None
         if not _measured(ratio):
             return "not recommended", f"not compared with {ref}, which it extends", ""
-        if ratio < 1 - self._margin(half):
+        m = self._margin(half)
+        if ratio < 1 - m:
             return None
-        reaches = _measured(half) and ratio + half >= 1
+        if ratio > 1 + m:
+            return "not recommended", f"slower than {ref}, which it extends: {_speed_of(ratio, half, ref)}{cost}", ""
+        reaches = _measured(half) and ratio - half <= 1 <= ratio + half
         overlap = " (its interval reaches 1.00x: the two overlap)" if reaches else ""
         return ("not recommended", f"inside the noise of {ref}, which it extends: {_speed_of(ratio, half, ref)}"
                 f"{overlap}; {self._the_margin(half)}{cost}", self._open_advice(r))
@@ -563,11 +603,13 @@ class TuneReport:
         if not (r.vs_current_name or _among(r, self.combos)):
             return None
         best, ref = self.best_throughput, r.vs_current_name or "plain"
+        speed = (_speed_of(r.vs_current, r.vs_current_half_ci, ref) if r.vs_current_name
+                 else _speed_of(r.ratio, r.ratio_half_ci, ref))
         if best is not None and best.name != ref:
-            return ("not recommended", f"faster than {ref}, which it extends, but the recommendation (after more "
-                    f"rounds) is {best.name}, on top of which it was not measured",
+            return ("not recommended", f"faster than {ref}, which it extends: {speed}, but the recommendation (after "
+                    f"more rounds) is {best.name}, on top of which it was not measured",
                     "raise --budget-seconds (a longer tune settles the best first)")
-        return "not recommended", f"faster than {ref}, but {best.name if best else 'plain'} was kept", ""
+        return "not recommended", f"faster than {ref}: {speed}, but {best.name if best else 'plain'} was kept", ""
 
     def _explain_against_best(self, r: Result) -> tuple[str, str, str]:
         """A single trick, faster than plain but not the fastest: why the best was kept instead."""
@@ -891,6 +933,7 @@ class TuneReport:
             "efficiency": self.efficiency, "mfu": {k: r["mfu"] for k, r in (self.efficiency or {}).get("rows", {}).items()},
             "distributed": _finite(self.distributed),
             "run_steps": self.run_steps, "run_steps_source": self.run_steps_source,
+            "model_record": self.model_record,
             "verdicts": verdicts,
         }
 

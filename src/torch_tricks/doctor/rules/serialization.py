@@ -1,12 +1,15 @@
-"""Rules about reading checkpoints: ``torch.load`` without ``map_location`` or ``weights_only``.
+"""Rules about checkpoints: ``torch.load`` without ``map_location`` or ``weights_only``, ``torch.save`` of a
+whole module; and what a ``torch.load`` reads as far as the file shows (:func:`loaded_checkpoint`), which
+TT111's message and ``doctor --fix`` both go by.
 """
 
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from typing import Iterator
 
-from torch_tricks.doctor.analysis import MODULE_ONLY_METHODS, FileAnalysis, kwarg, pos
+from torch_tricks.doctor.analysis import MODULE_ONLY_METHODS, FileAnalysis, called_method, end, is_name, kwarg, pos
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 
@@ -86,13 +89,18 @@ class TorchLoadWithoutWeightsOnly(StaticRule):
     name = "torch-load-without-weights-only"
     severity = "warning"
     source = "X (torch.load without weights_only); T26"
-    message = ("torch.load without weights_only (its default changed in torch 2.6): pass weights_only=True, "
-               "or False only for trusted files")
+    message = ("torch.load without weights_only: its default is True only since torch 2.6, and True refuses pickled "
+               "objects: pass weights_only=True for tensors/state_dicts, False only for a trusted file")
     explanation = ("torch.load unpickles the file. Before torch 2.6 the default, weights_only=False, runs any "
-                   "code an untrusted checkpoint carries; from 2.6 the default is True and checkpoints that hold "
-                   "other Python objects fail to load. Saying it explicitly makes the load safe and the same on "
-                   "every version. Fix: torch.load(f, map_location='cpu', weights_only=True); weights_only=False "
-                   "only for files you trust. Quiet where the code already chose weights_only loading: inside "
+                   "code an untrusted checkpoint carries; from 2.6 the default is True, which loads tensors, "
+                   "state_dicts and plain numbers/strings/containers but refuses other Python objects: a file "
+                   "written by torch.save(model, path) (a whole pickled nn.Module) no longer loads without "
+                   "weights_only=False. Saying it explicitly makes the load the same on every version. The message "
+                   "says what the file shows about the checkpoint: the torch.save that writes the same path (or "
+                   "buffer), or the result handed to load_state_dict. Fix: torch.load(f, map_location='cpu', "
+                   "weights_only=True) for tensors and state_dicts (`doctor --fix` writes it only there); for a "
+                   "whole module, weights_only=False for a file you trust, or better save model.state_dict() and "
+                   "load that into the model. Quiet where the code already chose weights_only loading: inside "
                    "torch.serialization.safe_globals(...), in a file that calls add_safe_globals, and in the "
                    "fallback of a load that passes weights_only (an except after it, the other branch of a version "
                    "check).")
@@ -101,7 +109,7 @@ class TorchLoadWithoutWeightsOnly(StaticRule):
         allowlist = _adds_safe_globals(f)
         for call in _calls_of(f, "torch.load"):
             if kwarg(call, "weights_only") is None and not allowlist and not _weights_only_meant(f, call):
-                yield call, self.message
+                yield call, weights_only_message(loaded_checkpoint(f, call))
 
 
 def _adds_safe_globals(f: FileAnalysis) -> bool:
@@ -148,6 +156,278 @@ def _passes_weights_only(f: FileAnalysis, nodes: list[ast.AST]) -> bool:
     """Some ``torch.load`` in the statements ``nodes`` passes weights_only."""
     return any(isinstance(n, ast.Call) and f.qualname(n.func) == "torch.load" and kwarg(n, "weights_only")
                is not None for stmt in nodes for n in ast.walk(stmt))
+
+
+# --------------------------------------------------------------------------- what a torch.load reads
+
+WEIGHTS, MODULE, OBJECT, UNKNOWN = "weights", "module", "object", "unknown"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a ``torch.load`` reads, as far as the file shows, and where it shows it. ``holds`` is
+    ``weights`` (what weights_only=True loads: tensors, state_dicts, numbers and strings, in lists, tuples
+    and dicts), ``module`` (a whole pickled nn.Module), ``object`` (something else torch.save pickled)
+    or ``unknown`` (the file does not write it, nor hands the result to ``load_state_dict``)."""
+
+    holds: str
+    line: int = 0  # the torch.save (or the load_state_dict) that shows it
+    saved: str = ""  # what that torch.save stores, as written
+
+
+def loaded_checkpoint(f: FileAnalysis, call: ast.Call) -> Checkpoint:
+    """What the ``torch.load`` ``call`` reads: decided by the ``torch.save`` calls of the file that
+    write the same path or buffer (a whole module among them decides), else by the result being
+    handed to ``load_state_dict`` (a state_dict). Shared by TT111 and ``doctor --fix``, which adds
+    weights_only=True only to ``weights``: on anything else it would break the load on an older torch
+    or say what the file does not show."""
+    saves = [(save, _saved_holds(f, save)) for save in _saves_to(f, kwarg(call, "f", 0))]
+    module = next((s for s in saves if s[1] == MODULE), None)
+    if module is not None:
+        return _checkpoint(module)
+    if saves and all(holds == WEIGHTS for _, holds in saves):
+        return _checkpoint(saves[0])
+    use = _state_dict_use(f, call)
+    if use is not None:
+        return Checkpoint(WEIGHTS, use.lineno)
+    return _checkpoint(next(s for s in saves if s[1] == OBJECT)) if saves else Checkpoint(UNKNOWN)
+
+
+def weights_only_message(c: Checkpoint) -> str:
+    """TT111's message for a load of ``c``: the fix that keeps that load working."""
+    if c.holds == WEIGHTS:
+        shown = f"saved on line {c.line}" if c.saved else f"handed to load_state_dict on line {c.line}"
+        return (f"torch.load without weights_only of tensors/state_dicts ({shown}): pass weights_only=True, the "
+                f"default only since torch 2.6 (older torch runs any code a file carries)")
+    if c.holds == MODULE:
+        return (f"torch.load of a whole pickled module ({c.saved} saved on line {c.line}) fails under "
+                f"weights_only=True, the default since torch 2.6: pass weights_only=False for a trusted file, or "
+                f"save {c.saved}.state_dict() and load that into the model")
+    if c.holds == OBJECT:
+        return (f"torch.load without weights_only of what torch.save stores on line {c.line} ({c.saved}), not shown "
+                f"to be only tensors/state_dicts: pass weights_only=True if it is, else weights_only=False for a "
+                f"trusted file (the default since torch 2.6, True, refuses other objects)")
+    return ("torch.load without weights_only of a file whose contents this code does not show: check what it "
+            "holds, then pass weights_only=True (tensors, state_dicts: the default since torch 2.6) or False (a "
+            "trusted file of other pickled objects, which the default refuses)")
+
+
+def _checkpoint(save: tuple[ast.Call, str]) -> Checkpoint:
+    call, holds = save
+    obj = kwarg(call, "obj", 0)
+    return Checkpoint(holds, call.lineno, ast.unparse(obj) if obj is not None else "the object")
+
+
+def _saves_to(f: FileAnalysis, src: ast.AST | None) -> list[ast.Call]:
+    """The ``torch.save`` calls of the file that write where ``src`` (a load's file) reads: the same
+    path or buffer, spelled the same with its names bound the same (see :func:`_path_key`)."""
+    if src is None:
+        return []
+    if "torch.save targets" not in f.memo:
+        f.memo["torch.save targets"] = [(save, _path_key(f, dst)) for save in _calls_of(f, "torch.save")
+                                        if (dst := kwarg(save, "f", 1)) is not None]
+    key = _path_key(f, src)
+    return [save for save, dst in f.memo["torch.save targets"] if dst == key]
+
+
+_KEY_DEPTH = 8
+
+
+def _path_key(f: FileAnalysis, node: object, depth: int = 0) -> object:
+    """A value equal for two expressions that name the same file or buffer: the expression's
+    structure, with each name replaced by what it was assigned (a path string, ``os.path.join(...)``),
+    the ``open(...)`` it was opened by, or else its binding (a parameter, a loop variable)."""
+    if isinstance(node, ast.Name):
+        return _name_key(f, node, depth)
+    if isinstance(node, ast.expr_context):
+        return None
+    if isinstance(node, ast.AST):
+        return (type(node).__name__,) + tuple(_path_key(f, getattr(node, k, None), depth) for k in node._fields)
+    if isinstance(node, list):
+        return tuple(_path_key(f, n, depth) for n in node)
+    return node  # a constant's value
+
+
+def _name_key(f: FileAnalysis, node: ast.Name, depth: int) -> object:
+    b = f.lookup(node)
+    if b is None:
+        return ("name", node.id)  # bound nowhere in the file: the same global everywhere
+    value = _opened_file(f, node, b) if b[1] == "value" and b[2] is None else f.binding_value(node)
+    if value is not None and depth < _KEY_DEPTH and not _new_buffer(f, value):
+        return _path_key(f, value, depth + 1)
+    return ("name", node.id, b[0], id(b[2]))
+
+
+def _new_buffer(f: FileAnalysis, value: ast.AST) -> bool:
+    """``value`` makes a new ``io.BytesIO``: each one is another buffer, however it is spelled."""
+    return isinstance(value, ast.Call) and f.qualname(value.func) == "io.BytesIO"
+
+
+def _opened_file(f: FileAnalysis, node: ast.Name, b: tuple) -> ast.AST | None:
+    """The file ``node`` was opened from, when its binding ``b`` is ``with open(file, ...) as node``."""
+    for block in f.nodes[ast.With] + f.nodes[ast.AsyncWith]:
+        for item in block.items:
+            ctx = item.context_expr
+            if is_name(item.optional_vars, node.id) and end(ctx) == b[0] and _is_open(f, ctx):
+                return kwarg(ctx, "file", 0)
+    return None
+
+
+def _is_open(f: FileAnalysis, node: ast.AST) -> bool:
+    """``node`` calls the builtin ``open`` (or ``io.open``)."""
+    if not isinstance(node, ast.Call):
+        return False
+    q = f.qualname(node.func)
+    return q in ("io.open", "builtins.open") or (q is None and is_name(node.func, "open"))
+
+
+def _saved_holds(f: FileAnalysis, save: ast.Call) -> str:
+    """What the ``torch.save`` call ``save`` stores: ``module``, ``weights`` or ``object``."""
+    obj = kwarg(save, "obj", 0)
+    if obj is None:
+        return OBJECT
+    if _is_module(f, obj):
+        return MODULE
+    return WEIGHTS if _loads_weights_only(f, obj) else OBJECT
+
+
+def _loads_weights_only(f: FileAnalysis, node: ast.AST, depth: int = 0) -> bool:
+    """``node`` evaluates to what weights_only=True loads: a tensor, a state_dict, a number or a
+    string, or a list, tuple, set or dict (with constant keys) of these."""
+    if depth > _KEY_DEPTH:
+        return False
+    if isinstance(node, ast.Dict):
+        return all(isinstance(k, ast.Constant) for k in node.keys) and _all_load(f, node.values, depth)
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return not any(isinstance(e, ast.Starred) for e in node.elts) and _all_load(f, node.elts, depth)
+    if isinstance(node, ast.IfExp):
+        return _all_load(f, [node.body, node.orelse], depth)
+    if isinstance(node, ast.Name):
+        return _name_loads(f, node, depth)
+    return _is_state_dict(node) or _tensor_value(f, node) or _plain_value(f, node, depth)
+
+
+def _all_load(f: FileAnalysis, nodes: list[ast.AST], depth: int) -> bool:
+    return all(_loads_weights_only(f, n, depth + 1) for n in nodes)
+
+
+def _name_loads(f: FileAnalysis, node: ast.Name, depth: int) -> bool:
+    """The variable ``node`` holds what weights_only=True loads: by its assigned value (a dict or list
+    not changed in place afterwards: ``ckpt["args"] = args`` may add anything), its kind, or its being
+    a number."""
+    value = f.binding_value(node)
+    if value is not None:
+        return not _changed_in_place(f, node) and _loads_weights_only(f, value, depth + 1)
+    return _tensor_value(f, node) or _plain_value(f, node, depth)
+
+
+_IN_PLACE = frozenset("update setdefault append extend insert __setitem__".split())
+
+
+def _changed_in_place(f: FileAnalysis, node: ast.Name) -> bool:
+    """The value ``node`` reads gets an item assigned or is updated, appended to ... in its function."""
+    b = f.lookup(node)
+    uses = f.uses.get(f.function_scope(node), {}).get(node.id, ())
+    return any(_changes(f.parent.get(use), use) for use in uses if f.lookup(use) is b)
+
+
+def _changes(parent: ast.AST | None, use: ast.Name) -> bool:
+    """``parent`` (of the read ``use``) is ``use[...] = ...`` / ``del use[...]`` or ``use.update`` ..."""
+    if isinstance(parent, ast.Subscript):
+        return parent.value is use and not isinstance(parent.ctx, ast.Load)
+    return isinstance(parent, ast.Attribute) and parent.attr in _IN_PLACE
+
+
+def _is_state_dict(node: ast.AST) -> bool:
+    """``node`` is ``x.state_dict()``."""
+    return called_method(node) == "state_dict" and not node.args
+
+
+_RNG_STATES = frozenset({"torch.get_rng_state", "torch.random.get_rng_state", "torch.cuda.get_rng_state",
+                         "torch.cuda.get_rng_state_all"})
+
+
+def _tensor_value(f: FileAnalysis, node: ast.AST) -> bool:
+    """``node`` is a tensor (a random-number state among them), and not a model's output, which may be
+    another object (a ``ModelOutput`` of transformers)."""
+    if isinstance(node, ast.Call) and (f.qualname(node.func) in _RNG_STATES):
+        return True
+    k = f.kind(node)
+    model_output = isinstance(node, ast.Call) and f.is_module_kind(f.kind(node.func))
+    return k is not None and k.cat == "tensor" and not model_output
+
+
+_PLAIN_CALLS = frozenset("int float str bool len repr".split())
+_PLAIN_METHODS = frozenset("item tolist".split())
+
+
+def _plain_value(f: FileAnalysis, node: ast.AST, depth: int) -> bool:
+    """``node`` is a number or a string: a constant, an f-string, arithmetic on them, ``int(...)``,
+    ``len(...)``, ``t.item()``, a variable assigned one, a ``range`` or ``enumerate`` counter."""
+    if isinstance(node, (ast.Constant, ast.JoinedStr)):
+        return True
+    if isinstance(node, ast.UnaryOp):
+        return _plain_value(f, node.operand, depth)
+    if isinstance(node, ast.BinOp):
+        return _plain_value(f, node.left, depth) and _plain_value(f, node.right, depth)
+    if isinstance(node, ast.Call):
+        return called_method(node) in _PLAIN_METHODS or _calls_builtin(f, node, _PLAIN_CALLS)
+    return isinstance(node, ast.Name) and depth < _KEY_DEPTH and _plain_variable(f, node, depth + 1)
+
+
+def _plain_variable(f: FileAnalysis, node: ast.Name, depth: int) -> bool:
+    """The variable ``node`` holds a number or a string: assigned one, incremented by one (``n += 1``
+    after ``n = 0``), or a ``range`` / ``enumerate`` counter."""
+    b = f.lookup(node)
+    if b is None:
+        return False
+    how, what, extra = b[1], b[2], b[3]
+    if how == "value":
+        return what is not None and not extra and _plain_value(f, what, depth)
+    if how == "aug":
+        return _plain_value(f, what.target, depth) and _plain_value(f, what.value, depth)
+    return how == "for" and _counts(f, what.iter, extra)
+
+
+def _calls_builtin(f: FileAnalysis, call: ast.Call, names: frozenset[str]) -> bool:
+    """``call`` calls one of the builtins ``names`` (not a name the file imports)."""
+    return isinstance(call.func, ast.Name) and call.func.id in names and f.qualname(call.func) is None
+
+
+def _counts(f: FileAnalysis, it: ast.AST, path: tuple) -> bool:
+    """The element at ``path`` of ``for ... in it`` is an int: ``range(...)``, or ``enumerate``'s counter."""
+    if not isinstance(it, ast.Call):
+        return False
+    return (_calls_builtin(f, it, _RANGE) and path == ()) or (_calls_builtin(f, it, _ENUMERATE) and path == (0,))
+
+
+_RANGE, _ENUMERATE = frozenset({"range"}), frozenset({"enumerate"})
+
+
+def _state_dict_use(f: FileAnalysis, call: ast.Call) -> ast.Call | None:
+    """The ``x.load_state_dict(...)`` call the result of ``call`` is handed to, whole: directly, or through
+    the variable it is assigned to. None when there is none."""
+    parent = f.parent.get(call)
+    if _loads_state_dict(parent, call):
+        return parent
+    name = _assigned_name(f, call)
+    if name is None:
+        return None
+    binding = _own_binding(f, f.parent[call], name)
+    for use in f.uses.get(f.function_scope(call), {}).get(name, ()):
+        if f.lookup(use) is binding and _loads_state_dict(f.parent.get(use), use):
+            return f.parent[use]
+    return None
+
+
+def _own_binding(f: FileAnalysis, stmt: ast.Assign, name: str) -> tuple | None:
+    """The binding of ``name`` that the assignment ``stmt`` makes."""
+    return next((b for b in f.bindings.get(f.scope_of.get(stmt), {}).get(name, ()) if b[2] is stmt.value), None)
+
+
+def _loads_state_dict(parent: ast.AST | None, arg: ast.AST) -> bool:
+    """``parent`` is ``x.load_state_dict(arg, ...)``."""
+    return called_method(parent) == "load_state_dict" and bool(parent.args) and parent.args[0] is arg
 
 
 @static_rule
