@@ -44,3 +44,16 @@ def ema_of(history: list[dict[str, torch.Tensor]], decay: float) -> dict[str, to
         d = min(decay, (1 + n) / (10 + n))
         ema = {k: ema[k] * d + weights[k] * (1 - d) if weights[k].is_floating_point() else weights[k] for k in weights}
     return ema
+
+
+def assert_resumed_like(whole_ema, resumed_ema, whole_lrs: list[float], first: list[float],
+                        second: list[float]) -> None:
+    """A run stopped after 4 optimizer steps and resumed to 8 equals the uninterrupted one: the lr at every step,
+    the EMA's update count and its weights (issue 34)."""
+    import pytest
+
+    assert len(first) == len(second) == 4
+    assert first + second == pytest.approx(whole_lrs, rel=1e-6)
+    assert resumed_ema.num_updates == whole_ema.num_updates == 8
+    for (k, a), b in zip(whole_ema.module.state_dict().items(), resumed_ema.module.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)

@@ -13,7 +13,7 @@ pytest.importorskip("accelerate")  # the Trainer's own dependency
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from torch.utils.data import SequentialSampler  # noqa: E402
 
-from _trainer_data import ema_of, gpt2 as _gpt2, lm_data as _data  # noqa: E402
+from _trainer_data import assert_resumed_like, ema_of, gpt2 as _gpt2, lm_data as _data  # noqa: E402
 from torch_tricks.errors import UserError  # noqa: E402
 from torch_tricks.integrations.hf import TricksCallback, trainer_lines, training_args_from  # noqa: E402
 from torch_tricks.train import Tricks  # noqa: E402
@@ -327,7 +327,7 @@ def test_applied_lists_the_trainers_own_switches_too(tmp_path):
     args = training_args_from(cfg, base=TrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[]))
     trainer = InOrder(model=_gpt2(), args=args, train_dataset=_data(), callbacks=[TricksCallback(cfg)])
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TricksCallback))
-    assert "precision=bf16 (bf16=True)" in cb.applied and "accumulate=2 (gradient_accumulation_steps=2)" in cb.applied
+    assert "precision=bf16 (bf16=True, fp16=False)" in cb.applied and "accumulate=2 (gradient_accumulation_steps=2)" in cb.applied
 
 
 class Steps(TrainerCallback):
@@ -358,12 +358,8 @@ def test_stopped_and_resumed_the_ema_and_the_lr_equal_an_uninterrupted_run(tmp_p
     whole, whole_steps, _ = run(tmp_path / "whole")
     _, first, _ = run(tmp_path / "cut", stop_at=4)
     resumed, second, trainer = run(tmp_path / "cut", resume=True)
-    assert trainer.state.global_step == 8 and len(first.lrs) == 4
-    assert first.lrs + second.lrs == pytest.approx(whole_steps.lrs, rel=1e-6)
-    assert resumed.ema.num_updates == whole.ema.num_updates == 8
-    assert any("ema restored from" in a for a in resumed.applied)
-    for (k, a), b in zip(whole.ema.module.state_dict().items(), resumed.ema.module.state_dict().values()):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+    assert trainer.state.global_step == 8 and any("ema restored from" in a for a in resumed.applied)
+    assert_resumed_like(whole.ema, resumed.ema, whole_steps.lrs, first.lrs, second.lrs)
 
 
 def test_resumed_without_the_ema_file_is_one_line(tmp_path):

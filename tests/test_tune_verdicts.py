@@ -200,7 +200,7 @@ def test_a_compile_row_slower_than_what_it_extends_says_slower_and_not_reaches()
     report, r = _report()
     _on_top(r, 1.1564, 0.02)
     assert all_violations(report) == []
-    t, row = r["target"], r["compile"]
+    t = r["target"]
     assert t.why.startswith("slower than mixed_precision:bf16, which it extends: 0.86x the speed of "
                             "mixed_precision:bf16 (95% interval 0.85-0.88x)")
     assert t.decision == "not recommended"

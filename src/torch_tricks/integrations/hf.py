@@ -266,15 +266,15 @@ def _cpu_note(config: TrainConfig) -> str:
 def _check_arguments(config: TrainConfig, args: TrainingArguments) -> list[str]:
     """The configuration's keys that belong to ``TrainingArguments``, checked against the Trainer's: the switches
     in effect (``key=value (field=...)``), or one line naming a field that does not carry its key."""
-    applied = []
+    carried: dict[str, list[str]] = {}
     for name, (value, key) in training_args_sources(config).items():
         have = getattr(args, name, None)
         if not same(have, value):
             raise UserError(f"{key} = {getattr(config, key)!r} in the configuration needs {name}={value!r}, but the "
                             f"Trainer's arguments have {name}={have!r}: build them with "
                             "training_args_from(cfg, base=your_args)")
-        applied.append(f"{key}={getattr(config, key)} ({name}={value!r})")
-    return list(dict.fromkeys(applied))
+        carried.setdefault(key, []).append(f"{name}={value!r}")
+    return [f"{key}={getattr(config, key)} ({', '.join(fields_)})" for key, fields_ in carried.items()]
 
 
 def training_args_sources(config: TrainConfig) -> dict[str, tuple[Any, str]]:

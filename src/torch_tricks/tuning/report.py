@@ -157,8 +157,8 @@ class TuneReport:
     def recommended_config(self, which: str = "throughput") -> dict[str, Any]:
         """The TrainConfig keys the tune decided for the chosen configuration, and no others.
 
-        Each switch of a trick it measured (on, where the chosen configuration has it, else as
-        the plain step had it); the optimizer where the tune's was not the default adamw, or a
+        Each switch of the chosen configuration, and of each speed trick it measured (as the
+        plain step had it, where not chosen); the optimizer where the tune's was not the default adamw, or a
         decided key needs it; ``batch_size`` where the configuration changes the loader batch
         (accumulation, ranks, the largest batch): the tuned batch divided by ``accumulate``, so
         the effective batch is the one measured. A key not decided is not written, so a trainer
@@ -181,9 +181,11 @@ class TuneReport:
         return cfg
 
     def _decided_keys(self) -> set[str]:
-        """The tuned keys of the tricks measured (whether or not chosen): the ones the tune has an answer for."""
-        return {k for r in self.results + self.combos if r.status.startswith("measured") for k in r.changes
-                if k in TUNED_KEYS}
+        """The keys of the speed tricks measured, chosen or not: the tune's answer to "is it faster here" stands
+        either way. A memory or cost trick left off is not a decision about your run (your own checkpointing for a
+        larger batch, your EMA, your determinism stay yours): it is written only when chosen."""
+        return {k for r in self.results + self.combos if r.goal == "speed" and r.status.startswith("measured")
+                for k in r.changes if k in TUNED_KEYS}
 
     def _tuned_batch(self, which: str, best: Result | None) -> int:
         """The batch measured, or for the largest-batch configuration the largest batch that ran under the limit."""
