@@ -14,16 +14,15 @@ named), never PASS. Three checks, the same for every benchmark that prints PASS/
   others as one more candidate, whose two results differ by more than the benchmark's
   stated noise (:data:`AA_TOLERANCE` unless the benchmark states its own). A ratio closer
   to its target than the method's own noise says nothing either way.
-* **foreign load** (:class:`LoadMonitor`, :func:`load_check`): CPU time used on this
-  machine during a measurement by processes other than this one and its descendants,
-  above :data:`FOREIGN_MAX_CORES` cores on average (plus :data:`FOREIGN_SLACK_S` for the
-  10-ms granularity of the kernel's counters; a window shorter than :data:`MIN_WINDOW_S`
-  is held open, idle, until it lasts that long). Measured as the machine's busy time from
-  ``/proc/stat`` (user, nice, system, irq, softirq, steal: all CPUs) less this process's
-  CPU time (:func:`time.process_time`, all its threads), the CPU time of its children it
-  has waited for (:func:`os.times`) and that of its live descendants (``/proc/PID/stat``,
-  their own reaped children included). Where ``/proc/stat`` is missing (not Linux), the
-  1-minute load average less this process tree's cores stands in (coarse; said so).
+* **foreign load** (:class:`LoadMonitor`, :func:`load_check`): CPU time used during a
+  measurement by processes other than this one and its descendants, above
+  :data:`FOREIGN_MAX_CORES` cores on average (plus :data:`FOREIGN_SLACK_S` for the 10-ms
+  granularity of the kernel's counters; a window shorter than :data:`MIN_WINDOW_S` is held
+  open, idle, until it lasts that long). Measured by the product, :mod:`torch_tricks.machine`
+  (the tune watches the machine with the same monitor): the busy time of the CPUs this
+  process may use, from ``/proc/stat``, less this process tree's CPU time (its threads, its
+  reaped children, its live descendants); where ``/proc/stat`` is missing (not Linux), the
+  1-minute load average less this tree's cores stands in (coarse; said so).
 
 :func:`verdict` turns a row's own PASS/FAIL and its checks into the status printed:
 ``UNRELIABLE`` when a check failed, else the row's own PASS/FAIL stands. A row that fails
@@ -31,17 +30,25 @@ for a reason no timing can change (an int8 model that missed its agreement targe
 FAIL (``fail_regardless``), its failed checks still named.
 
 The benchmarks import this module from their own folder (``benchmarks/`` is on
-``sys.path`` when a script there runs); ``tests/test_benchmarks_trust.py`` tests it with
-synthetic timings.
+``sys.path`` when a script there runs, and the package is installed);
+``tests/test_benchmarks_trust.py`` tests it with synthetic timings.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable
+
+from torch_tricks import machine
+from torch_tricks.machine import (
+    FOREIGN_MAX_CORES,
+    FOREIGN_SLACK_S,
+    MIN_WINDOW_S,
+    CpuSnapshot,
+    ForeignLoad,
+    cpu_snapshot,
+)
 
 __all__ = [
     "AA_TOLERANCE", "FOREIGN_MAX_CORES", "FOREIGN_SLACK_S", "MIN_WINDOW_S", "THREAD_SLACK", "UNRELIABLE",
@@ -54,15 +61,9 @@ UNRELIABLE = "UNRELIABLE"
 AA_TOLERANCE = 0.10
 #: threads: a multi-thread baseline may be this much slower than its single-thread run (noise)
 THREAD_SLACK = 0.05
-#: foreign load: CPU cores used on average by other processes during a measurement, at most
-FOREIGN_MAX_CORES = 0.25
-#: foreign load: seconds of CPU tolerated on top (the kernel counts CPU time in 10-ms ticks)
-FOREIGN_SLACK_S = 0.05
-#: foreign load: a window shorter than this is held open (idle) until it lasts this long, since
-#: 10-ms ticks cannot resolve a quarter of a core over a few tens of milliseconds
-MIN_WINDOW_S = 0.5
-
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# foreign load: FOREIGN_MAX_CORES (other processes' average cores allowed), FOREIGN_SLACK_S (CPU seconds
+# tolerated on top, for the kernel's 10-ms ticks) and MIN_WINDOW_S (a shorter window is held open) are the
+# product's, from torch_tricks.machine: the tune and the benchmarks call a machine shared alike
 
 
 # --------------------------------------------------------------------------- checks and verdicts
@@ -161,142 +162,12 @@ def _fmt_s(s: float) -> str:
 # --------------------------------------------------------------------------- foreign load
 
 
-@dataclass(frozen=True)
-class CpuSnapshot:
-    """CPU time counters at one instant: the machine's busy time and this process tree's CPU time."""
-
-    wall_s: float  # time.perf_counter()
-    busy_s: float | None  # all CPUs of the machine (from /proc/stat); None where there is none
-    own_s: float  # this process (all threads), its reaped children and its live descendants
-    loadavg: float | None  # the 1-minute load average (os.getloadavg), for the record
-    ncpu: int
-
-
-def _machine_busy_s() -> float | None:
-    try:
-        with open("/proc/stat") as f:
-            first = f.readline().split()
-    except OSError:
-        return None
-    if not first or first[0] != "cpu":
-        return None
-    v = [int(x) for x in first[1:]] + [0] * 8
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]  # guest time is inside user already
-    return (user + nice + system + irq + softirq + steal) / _TICK
-
-
-def _proc_times(pid: int) -> tuple[int, float] | None:
-    """(parent pid, utime + stime + cutime + cstime in seconds) of ``pid``, or None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[1]), (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / _TICK
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _descendants_s(root: int) -> float:
-    """CPU seconds of ``root``'s live descendants (each with the children it reaped)."""
-    try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return 0.0
-    children: dict[int, list[tuple[int, float]]] = {}
-    for pid in pids:
-        if pid == root:
-            continue
-        t = _proc_times(pid)
-        if t is not None:
-            children.setdefault(t[0], []).append((pid, t[1]))
-    total, todo = 0.0, [root]
-    while todo:
-        for pid, s in children.get(todo.pop(), ()):
-            total += s
-            todo.append(pid)
-    return total
-
-
-def cpu_snapshot() -> CpuSnapshot:
-    """The counters now (see :class:`CpuSnapshot`)."""
-    t = os.times()
-    own = time.process_time() + t.children_user + t.children_system + _descendants_s(os.getpid())
-    try:
-        load: float | None = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        load = None
-    return CpuSnapshot(wall_s=time.perf_counter(), busy_s=_machine_busy_s(), own_s=own, loadavg=load,
-                       ncpu=os.cpu_count() or 1)
-
-
-@dataclass(frozen=True)
-class ForeignLoad:
-    """What other processes used during one measurement window."""
-
-    wall_s: float
-    own_s: float  # CPU seconds of this process tree in the window
-    foreign_s: float | None  # CPU seconds of everything else (None: not measurable here)
-    source: str  # "/proc/stat", "load average" or "unavailable"
-    loadavg: float | None = None
-
-    @property
-    def own_cores(self) -> float:
-        return self.own_s / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def foreign_cores(self) -> float | None:
-        if self.foreign_s is None:
-            return None
-        return self.foreign_s / self.wall_s if self.wall_s > 0 else 0.0
-
-    def excessive(self, max_cores: float = FOREIGN_MAX_CORES, slack_s: float = FOREIGN_SLACK_S) -> bool:
-        """Other processes used more than ``max_cores`` cores on average (plus ``slack_s`` CPU seconds)."""
-        return self.foreign_s is not None and self.foreign_s > max_cores * self.wall_s + slack_s
-
-    def describe(self) -> str:
-        if self.foreign_s is None:
-            return f"not measurable here ({self.source})"
-        la = f", load average {self.loadavg:.2f}" if self.loadavg is not None else ""
-        return (f"other processes used {self.foreign_cores:.2f} cores, this benchmark {self.own_cores:.2f}, "
-                f"over {self.wall_s:.2f} s ({self.source}{la})")
-
-    @classmethod
-    def between(cls, a: CpuSnapshot, b: CpuSnapshot) -> ForeignLoad:
-        wall, own = max(b.wall_s - a.wall_s, 0.0), max(b.own_s - a.own_s, 0.0)
-        if a.busy_s is not None and b.busy_s is not None:
-            return cls(wall, own, max(b.busy_s - a.busy_s - own, 0.0), "/proc/stat", b.loadavg)
-        if b.loadavg is not None and wall > 0:  # coarse: a 1-minute average against this window's cores
-            return cls(wall, own, max(b.loadavg - own / wall, 0.0) * wall, "load average", b.loadavg)
-        return cls(wall, own, None, "unavailable", None)
-
-
-class LoadMonitor:
+class LoadMonitor(machine.LoadMonitor):
     """``with LoadMonitor() as m: ...`` then ``m.load`` (a :class:`ForeignLoad`) and ``m.check(what)``.
 
-    A window shorter than ``min_wall_s`` is held open, idle, until it lasts that long (a busy
-    process elsewhere is still busy then; a window of a few ticks would see nothing).
+    The product's monitor (:class:`torch_tricks.machine.LoadMonitor`: a window shorter than
+    ``min_wall_s`` is held open, idle, until it lasts that long) with the benchmarks' check.
     """
-
-    def __init__(self, min_wall_s: float = MIN_WINDOW_S) -> None:
-        self.min_wall_s = min_wall_s
-        self.start: CpuSnapshot | None = None
-        self.end: CpuSnapshot | None = None
-
-    def __enter__(self) -> LoadMonitor:
-        self.start, self.end = cpu_snapshot(), None
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        assert self.start is not None
-        left = self.min_wall_s - (time.perf_counter() - self.start.wall_s)
-        if left > 0 and exc[0] is None:
-            time.sleep(left)
-        self.end = cpu_snapshot()
-
-    @property
-    def load(self) -> ForeignLoad:
-        if self.start is None:
-            raise RuntimeError("LoadMonitor.load before the window was entered")
-        return ForeignLoad.between(self.start, self.end or cpu_snapshot())
 
     def check(self, what: str, **kw: Any) -> Check:
         return load_check(self.load, what=what, **kw)
@@ -316,8 +187,17 @@ def load_check(loads: ForeignLoad | Iterable[ForeignLoad], *, what: str, max_cor
     bad = sum(w.excessive(max_cores, slack_s) for w in measurable)
     ok = bad == 0
     many = f" ({bad} of {len(measurable)} windows)" if len(measurable) > 1 and bad else ""
-    detail = f"{what}: {worst.describe()}{many}; at most {max_cores:g} cores allowed"
+    detail = f"{what}: {_detail(worst)}{many}; at most {max_cores:g} cores allowed"
     return Check("foreign load", ok, detail, f"{what}: {worst.foreign_cores or 0.0:.2f} cores of other processes")
+
+
+def _detail(load: ForeignLoad) -> str:
+    """A window's load as a benchmark's check states it: both sides' cores, the window, the source."""
+    if load.foreign_s is None:
+        return f"not measurable here ({load.source})"
+    la = f", load average {load.loadavg:.2f}" if load.loadavg is not None else ""
+    return (f"other processes used {load.foreign_cores:.2f} cores, this benchmark {load.own_cores:.2f}, "
+            f"over {load.wall_s:.2f} s ({load.source}{la})")
 
 
 # --------------------------------------------------------------------------- bookkeeping

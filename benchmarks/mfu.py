@@ -69,12 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     for name, eff in rows:
         plain, rec = eff["rows"]["plain"], eff["rows"]["recommended"]
         print(f"{TITLES[name]:<52} {eff['flops_per_step'] / 1e9:10.2f}  {plain['step_s'] * 1e3:7.1f}ms "
-              f"{plain['mfu']:5.0%}  {rec['name'][:28] + ' (' + rec['dtype'] + ')':<36} {rec['step_s'] * 1e3:7.1f}ms "
-              f"{rec['mfu']:5.0%}")
+              f"{_pct(plain['mfu'])}  {rec['name'][:28] + ' (' + rec['dtype'] + ')':<36} {rec['step_s'] * 1e3:7.1f}ms "
+              f"{_pct(rec['mfu'])}")
+    for reason in {eff["withheld"] for _, eff in rows if eff.get("withheld")}:
+        print(f"MFU withheld: {reason}")
     png = _plot(rows, Path(__file__).with_suffix(".png"), peak.device)
     if png:
         print(f"\nplot: {png}")
     return 0
+
+
+def _pct(mfu: float | None) -> str:
+    """An MFU as a percentage, or "  -  " where the report withheld it (a step beat the cached peak)."""
+    return f"{mfu:5.0%}" if mfu is not None else "  -  "
 
 
 def _plot(rows: list[tuple[str, dict[str, Any]]], path: Path, device: str) -> Path | None:
@@ -89,8 +96,8 @@ def _plot(rows: list[tuple[str, dict[str, Any]]], path: Path, device: str) -> Pa
         return None
     fig, ax = plt.subplots(figsize=(7, 3.5))
     xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [e["rows"]["plain"]["mfu"] * 100 for _, e in rows], 0.4, label="plain fp32")
-    ax.bar([x + 0.2 for x in xs], [e["rows"]["recommended"]["mfu"] * 100 for _, e in rows], 0.4,
+    ax.bar([x - 0.2 for x in xs], [(e["rows"]["plain"]["mfu"] or 0) * 100 for _, e in rows], 0.4, label="plain fp32")
+    ax.bar([x + 0.2 for x in xs], [(e["rows"]["recommended"]["mfu"] or 0) * 100 for _, e in rows], 0.4,
            label="tune's recommendation")
     ax.set_xticks(list(xs), [TITLES[n].split(" (")[0] for n, _ in rows])
     ax.set_ylabel("MFU, % of this machine's peak")

@@ -112,16 +112,3 @@ def test_a_twelve_layer_model_gives_one_advice_line_per_pattern(capsys):
     assert sum("G3" in line for line in lines) == 1 and "(x12: 0.attention, 1.attention, 2.attention, ...)" in out
     patterns = [line.split("]")[1].split(":")[0].split(" (x")[0].strip() for line in lines]
     assert len(patterns) == len(set(patterns)), lines
-
-
-def test_advice_text_folds_patterns_and_shows_at_most_n():
-    from torch_tricks.inspect.advisor import Advice, advice_text, group_advice
-
-    advice = [Advice("T23", "warn", f"layer.{i}.fc", f"in_features={i + 9} is not a multiple of 8") for i in range(3)]
-    advice += [Advice("G2", "info", f"conv{i}", "depthwise conv") for i in range(3)]
-    text = advice_text(advice, shown_at_most=2)
-    assert text.splitlines()[0].startswith("advice (6 in 4 pattern(s)")
-    assert "  [T23 warn] layer.*.fc (x3: layer.0.fc, layer.1.fc, layer.2.fc): in_features=9" in text
-    assert text.splitlines()[-1] == "  ... 2 more (use --json for all)"
-    assert text == advice_text(advice, group_advice(advice), shown_at_most=2)
-    assert advice_text([]) == ""

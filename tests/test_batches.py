@@ -91,3 +91,18 @@ def test_example_batch_for_keyword_inputs_gives_labels_the_model_shifts_itself()
     assert torch.equal(target[:, :-1], ids[:, 1:]) and (target[:, -1] == -100).all()
     with pytest.raises(UserError, match="needs class logits"):
         B.example_batch(nn.Linear(3, 1), torch.randn(4, 3)[:, None, :].expand(4, 2, 3).contiguous(), loss="ce")
+
+
+def test_to_device_in_channels_last_walks_every_form_of_batch():
+    """``to_channels_last`` lives here (train.speed re-exports it): every 4-D float input of any form, a mapping
+    that is not a dict included, is channels_last; the values are the same."""
+    from collections import UserDict
+
+    from torch_tricks.train.speed import to_channels_last
+
+    img, ids = torch.randn(2, 3, 8, 8), torch.zeros(2, 1, 8, 8, dtype=torch.long)
+    moved = B.to_device((UserDict(pixels=img, ids=ids), torch.arange(2)), torch.device("cpu"), channels_last=True)
+    inputs = moved[0]
+    assert isinstance(inputs, UserDict) and inputs["pixels"].is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(inputs["pixels"], img) and inputs["ids"].is_contiguous()  # integer tensors as they are
+    assert to_channels_last is B.to_channels_last

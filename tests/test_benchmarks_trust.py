@@ -167,3 +167,18 @@ def test_aa_from_a_ratio_alone():
     assert not c.ok and "1.140x" in c.detail and " vs " not in c.detail
     assert trust.aa_check(None, None, ratio=1.04, what="x").ok
     assert not trust.aa_check(None, None, what="x").ok  # nothing measured: no A/A to stand on
+
+
+def test_the_foreign_load_check_is_the_products():
+    """The benchmarks and the tune measure foreign load one way: _trust takes it from torch_tricks.machine, with the
+    same thresholds, and words a window as a benchmark's check (both sides' cores, the window, the source)."""
+    from torch_tricks import machine
+
+    assert ForeignLoad is machine.ForeignLoad and CpuSnapshot is machine.CpuSnapshot
+    assert issubclass(LoadMonitor, machine.LoadMonitor) and trust.cpu_snapshot is machine.cpu_snapshot
+    assert (trust.FOREIGN_MAX_CORES, trust.FOREIGN_SLACK_S, trust.MIN_WINDOW_S) == \
+        (machine.FOREIGN_MAX_CORES, machine.FOREIGN_SLACK_S, machine.MIN_WINDOW_S)
+    c = trust.load_check(ForeignLoad(wall_s=2.0, own_s=1.0, foreign_s=1.8, source="/proc/stat", loadavg=2.5),
+                         what="w")
+    assert c.detail == ("w: other processes used 0.90 cores, this benchmark 0.50, over 2.00 s (/proc/stat, "
+                        "load average 2.50); at most 0.25 cores allowed")

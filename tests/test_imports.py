@@ -1,5 +1,7 @@
-"""The package's import graph, read with ast (nothing imported): no circles among the modules at
-import time, no feature package importing another's private name, and ``data`` below ``train``."""
+"""The package's import graph, read with ast (nothing imported): no circles among the modules (an
+import inside a function counts: it is a circle of design that runs later), no top-level module
+importing a package that imports it back, no feature package importing another's private name, and
+``data`` below ``train``."""
 
 from __future__ import annotations
 
@@ -49,10 +51,13 @@ def _package(module: str) -> str:
     return module.split(".")[1] if module.count(".") else module
 
 
-def test_no_import_circles_at_module_level():
-    """Imports inside functions (optional dependencies, the CLI's start-up) are left out: they run later."""
-    modules = _modules()
-    graph = {m: {t for t, _, top in _imports(p) if top and t in modules} for m, p in modules.items()}
+def _graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, at module level or inside a function."""
+    return {m: {t for t, _, _ in _imports(p) if t in modules and t != m} for m, p in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles a depth-first walk of ``graph`` meets, each from its first module back to it."""
     cycles, state = [], {}
 
     def visit(m, stack):
@@ -64,10 +69,47 @@ def test_no_import_circles_at_module_level():
                 visit(t, stack + [t])
         state[m] = "done"
 
-    for m in sorted(modules):
+    for m in sorted(graph):
         if m not in state:
             visit(m, [m])
-    assert cycles == []
+    return cycles
+
+
+def _climbs(graph: dict[str, set[str]], top_level: set[str]) -> list[tuple[str, str]]:
+    """(top-level module, the module it imports) where a module of that one's package imports it back."""
+    users: dict[str, set[str]] = {}  # package -> the top-level modules its modules import
+    for m, targets in graph.items():
+        if m not in top_level:
+            users.setdefault(_package(m), set()).update(targets & top_level)
+    return sorted((m, t) for m in top_level for t in graph[m]
+                  if t not in top_level and m in users.get(_package(t), set()))
+
+
+def _is_top_level(module: str) -> bool:
+    """A module of the top level (``torch_tricks.batches``), not a package's nor the package itself."""
+    return module.count(".") == 1 and _modules()[module].name != "__init__.py"
+
+
+def test_no_import_circles():
+    """Imports inside functions count too: the one the advisor and the summary once had ran only when a
+    summary printed its advice, yet each module needed the other."""
+    assert _cycles(_graph(_modules())) == []
+
+
+def test_no_top_level_module_imports_a_package_that_imports_it():
+    """The top level is the lowest floor: a top-level module that imports ``train.speed`` while ``train.loop``
+    imports it is a circle between floors, even where no two modules import each other."""
+    modules = _modules()
+    assert _climbs(_graph(modules), {m for m in modules if _is_top_level(m)}) == []
+
+
+def test_the_checks_fail_on_a_planted_circle_and_climb():
+    """The two checks above on made-up graphs: a circle through any import, a top-level module
+    importing a package one of whose other modules imports it."""
+    assert _cycles({"t.a.x": {"t.a.y"}, "t.a.y": {"t.a.x"}, "t.b": set()}) == [["t.a.x", "t.a.y", "t.a.x"]]
+    climb = {"t.low": {"t.pkg.speed"}, "t.pkg.speed": set(), "t.pkg.loop": {"t.low"}}
+    assert _cycles(climb) == [] and _climbs(climb, {"t.low"}) == [("t.low", "t.pkg.speed")]
+    assert _climbs({**climb, "t.pkg.loop": set()}, {"t.low"}) == []
 
 
 def test_no_feature_package_imports_a_private_name_of_another():

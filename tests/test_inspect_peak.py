@@ -89,3 +89,10 @@ def test_the_cli_shows_the_cached_peak(capsys, cache):
     assert main(["peak", "--device", "cpu", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["cached"] and data["flops"]["fp32"] == 1e9 and data["path"] == str(cache_path())
+
+
+def test_a_rate_reads_in_its_unit():
+    """A peak measured far too low (a disturbed measurement) reads as itself, not as 0.0 GFLOP/s."""
+    from torch_tricks.inspect.peak import rate
+
+    assert (rate(3.2e6), rate(172.7e9), rate(699e12)) == ("3.2 MFLOP/s", "172.7 GFLOP/s", "699.0 TFLOP/s")

@@ -330,6 +330,18 @@ def test_applied_lists_the_trainers_own_switches_too(tmp_path):
     assert "precision=bf16 (bf16=True, fp16=False)" in cb.applied and "accumulate=2 (gradient_accumulation_steps=2)" in cb.applied
 
 
+def test_the_callback_sets_the_threads_of_the_process(tmp_path):
+    """``threads`` has no TrainingArguments field: the callback sets it when the Trainer is built and lists it."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # not 1 already (one thread per xdist worker): the callback must change it
+        trainer = _trainer({"threads": 1, "keep_heap": False}, tmp_path, _gpt2())
+        cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TricksCallback))
+        assert "threads=1" in cb.applied and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 class Steps(TrainerCallback):
     """The lr after each optimizer step; stops the run after ``stop_at`` steps (as a killed job would, after its
     checkpoint)."""

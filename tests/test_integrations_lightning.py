@@ -100,6 +100,34 @@ def test_the_configurations_schedule_steps_with_the_optimizer(tmp_path):
     assert sched.last_epoch == 6 and trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
 
 
+class Threads(lightning.Callback):
+    """The process's intra-op thread count at each training batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(torch.get_num_threads())
+
+
+def test_the_callback_sets_the_threads_the_batches_run_on(tmp_path):
+    """``threads`` has no Trainer keyword: the callback sets it in setup and lists it; the batches run on it."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # not 1 already (one thread per xdist worker): the callback must change it
+        cfg = {"threads": 1, "max_steps": 2, "batch_size": 4}
+        kw = trainer_kwargs_from({"device": "cpu", "progress": False, **cfg})
+        seen = Threads()
+        trainer = lightning.Trainer(**kw, default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+                                    enable_model_summary=False)
+        trainer.callbacks.append(seen)
+        trainer.fit(LM(cfg), DataLoader(lm_data(), batch_size=4, shuffle=False))
+        cb = next(c for c in trainer.callbacks if isinstance(c, TricksCallback))
+        assert "threads=1" in cb.applied and seen.seen == [1, 1]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_your_own_optimizer_or_seed_is_caught_in_one_line(tmp_path):
     lightning.seed_everything(0, workers=True, verbose=False)
     with pytest.raises(UserError, match=r"configuration's optimizer is not in effect \(SGD.*optimizers_from"):

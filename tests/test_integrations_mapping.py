@@ -45,3 +45,16 @@ def test_the_docs_table_is_made_from_the_places():
 def test_an_unknown_target_is_one_line():
     with pytest.raises(UserError, match="unknown target 'keras': use one of fit, hf, lightning, accelerate"):
         places("keras")
+
+
+def test_threads_is_the_callbacks_or_tricks_in_every_trainer():
+    """No trainer has an argument for the intra-op threads (issue 35): its callback (Accelerate: the Tricks of
+    tricks_for) sets them; no keyword of a trainer carries them, and a configuration without them routes nothing."""
+    cfg = TrainConfig(threads=2)
+    assert cfg.given == {"threads"}
+    for target in ("hf", "lightning", "accelerate"):
+        route = routes(cfg, target, given=True)
+        assert list(route) == ["threads"] and route["threads"].how == "callback" and not route["threads"].kwargs
+        assert "torch.set_num_threads" in places(target)["threads"].doc
+        assert "threads" not in routes(TrainConfig(precision="bf16"), target, given=True)
+    assert routes(cfg, "fit")["threads"].kwargs == {"threads": 2}

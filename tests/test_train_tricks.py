@@ -359,6 +359,36 @@ def test_bad_use_is_one_line():
         tricks.load("/nonexistent/state.pt")
 
 
+def test_threads_is_the_process_intra_op_count_checked_against_the_cores_here(tmp_path):
+    """``threads`` (issue 35): applied by Tricks and so by fit, listed in applied; 0 leaves the process's own; a
+    count this machine cannot serve is one line where it is applied (a file may come from another machine)."""
+    from torch_tricks.machine import available_cores
+    from torch_tricks.train import TrainConfig
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # not 1 already (one thread per xdist worker): Tricks must change it
+        tricks = Tricks({"device": "cpu", "threads": 1})
+        assert torch.get_num_threads() == 1 and "threads=1" in tricks.applied
+        torch.set_num_threads(2)
+        assert not any(a.startswith("threads") for a in Tricks({"device": "cpu"}).applied)
+        assert torch.get_num_threads() == 2  # 0, the default: the process's own count stays
+        toml = tmp_path / "tricks.toml"
+        toml.write_text("[train]\nthreads = 1\ndevice = \"cpu\"\nmax_steps = 1\nbatch_size = 4\n")
+        data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.arange(8) % 2)
+        history = fit(nn.Linear(4, 2), data, config=str(toml), progress=False)
+        assert torch.get_num_threads() == 1 and "threads=1" in history.applied
+        torch.set_num_threads(2)
+        too_many = available_cores() + 1
+        with pytest.raises(UserError, match=rf"^threads = {too_many}: give 1.*, the cores this process may use, or 0 "):
+            Tricks({"device": "cpu", "threads": too_many})
+        assert torch.get_num_threads() == 2  # refused: nothing changed
+        with pytest.raises(UserError, match="threads must be >= 0"):
+            TrainConfig(threads=-1).validate()
+    finally:
+        torch.set_num_threads(before)
+
+
 # -- a loop where an Accelerator steps the optimizer ---------------------------------------------------
 
 class FakeAccelerator:

@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+import torch_tricks.tuning.builds as builds_mod
+import torch_tricks.tuning.racing as racing_mod
 import torch_tricks.tuning.tuner as tuner_mod
 from torch_tricks.registry import list_tricks
 from torch_tricks.train import TrainConfig, fit, load_config
@@ -84,7 +86,7 @@ def _batch(n=16, size=16, classes=10):
 def tuned():
     """One real tune of TinyNet, with every timing and memory measurement recorded on the side."""
     races, measured = [], []
-    real_mem = tuner_mod.measure_memory
+    real_mem = builds_mod.measure_memory
 
     class SpyRace(Race):
         def __init__(self, *a, **kw):
@@ -97,8 +99,8 @@ def tuned():
         return m
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(tuner_mod, "Race", SpyRace)
-    mp.setattr(tuner_mod, "measure_memory", spy_mem)
+    mp.setattr(racing_mod, "Race", SpyRace)
+    mp.setattr(builds_mod, "measure_memory", spy_mem)
     try:
         torch.manual_seed(0)
         report = tune(TinyNet, _batch(), budget_s=40, progress=False, skip=["compile"], name="tinynet")
@@ -112,8 +114,8 @@ def short_races(monkeypatch):
     """The races' cap (a safety net: a race normally ends settled, or at its deadline) lowered, for the tests
     that ask about memory or plumbing rather than a speed verdict: their tunes then take seconds, not the
     150 rounds the noise resolution would spend, while their budgets still leave room for a busy machine."""
-    monkeypatch.setattr(tuner_mod, "_MAX_ROUNDS", 30)
-    monkeypatch.setattr(tuner_mod, "_MAX_SIDE_ROUNDS", 20)
+    monkeypatch.setattr(racing_mod, "_MAX_ROUNDS", 30)
+    monkeypatch.setattr(racing_mod, "_MAX_SIDE_ROUNDS", 20)
 
 
 def _finite(x):

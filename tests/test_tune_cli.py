@@ -251,3 +251,57 @@ def test_a_fit_seq_tune_records_the_sequence_it_ran():
     assert _as_run(["input_ids=long:32:256"], [[32]]) == ["input_ids=long:32:256"]  # as given
     assert _as_run(["input_ids=long:32:256", "attention_mask=ones:32"], [[128], [128]]) == \
         ["input_ids=int64:128:256", "attention_mask=ones:128"]  # --fit seq=128 ran 128 tokens
+
+
+# -- --threads: the tune's intra-op threads, checked against the cores here (issue 35) -------------------
+
+@pytest.mark.parametrize("n", ["0", "999", "-2"])
+def test_tune_threads_outside_the_cores_is_one_line_and_exit_2(capsys, n):
+    import torch
+
+    from torch_tricks.machine import available_cores
+
+    before = torch.get_num_threads()
+    code, out, err = run(capsys, "tune", "--model", "mlp", "--threads", n, "--no-progress")
+    cores = available_cores()
+    span = "1" if cores == 1 else f"1 to {cores}"
+    assert code == 2 and out == "" and torch.get_num_threads() == before
+    assert err.strip().splitlines() == [f"torch-tricks: error: --threads {n}: give {span}, the cores this process may "
+                                        "use"]
+
+
+def test_tune_threads_are_set_before_the_tune_starts(capsys):
+    """A valid --threads is the process's thread count when the tune begins (here the tune's own first check, a bad
+    --steps, stops it at once: the thread count was set before)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # not 1 already (one thread per xdist worker): --threads must change it
+        code, _, err = run(capsys, "tune", "--model", "mlp", "--threads", "1", "--steps", "0", "--no-progress")
+        assert code == 2 and "steps" in err
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("n,needle", [("999", "threads = 999: give 1"), ("-1", "threads must be >= 0")])
+def test_train_threads_outside_the_cores_is_one_line_and_exit_2(capsys, n, needle):
+    code, out, err = run(capsys, "train", "--model", "small_cnn", "--data", "digits", "--max-steps", "1",
+                         "--threads", n, "--no-progress")
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1 and needle in lines[0], err
+
+
+def test_train_threads_runs_at_that_count(capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # not 1 already (one thread per xdist worker): --threads must change it
+        code, text, err = run(capsys, "train", "--model", "small_cnn", "--data", "digits", "--max-steps", "2",
+                              "--threads", "1", "--no-progress", "--json")
+        assert code == 0, err
+        assert json.loads(text)["config"]["threads"] == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

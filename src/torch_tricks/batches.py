@@ -28,13 +28,12 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
+from torch_tricks._inputs import split_inputs, token_input_as_keyword
 from torch_tricks.errors import UserError
-from torch_tricks.inspect.inputs import split_inputs, token_input_as_keyword
 from torch_tricks.outputs import get_loss, primary_output
-from torch_tricks.train.speed import to_channels_last
 
-__all__ = ["Batch", "unpack", "forward", "call", "count", "batch_size", "split", "to_device", "takes_labels",
-           "labels_go_in", "example_batch"]
+__all__ = ["Batch", "unpack", "forward", "call", "count", "batch_size", "split", "to_device", "to_channels_last",
+           "takes_labels", "labels_go_in", "example_batch"]
 
 
 @dataclass
@@ -115,6 +114,13 @@ def to_device(batch: Any, device: torch.device, *, channels_last: bool = False) 
     return moved
 
 
+def to_channels_last(batch: Any) -> Any:
+    """``batch`` with every 4-D floating-point tensor in channels_last (nested tuples,
+    lists and dicts are walked); other tensors and values are returned as they are.
+    Here, not in :mod:`torch_tricks.train.speed` (which re-exports it): moving a batch needs it."""
+    return map_tensors(batch, _tensor_channels_last)
+
+
 def labels_go_in(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None) -> bool:
     """Whether :func:`call` passes ``batch``'s ``labels`` into ``model``'s forward (for its own loss)."""
     return "labels" in unpack(batch).kwargs and _labels_go_in(model, loss_fn)
@@ -182,6 +188,13 @@ def _model_loss(loss_fn: Callable[..., Any]) -> bool:
 def _labels_go_in(model: nn.Module, loss_fn: Callable[..., Any] | None) -> bool:
     """The forward gets ``labels``: the loss is the model's own and the forward takes them (module doc)."""
     return loss_fn is not None and _model_loss(loss_fn) and takes_labels(model)
+
+
+def _tensor_channels_last(t: torch.Tensor) -> torch.Tensor:
+    """A 4-D floating-point tensor in channels_last; any other tensor as it is."""
+    if t.dim() == 4 and t.is_floating_point():
+        return t.contiguous(memory_format=torch.channels_last)
+    return t
 
 
 def _is_batched(x: Any) -> bool:

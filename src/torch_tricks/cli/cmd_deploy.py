@@ -108,8 +108,10 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UserError("--repeats and --calib-batches must be >= 1 and --warmup >= 0")
     if args.data and args.input:
         raise UserError("give --input or --data, not both: --data takes the inputs from the data set")
-    if args.threads is not None and args.threads < 1:
-        raise UserError("--threads must be >= 1")
+    if args.threads is not None:
+        from torch_tricks.machine import check_threads
+
+        check_threads(args.threads, what="--threads")
 
 
 def _checked_out(args: argparse.Namespace, steps: Sequence[str]) -> Path | None:

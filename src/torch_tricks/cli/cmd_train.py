@@ -68,6 +68,9 @@ def add_commands(sub: Any) -> None:
                     help="also print the lines that apply the recommendation in that trainer: hf (the transformers "
                          "Trainer), lightning, accelerate (a loop of your own on an Accelerator) or loop (a loop of "
                          "your own through Tricks); `torch-tricks emit` prints them later for a tricks.toml")
+    sp.add_argument("--threads", type=int, metavar="N",
+                    help="intra-op CPU threads for the whole tune, 1 to the cores this process may use (default: "
+                         "torch's own)")
     sp.add_argument("--out", metavar="DIR", help="write report.md, report.json, report.png and tricks.toml here")
     sp.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     sp.set_defaults(func=cmd_tune)
@@ -114,6 +117,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from torch_tricks.tuning import parse_size, tune
 
     limit = parse_size(args.memory_limit) if args.memory_limit else None
+    if args.threads is not None:  # checked before anything is built; the tune then measures at N threads
+        from torch_tricks.machine import set_threads
+
+        set_threads(args.threads, what="--threads")
     if args.emit:  # a bad target, or a trainer not installed, is said before the tune, not after it
         from torch_tricks.integrations import EMIT_TITLES, emit_lines
 

@@ -30,6 +30,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from torch_tricks._inputs import (  # the convention lives at the top level, which batches reads it from
+    as_input_tuple,
+    forward_params,
+    is_causal_lm,
+    normalize_inputs,
+    split_inputs,
+    token_input_as_keyword,
+)
 from torch_tricks.errors import UserError
 
 __all__ = [
@@ -195,20 +203,6 @@ def _random_tensor(spec: InputSpec, batch: int, gen: torch.Generator, model: Any
 
 # -- inputs as the forward takes them ------------------------------------------------------------
 
-def normalize_inputs(inputs: Any) -> tuple[Any, ...] | dict[str, Any]:
-    """``inputs`` in one of the two forms :func:`call_model` takes: a dict (keyword
-    arguments) or a tuple (positional arguments; a lone tensor becomes a 1-tuple)."""
-    if isinstance(inputs, Mapping):
-        return dict(inputs)
-    return as_input_tuple(inputs)
-
-
-def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(args, kwargs)`` of model inputs (see the module doc for the convention)."""
-    inputs = normalize_inputs(inputs)
-    return ((), inputs) if isinstance(inputs, dict) else (inputs, {})
-
-
 def call_model(model: Any, inputs: Any) -> Any:
     """``model(**inputs)`` for a dict, ``model(*inputs)`` for a tuple or list, else ``model(inputs)``."""
     args, kwargs = split_inputs(inputs)
@@ -219,24 +213,6 @@ def input_tensors(inputs: Any) -> list[torch.Tensor]:
     """The top-level input tensors, positional then keyword (for shapes, bytes and devices)."""
     args, kwargs = split_inputs(inputs)
     return [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-
-
-def as_input_tuple(inputs: Any) -> tuple[Any, ...]:
-    """Normalise what a caller passes as *positional* model inputs to an args tuple.
-
-    A dict means keyword arguments, which a tuple cannot carry: that is a UserError here
-    (use :func:`split_inputs` / :func:`call_model` where keyword inputs are welcome)
-    rather than a silent 1-tuple holding the dict.
-    """
-    if isinstance(inputs, Mapping):
-        names = ", ".join(map(str, inputs)) or "none"
-        raise UserError(f"keyword inputs ({names}) given where only positional inputs work: pass a tuple of "
-                        "tensors (on the command line, --input SPEC without NAME=)")
-    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):  # a namedtuple is one input
-        return inputs
-    if isinstance(inputs, list):
-        return tuple(inputs)
-    return (inputs,)
 
 
 def describe_inputs(inputs: Sequence[Any] | Mapping[str, Any]) -> str:
@@ -264,7 +240,7 @@ def check_input_names(model: Any, names: Iterable[str]) -> None:
     ``TransformersKwargs`` (``output_attentions``...), which the model passes down and
     ignores when unknown, so a misspelt ``attention_mak`` would be dropped silently.
     """
-    params = _forward_params(getattr(model, "forward", model))
+    params = forward_params(getattr(model, "forward", model))
     if params is None:
         return  # a builtin or C++ forward: nothing to check against
     takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -274,17 +250,6 @@ def check_input_names(model: Any, names: Iterable[str]) -> None:
     unknown = next((name for name in names if name not in takes and name not in extra), None)
     if unknown is not None:
         raise _unknown_input_error(model, unknown, takes, extra)
-
-
-def _forward_params(forward: Any) -> list[inspect.Parameter] | None:
-    """The forward's parameters; None where it has no Python signature."""
-    try:
-        try:
-            return list(inspect.signature(forward, eval_str=True).parameters.values())
-        except Exception:  # an annotation that does not evaluate here
-            return list(inspect.signature(forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
 
 
 def _unknown_input_error(model: Any, name: str, takes: list[str], extra: list[str]) -> UserError:
@@ -319,35 +284,7 @@ def _declared_kwargs(annotation: Any, model: Any) -> list[str] | None:
     return None
 
 
-# -- a causal LM's token input, and keyword inputs where only positional ones work -------------------
-
-def is_causal_lm(model: Any) -> bool:
-    """Whether ``model`` is a transformers causal language model (``AutoModelForCausalLM``'s classes)."""
-    if not type(model).__module__.startswith("transformers."):
-        return False
-    try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    except ImportError:
-        return False
-    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-
-
-def token_input_as_keyword(model: Any, inputs: Any) -> Any:
-    """A causal LM's one positional token input as ``{"input_ids": ids}``; any other inputs as they are.
-
-    Why: a causal LM trains with its own loss of ``model(input_ids=..., labels=...)``
-    (shifted, ``-100`` ignored, and chunkable by ``chunked_lm_loss``); positional
-    ``--input long:32:50257`` means the same ids, so it must not train differently.
-    """
-    args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    if isinstance(inputs, Mapping) or len(args) != 1 or not isinstance(args[0], torch.Tensor):
-        return inputs
-    ids = args[0]
-    if ids.is_floating_point() or ids.dtype == torch.bool or not is_causal_lm(model):
-        return inputs
-    params = _forward_params(getattr(model, "forward", model)) or []
-    return {"input_ids": ids} if params and params[0].name == "input_ids" else inputs
-
+# -- keyword inputs where only positional ones work ---------------------------------------------------
 
 def keyword_as_positional(model: Any, inputs: Mapping[str, Any], what: str) -> tuple[Any, ...]:
     """Keyword inputs as the positional arguments they bind to, for code that calls ``model(*args)``.
@@ -358,7 +295,7 @@ def keyword_as_positional(model: Any, inputs: Mapping[str, Any], what: str) -> t
     """
     if not inputs:
         return ()
-    params = [p for p in (_forward_params(getattr(model, "forward", model)) or [])
+    params = [p for p in (forward_params(getattr(model, "forward", model)) or [])
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     names = [p.name for p in params]
     unknown = next((n for n in inputs if n not in names), None)

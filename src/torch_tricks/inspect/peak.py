@@ -94,8 +94,10 @@ def cached_peak(device: str | torch.device = "auto") -> Peak | None:
 
 
 def rate(flops_per_s: float) -> str:
-    """A FLOP/s figure in the unit that reads best: ``172.7 GFLOP/s``, ``699.0 TFLOP/s``."""
-    return f"{flops_per_s / 1e12:.1f} TFLOP/s" if flops_per_s >= 1e12 else f"{flops_per_s / 1e9:.1f} GFLOP/s"
+    """A FLOP/s figure in the unit that reads best: ``172.7 GFLOP/s``, ``699.0 TFLOP/s``, ``3.2 MFLOP/s``."""
+    if flops_per_s >= 1e12:
+        return f"{flops_per_s / 1e12:.1f} TFLOP/s"
+    return f"{flops_per_s / 1e9:.1f} GFLOP/s" if flops_per_s >= 1e9 else f"{flops_per_s / 1e6:.1f} MFLOP/s"
 
 
 def mfu(flops_per_step: float, step_s: float, peak_flops: float) -> float:

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from torch_tricks._format import human_bytes, shape_str, si, table
 from torch_tricks.errors import UserError
+from torch_tricks.inspect.advice import advice_text
 from torch_tricks.inspect.flops import ModuleRecord, OpCounter, _unfused_attention
 from torch_tricks.inspect.inputs import describe_inputs, input_tensors, split_inputs
 
@@ -96,8 +97,6 @@ class Summary:
             "by operator: " + ", ".join(f"{k} {si(v)}" for k, v in self.by_operator.items()),
         ]
         if advice:
-            from torch_tricks.inspect.advisor import advice_text  # advisor imports this module
-
             lines += ["", advice_text(list(advice))]
         return "\n".join(lines)
 

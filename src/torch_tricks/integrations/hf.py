@@ -15,9 +15,9 @@ hooks, the switches ``TrainingArguments`` has no field for: in ``on_init_end`` (
 Trainer builds its optimizer and wraps the model) the model changes of ``Tricks.prepare``
 (in-place activations, memory-efficient BN, checkpointing by name pattern, the chunked LM loss,
 BN momentum, channels_last, SyncBN) and the process settings (cudnn benchmark, the kept heap,
-anomaly detection); at each step's end the EMA (saved as ``ema.pt`` in each checkpoint folder);
-the NaN guard as a check of the model's loss; ``metrics.csv`` of the Trainer's logs. The table of
-where each key goes is :mod:`torch_tricks.integrations.mapping`.
+intra-op threads, anomaly detection); at each step's end the EMA (saved as ``ema.pt`` in each
+checkpoint folder); the NaN guard as a check of the model's loss; ``metrics.csv`` of the
+Trainer's logs. The table of where each key goes is :mod:`torch_tricks.integrations.mapping`.
 
 Written here rather than taken from transformers: the Trainer has arguments for the first group
 and nothing for the second; a callback is its own way of adding behaviour.
@@ -49,6 +49,7 @@ from torch_tricks.integrations.mapping import (
     sourced_keywords,
 )
 from torch_tricks.integrations.merge import check_prefer, merge, same
+from torch_tricks.machine import set_threads
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.ema import EMA
 from torch_tricks.train.offload import check_device as check_offload_device
@@ -293,8 +294,11 @@ def _copy_weights(src: nn.Module, dst: nn.Module) -> None:
 
 
 def _process_switches(cfg: TrainConfig, model: nn.Module) -> list[str]:
-    """cudnn benchmark, the kept heap (CPU) and anomaly detection: settings of the process."""
+    """cudnn benchmark, the kept heap (CPU), intra-op threads and anomaly detection: settings of the process."""
     applied = []
+    if cfg.threads:  # checked against this machine's cores here, as Tricks does
+        set_threads(cfg.threads)
+        applied.append(f"threads={cfg.threads}")
     if cfg.cudnn_benchmark:
         cudnn_benchmark(True, fixed_shapes=True)
         applied.append("cudnn_benchmark")

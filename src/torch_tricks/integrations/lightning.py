@@ -18,11 +18,12 @@ among its ``callbacks`` (add yours to that list). The callback applies, from Lig
 hooks, what the Trainer has no keyword for: in ``setup`` (before ``configure_optimizers``) the
 model changes of ``Tricks.prepare`` (activation checkpointing, in-place activations,
 memory-efficient BN, the chunked loss of the causal LM inside the module, BN momentum,
-channels_last, compile of each child module) and the kept heap; activation offload from batch
-start to ``on_before_backward``; the EMA after each optimizer step (kept in the checkpoint);
-the NaN guard on each batch's loss. It also checks, at the start of fitting, that what lives in
-your own code is in effect (the optimizer from :func:`optimizers_from`, the seed), and says in
-one line what to change where it is not: a key is never dropped in silence.
+channels_last, compile of each child module), the kept heap and the intra-op threads;
+activation offload from batch start to ``on_before_backward``; the EMA after each optimizer
+step (kept in the checkpoint); the NaN guard on each batch's loss. It also checks, at the start
+of fitting, that what lives in your own code is in effect (the optimizer from
+:func:`optimizers_from`, the seed), and says in one line what to change where it is not: a key
+is never dropped in silence.
 
 Written here rather than taken from Lightning: its Trainer has keywords for the first group and
 nothing for the second; a callback is its own way of adding behaviour.
@@ -53,6 +54,7 @@ from torch_tricks.integrations.mapping import (
     sourced_keywords,
 )
 from torch_tricks.integrations.merge import Tuned, check_prefer, merge, same
+from torch_tricks.machine import set_threads
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.ema import EMA
 from torch_tricks.train.lm_loss import chunk_lm_loss, why_not_chunkable
@@ -205,6 +207,9 @@ class TricksCallback(Callback):
         if cfg.keep_heap and trainer.strategy.root_device.type == "cpu":
             if keep_heap():
                 self.applied.append("keep_heap")
+        if cfg.threads:  # after the strategy's own thread setting (setup_environment), checked against the cores
+            set_threads(cfg.threads)
+            self.applied.append(f"threads={cfg.threads}")
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         mine = [o for o in trainer.optimizers if not getattr(o, "_torch_tricks_config", False)]

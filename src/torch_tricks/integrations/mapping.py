@@ -222,6 +222,9 @@ def learning_rate(c: TrainConfig) -> float:
 OPTIMIZER_KEYS = frozenset({"lr", "optimizer", "weight_decay", "momentum", "schedule", "warmup_steps", "scale_lr",
                             "base_batch", "fused_optimizer", "no_decay_norm_bias", "optimizer_state"})
 
+# No trainer has an argument for the intra-op thread count: the process's, set where the callback (or Tricks) starts.
+_THREADS = "intra-op CPU threads, `torch.set_num_threads` (0: the process's own; at most the cores here)"
+
 _PL = "lightning"
 _OPTIMIZERS = "`configure_optimizers`: `return optimizers_from(cfg, self)`"
 
@@ -290,6 +293,7 @@ _LIGHTNING: dict[str, Place] = {
     "compile": callback("`torch.compile` of each child module of the LightningModule, in place"),
     "cudnn_benchmark": arg("`benchmark`", lambda c: {"benchmark": c.cudnn_benchmark}),
     "keep_heap": callback("glibc keeps freed memory (CPU)"),
+    "threads": callback(_THREADS),
     "accumulate": arg("`accumulate_grad_batches`", lambda c: {"accumulate_grad_batches": c.accumulate}),
     "bn_momentum_adjust": callback("BatchNorm momentum for the micro-batches"),
     "checkpointing": callback("activation checkpointing of the repeated blocks, `sqrt` or a name pattern"),
@@ -388,6 +392,7 @@ _ACCELERATE: dict[str, Place] = {
         "accelerate.utils.TorchDynamoPlugin", {"backend": "inductor"})} if c.compile else {}),
     "cudnn_benchmark": _ac_tricks("torch.backends.cudnn.benchmark"),
     "keep_heap": _ac_tricks("glibc keeps freed memory (CPU)"),
+    "threads": _ac_tricks(_THREADS),
     "accumulate": arg("`gradient_accumulation_steps`, with `accelerator.accumulate(model)` in your loop",
                       lambda c: {"gradient_accumulation_steps": c.accumulate}),
     "bn_momentum_adjust": _ac_tricks("BatchNorm momentum for the micro-batches"),
@@ -539,6 +544,7 @@ _HF: dict[str, Place] = {
         Place("the Trainer's own parameter groups (biases and LayerNorm weights without decay)",
               lambda c: Route("arg"))),
     "keep_heap": callback("glibc keeps freed memory (CPU)"),
+    "threads": callback(_THREADS),
     "accumulate": arg("`gradient_accumulation_steps`", lambda c: {"gradient_accumulation_steps": c.accumulate}),
     "bn_momentum_adjust": callback("BatchNorm momentum for the micro-batches"),
     "checkpointing": arg(

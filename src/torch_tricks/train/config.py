@@ -45,6 +45,7 @@ class TrainConfig:
     fused_optimizer: bool = True  # T7: fused or foreach step where available
     no_decay_norm_bias: bool = True  # T14/T15
     keep_heap: bool = True  # CPU, glibc: freed memory stays in the process (no page faults per step)
+    threads: int = 0  # intra-op CPU threads (torch.set_num_threads), at most the cores here; 0 = the process's own
     # memory
     accumulate: int = 1  # T11
     bn_momentum_adjust: bool = False  # T11: BN momentum for k-times smaller batches
@@ -117,6 +118,7 @@ class TrainConfig:
             (self.batch_size >= 1, "batch_size must be >= 1"),
             (self.lr > 0, "lr must be > 0"),
             (self.log_every >= 1, "log_every must be >= 1"),
+            (self.threads >= 0, f"threads must be >= 0 (0 keeps the process's own thread count), not {self.threads}"),
             (self.keep_checkpoints >= 0, "keep_checkpoints must be >= 0 (0 keeps every checkpoint)"),
             (self.precision in ("fp32", "bf16", "fp16"), f"precision must be fp32, bf16 or fp16, not {self.precision!r}"),
             (self.schedule in ("constant", "cosine", "linear"), f"schedule must be constant, cosine or linear, not {self.schedule!r}"),

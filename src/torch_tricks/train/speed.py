@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from torch_tricks._malloc import raise_malloc_thresholds
+from torch_tricks.batches import to_channels_last  # defined there: moving a batch needs it
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 
@@ -83,30 +84,9 @@ def channels_last(model: nn.Module) -> nn.Module:
     return model.to(memory_format=torch.channels_last)
 
 
-def to_channels_last(batch: Any) -> Any:
-    """``batch`` with every 4-D floating-point tensor in channels_last (nested tuples,
-    lists and dicts are walked); other tensors and values are returned as they are."""
-    if isinstance(batch, torch.Tensor):
-        return _tensor_channels_last(batch)
-    if isinstance(batch, dict):
-        return {k: to_channels_last(v) for k, v in batch.items()}
-    if _is_namedtuple(batch):
-        return type(batch)(*(to_channels_last(v) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_channels_last(v) for v in batch)
-    return batch
-
-
 def _is_namedtuple(x: Any) -> bool:
     """A namedtuple, rebuilt from its fields as positional arguments (a plain tuple takes one iterable)."""
     return isinstance(x, tuple) and hasattr(x, "_fields")
-
-
-def _tensor_channels_last(t: torch.Tensor) -> torch.Tensor:
-    """A 4-D floating-point tensor in channels_last; any other tensor as it is."""
-    if t.dim() == 4 and t.is_floating_point():
-        return t.contiguous(memory_format=torch.channels_last)
-    return t
 
 
 # -- torch.compile ----------------------------------------------------------------------

@@ -16,8 +16,8 @@ the tuner times) are built on it, so a switch measured by ``tune`` is the switch
 loop gets. Each switch of :class:`TrainConfig` is applied at the one place it belongs:
 
 * ``Tricks(...)``: device, ``torchrun`` process group, seeding (the same seed ``fit``
-  uses), cudnn benchmark, a kept heap on CPU (process-wide, as in the tune that timed
-  the step);
+  uses), cudnn benchmark, a kept heap on CPU, the intra-op thread count (process-wide, as
+  in the tune that timed the step);
 * :meth:`prepare`: the model changes (in-place activations, memory-efficient BN,
   activation checkpointing, a causal LM's chunked loss, BN momentum for accumulation, SyncBN under DDP, device,
   channels_last), then the wrappers (DDP, FSDP2 per block under ``distributed = fsdp``,
@@ -63,6 +63,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torch_tricks.batches import to_device as batch_to_device
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError
+from torch_tricks.machine import set_threads
 from torch_tricks.seed import seed_everything, seeded_generator, worker_init_fn
 from torch_tricks.train.checkpoint import _atomic_torch_save
 from torch_tricks.train.config import TrainConfig, load_config, why_not_in_backward
@@ -430,8 +431,13 @@ class Tricks:
         self.is_main = self.dist is None or self.dist.is_main
 
     def _process_wide_switches(self) -> None:
-        """cudnn benchmark, the kept heap and anomaly detection: settings of the process, not of the model."""
+        """cudnn benchmark, the kept heap, intra-op threads and anomaly detection: settings of the process, not of
+        the model. ``threads`` is checked against this machine's cores here, where it is applied: a configuration
+        may be written on one machine and run on another."""
         cfg = self.config
+        if cfg.threads:
+            set_threads(cfg.threads)
+            self.applied.append(f"threads={cfg.threads}")
         if cfg.cudnn_benchmark:
             cudnn_benchmark(True, fixed_shapes=True)
             self.applied.append("cudnn_benchmark")

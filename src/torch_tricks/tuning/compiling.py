@@ -1,0 +1,147 @@
+"""``compile`` in the tune: planned only if the budget holds it after the other tricks (else tried at the end
+if the races settled early), measured on top of the best configuration (one compilation) and raced against
+it, and recommended only if it beats it beyond the margin and its compilation pays back within the run.
+
+:class:`Compiling` is one part of the tune's state (:class:`~torch_tricks.tuning.tuner._Tune`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch.nn as nn
+
+from torch_tricks.errors import one_line
+from torch_tricks.tuning.builds import _drift_into
+from torch_tricks.tuning.candidates import Candidate
+from torch_tricks.tuning.measure import build_runner
+from torch_tricks.tuning.racing import _MIN_ROUNDS, _SETTLE_ROUNDS
+from torch_tricks.tuning.result import Result
+
+
+class Compiling:
+    """compile's plan (``compile_planned``, ``compile_reserve``, ``compile_est``, ``compile_need``), its row, what
+    it was measured as and on top of (``compile_row``, ``compile_target``, ``compile_base``), and its decision."""
+
+    def _plan_compile(self, cands: list[Candidate]) -> tuple[Result | None, list[Candidate]]:
+        """(compile's row or None, the other candidates, speed first): compile is planned, with the time it
+        needs kept back, only if the budget holds it after the others; else it is tried at the end if the
+        races settle early (:meth:`_compile_phase`)."""
+        compile_cand = next((c for c in cands if c.changes.get("compile")), None)
+        order = {"speed": 0, "memory": 1, "cost": 2}  # what a short budget leaves out last
+        others = sorted((c for c in cands if c is not compile_cand), key=lambda c: order.get(c.goal, 3))
+        self.compile_reserve = 0.0
+        self.compile_planned = False
+        if compile_cand is None:
+            return None, others
+        compile_res = Result(compile_cand.name, compile_cand.goal, compile_cand.changes, compile_cand.ids,
+                             note=compile_cand.note)
+        est = self.compile_est = _compile_estimate(self.model, self.step_s)
+        self.compile_need = est + self._race_need(3, _MIN_ROUNDS + 3)  # its compilation, then a short race
+        # the others first: their set-up, the least race worth having, one combination
+        need_rest = (len(others) * self.setup_s * 1.3 + self._race_need(len(others) + 2, _MIN_ROUNDS)
+                     + self._race_need(4, _SETTLE_ROUNDS // 2) + self._combo_need())
+        if self.left() < self.compile_need + need_rest:
+            # not planned: tried at the end only if the races settle early and leave the time for it
+            self.compile_skip_reason = (
+                f"compiling takes about {est:.0f} s here (a first estimate from the model's size), more than "
+                f"--budget-seconds leaves after the other tricks: raise it to about "
+                f"{math.ceil(self.report.budget_s + self.compile_need + need_rest - self.left()):.0f} to measure it")
+        else:
+            self.compile_planned = True
+            self.compile_reserve = self.compile_need
+        return compile_res, others
+
+    def _compile_phase(self, compile_res: Result) -> None:
+        """6. compile, on top of the best configuration so far, if the time left holds it (else skipped, why)."""
+        t_compile = time.perf_counter()
+        budget_left = self.left()
+        if self.compile_planned:
+            room = budget_left >= self.compile_est + self._race_need(3, _MIN_ROUNDS)
+        else:  # not planned: it may fit now, with the time the races saved by settling early
+            room = budget_left >= self.compile_need
+        if room:
+            self.phase("compile")
+            self._try_compile(compile_res)
+        elif self.compile_planned:
+            compile_res.status, compile_res.verdict = "skipped", "skipped"
+            compile_res.reason = (f"over --budget-seconds: compiling takes about {self.compile_est:.0f} s here "
+                                  f"and only {max(budget_left, 0):.0f} s are left; raise it")
+        else:
+            compile_res.status, compile_res.verdict = "skipped", "skipped"
+            compile_res.reason = self.compile_skip_reason
+        self.phase_s["compile"] = time.perf_counter() - t_compile
+        self.compile_reserve = 0.0
+        self.bar.update(1)
+
+    def _try_compile(self, res: Result) -> None:
+        """``compile`` on top of the best configuration so far (one compilation), raced against it and plain."""
+        report = self.report
+        best = report.best_throughput or report.baseline
+        on_best = best is not report.baseline
+        target = res
+        if on_best:
+            target = Result(f"{best.name}+{res.name}", "speed", {**best.changes, **res.changes},
+                            tuple(sorted(set(best.ids) | set(res.ids))))
+        cfg = {**self.base_cfg, **target.changes}
+        self.compile_target, self.compile_base, self.compile_row = target, best, res
+        try:  # no probe: a second batch shape would make dynamo recompile with dynamic shapes
+            r = build_runner(target.name, self.model, cfg, self.batches, probe=False, **self.kw)
+            _drift_into(target, r, self.base)
+            target.runner = r
+            # half of what is left; more rounds at the end are shared with the other open races
+            self._race_side_by_side(target, best if on_best else None, self.train_end, share=0.5)
+            target.note = (f"first call {target.first_call_s:.1f} s (compilation), not in the step time; "
+                           "memory not measured under compile")
+        except Exception as exc:
+            target.status, target.verdict, target.reason = "failed", "failed", one_line(exc, with_type=True)
+        if on_best:
+            report.combos.append(target)
+            res.status, res.verdict = target.status, target.verdict
+            res.reason = f"measured on top of {best.name}: see {target.name}"
+        self._compile_decide()
+
+    def _compile_decide(self) -> None:
+        """Recommend the compiled configuration if it beats the one it was compiled on top of beyond the margin."""
+        report = self.report
+        target, base = self.compile_target, self.compile_base
+        if target is None or target.status != "measured":
+            return
+        best = report.best_throughput or report.baseline
+        row = self.compile_row
+        if row is not target:  # the compile row points at the +compile one
+            row.status, row.verdict = target.status, target.verdict
+        if best is not base:
+            self.choice_notes.append(f"compile was measured on top of {base.name}; after more rounds the "
+                                     f"recommendation is {best.name}, on top of which it was not measured: not "
+                                     "recommended")
+            return
+        if self._compile_wins(target):
+            best.chosen = False
+            target.chosen = True
+            report.best_throughput = target
+
+    def _compile_wins(self, target: Result) -> bool:
+        """The compiled configuration is faster than what it extends beyond the margin, the plain step fits
+        the memory limit, and its compilation pays back within the run."""
+        beyond = self._margin(target.vs_current_half_ci)
+        if not (target.vs_current is not None and target.vs_current < 1 - beyond and self._faster(target)):
+            return False
+        if not self._fits(self.report.baseline):  # its memory is not measured: no bet under a tight limit
+            self.choice_notes.append(f"{target.name} is faster, but its memory is not measured under compile and "
+                                     "the limit is tight: not recommended")
+            return False
+        # its first call must be paid back within the run (its row says so, with the break-even step count)
+        return self.report.amortised(target) is not False
+
+
+def _compile_estimate(model: nn.Module, step_s: float) -> float:
+    """Seconds a first ``torch.compile`` of forward + backward takes, roughly, from the model's size.
+
+    On the 2-core machine this project is tested on, a cold compile took ~10 s for
+    small_cnn (13 modules) and ~15-25 s for ResNet-18 (68 modules); a warm inductor
+    cache is faster. Only used to decide whether the budget leaves room to try.
+    """
+    return 8.0 + 0.2 * sum(1 for _ in model.modules()) + 20 * step_s
+
