@@ -9,10 +9,12 @@ import torch
 # would make four on two cores, and OpenMP's spinning threads then slow both), else up to two.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
-# Test modules that share a session fixture (gloo_jobs: one torchrun launch for all three) run on one xdist
-# worker: split across two, each worker would pay for the whole launch.
+# Test modules that share a session fixture (gloo_jobs: one torchrun launch for all three; run_script) run on one
+# xdist worker: split across two, each worker would pay for the whole launch.
 _SHARED_WORKER = {m: "gloo_jobs" for m in ("tests/test_train_distributed.py", "tests/test_train_fit_ddp.py",
                                            "tests/test_train_lm_loss.py")}
+_SHARED_WORKER.update({m: "run_script" for m in ("tests/test_integrations_hf.py", "tests/test_integrations_loop.py",
+                                                  "tests/test_integrations_accelerate.py")})
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -93,3 +95,50 @@ def gloo_jobs(tmp_path_factory):
     proc = T.start(T.SCRIPTS / "run_jobs.py", *jobs)
     log = T.wait(proc, timeout=240, ok=None)
     return SimpleNamespace(checks=checks, fit=fit, lm=lm, log=log, returncode=proc.returncode)
+
+
+@pytest.fixture(scope="session")
+def run_script(tmp_path_factory):
+    """``run_script(script, cwd)``: ``subprocess.run([python, script], cwd=cwd, capture_output=True, text=True)``
+    for the scripts the trainer-integration tests paste the printed lines into, each in a process of its own,
+    forked from one that imported torch, transformers and accelerate once for the session (tests/_script_runner.py:
+    what the child has of its own). Each fresh interpreter spent 6-8 s on those imports on 2 cores; the three
+    modules that use it share an xdist worker (:data:`_SHARED_WORKER`), so they pay that once."""
+    import json
+    import select
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    logs = tmp_path_factory.mktemp("run_script")
+    state = {"proc": None, "n": 0}
+
+    def start():
+        with open(logs / "runner.err", "ab") as log:
+            state["proc"] = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_script_runner.py"))],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                             start_new_session=True)
+        return state["proc"]
+
+    def run(script, cwd, timeout=300) -> subprocess.CompletedProcess:
+        proc = state["proc"] if state["proc"] is not None and state["proc"].poll() is None else start()
+        state["n"] += 1
+        out, err = logs / f"{state['n']}.out", logs / f"{state['n']}.err"
+        proc.stdin.write(json.dumps({"script": str(script), "cwd": str(cwd), "stdout": str(out),
+                                     "stderr": str(err)}) + "\n")
+        proc.stdin.flush()
+        if not select.select([proc.stdout], [], [], timeout)[0]:
+            os.killpg(proc.pid, signal.SIGKILL)  # the runner and the script's process
+            proc.wait()
+            raise subprocess.TimeoutExpired([sys.executable, str(script)], timeout)
+        reply = proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the script runner ended: {(logs / 'runner.err').read_text()[-3000:]}")
+        return subprocess.CompletedProcess([sys.executable, str(script)], json.loads(reply)["returncode"],
+                                           out.read_text(), err.read_text())
+
+    yield run
+    if state["proc"] is not None and state["proc"].poll() is None:
+        state["proc"].stdin.close()
+        state["proc"].wait(timeout=60)

@@ -81,9 +81,7 @@ def test_the_guard_stops_a_non_finite_loss_before_the_step():
         tricks.guard(torch.tensor(float("nan")))
 
 
-def test_the_printed_loop_runs(tmp_path):
-    import subprocess
-    import sys
+def test_the_printed_loop_runs(tmp_path, run_script):
     from pathlib import Path
 
     lines = trainer_lines({"precision": "bf16", "accumulate": 2, "grad_clip": 1.0, "device": "cpu", "max_steps": 2,
@@ -98,7 +96,7 @@ def test_the_printed_loop_runs(tmp_path):
         "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)",
         *lines,
         "print('steps', tricks.step_count)"]))
-    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    run = run_script(script, cwd=tmp_path)  # as `python loop.py` in tmp_path (conftest.py)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1] == "steps 2", run.stdout[-2000:]
 

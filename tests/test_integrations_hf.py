@@ -213,10 +213,8 @@ def test_on_cuda_the_trainer_autocasts_bf16_and_the_callback_offloads_activation
     assert saved_on_cpu and all(saved_on_cpu)  # save_on_cpu's hooks were in force inside the forward
 
 
-def test_tune_emit_hf_then_emit_of_its_toml_print_lines_that_run_in_a_trainer_script(tmp_path, capsys):
+def test_tune_emit_hf_then_emit_of_its_toml_print_lines_that_run_in_a_trainer_script(tmp_path, capsys, run_script):
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
     from torch_tricks.cli import main
@@ -244,7 +242,7 @@ def test_tune_emit_hf_then_emit_of_its_toml_print_lines_that_run_in_a_trainer_sc
                        'report_to=[]') for line in lines),
         "print('steps', trainer.state.global_step)",
     ]))
-    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    run = run_script(script, cwd=tmp_path)  # as `python train_hf.py` in tmp_path (conftest.py)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1] == "steps 2", run.stdout[-2000:]
 

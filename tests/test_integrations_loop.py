@@ -4,8 +4,6 @@ every step equal to an uninterrupted run's (accumulation 2, a cosine schedule)."
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -50,7 +48,7 @@ def test_stopped_and_resumed_the_ema_and_the_lr_equal_an_uninterrupted_run(tmp_p
     assert_resumed_like(whole.ema, resumed.ema, whole_lrs, first, second)
 
 
-def test_the_printed_loop_runs(tmp_path):
+def test_the_printed_loop_runs(tmp_path, run_script):
     toml = tmp_path / "tricks.toml"
     toml.write_text('[train]\naccumulate = 2\nema = true\n')
     lines = emit_lines(str(toml), "loop", source=str(toml))
@@ -66,6 +64,6 @@ def test_the_printed_loop_runs(tmp_path):
         "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)",
         *lines,
         "print('steps', tricks.step_count, tricks.ema.num_updates)"]))
-    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    run = run_script(script, cwd=tmp_path)  # as `python loop.py` in tmp_path (conftest.py)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1] == "steps 3 3", run.stdout[-2000:]

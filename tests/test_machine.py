@@ -121,7 +121,8 @@ def test_a_quiet_window_is_a_finite_number():
 
 @pytest.mark.skipif(not HAS_PROC, reason="needs /proc (Linux)")
 def test_this_process_and_its_children_are_not_foreign():
-    code = _BUSY.format(s=0.4)
+    # 0.4 s of the child's own CPU (not of wall time, which a loaded machine would hand it only in part)
+    code = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"
     with LoadMonitor(min_wall_s=0) as m:
         subprocess.run([sys.executable, "-c", code], check=True)  # a child: its CPU is this process's
     assert m.load.own_s >= 0.3

@@ -29,6 +29,13 @@ def test_a_steps_flops_are_flop_counter_modes_forward_and_backward():
     assert cost.traffic_bytes > 0 and 0 < cost.pointwise_bytes < cost.traffic_bytes
 
 
+def _tune_mlp(out) -> int:
+    """``torch-tricks tune`` of the built-in mlp for 12 s into ``out`` (compile, ema, deterministic left out)."""
+    return main(["tune", "--model", "mlp", "--batch", "64", "--budget-seconds", "12", "--device", "cpu",
+                 "--no-progress", "--out", str(out), *(a for t in ("compile", "ema", "deterministic")
+                                                       for a in ("--skip", t))])
+
+
 def test_the_report_carries_mfu_from_the_cached_peak(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_TRICKS_CACHE", str(tmp_path / "cache"))
     peak = device_peak("cpu", max_size=256)  # measured once, here (small matmuls: quick)
@@ -38,9 +45,7 @@ def test_the_report_carries_mfu_from_the_cached_peak(tmp_path, monkeypatch):
 
     monkeypatch.setattr(peak_mod, "_measure_all", measured_again)
     out = tmp_path / "out"
-    code = main(["tune", "--model", "mlp", "--batch", "64", "--budget-seconds", "12", "--device", "cpu",
-                 "--no-progress", "--out", str(out), *(a for t in ("compile", "ema", "deterministic")
-                                                       for a in ("--skip", t))])
+    code = _tune_mlp(out)
     assert code == 0
     report = json.loads((out / "report.json").read_text())
     eff = report["efficiency"]
@@ -127,9 +132,7 @@ def test_a_tune_against_a_low_cached_peak_prints_no_mfu_over_100(tmp_path, monke
     monkeypatch.setenv("TORCH_TRICKS_CACHE", str(tmp_path / "cache"))
     key = _plant_low_peak()
     out = tmp_path / "out"
-    code = main(["tune", "--model", "mlp", "--batch", "64", "--budget-seconds", "12", "--device", "cpu",
-                 "--no-progress", "--out", str(out), *(a for t in ("compile", "ema", "deterministic")
-                                                       for a in ("--skip", t))])
+    code = _tune_mlp(out)
     assert code == 0
     report = json.loads((out / "report.json").read_text())
     eff, printed = report["efficiency"], capsys.readouterr().out + (out / "report.md").read_text()

@@ -11,6 +11,7 @@ import math
 import time
 from typing import Any
 
+from torch_tricks.device import synchronize
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.tuning.candidates import Candidate
 from torch_tricks.tuning.measure import (
@@ -30,6 +31,25 @@ from torch_tricks.tuning.result import Result
 SLOW_FACTOR = 10.0
 
 
+# The step's scaling with threads at the start: alternated plain steps at each count, and how much faster one
+# thread must be to become every lane's count.
+_THREAD_PROBES = 3
+_THREADS_WIN = 0.9
+
+
+def _timed_at(base: Runner, threads: int) -> float:
+    """One plain step's seconds at ``threads`` intra-op threads (the runner sets them around the call)."""
+    cfg = base.step.config
+    base.step.config = cfg.replace(threads=threads)
+    try:
+        t = time.perf_counter()
+        base()
+        synchronize(base.step.device)
+        return time.perf_counter() - t
+    finally:
+        base.step.config = cfg
+
+
 class Builds:
     """The baselines (``base``, ``twin``; ``step_s``, ``setup_s``, ``memory_s``: what one step, one set-up and
     one memory run take), each candidate's set-up, and the memory runs."""
@@ -41,10 +61,12 @@ class Builds:
         self.phase("baseline")
         t_base = time.perf_counter()
         base = self._build_plain()
+        build_s = time.perf_counter() - t_base  # one build: what the others will cost (not the threads' probe)
         self.base = base
+        self._pick_threads(base, cands)
         base_res = Result("plain", "baseline", {}, (), status="measured", verdict="baseline")
         base_res.first_call_s, base_res.losses = base.first_call_s, base.losses
-        if self._too_slow_for_the_budget(base, time.perf_counter() - t_base, base_res, cands):
+        if self._too_slow_for_the_budget(base, build_s, base_res, cands):
             return False
         # what one candidate's drift + memory costs, roughly: timed after the first build, which
         # pays one-off costs (imports, kernel caches) that later builds do not
@@ -62,6 +84,32 @@ class Builds:
         self.step_s = max(_median(base.step_times) if base.step_times else 0.0, 1e-4)
         self.bar.update(1)
         return True
+
+    def _pick_threads(self, base: Runner, cands: list[Candidate]) -> None:
+        """The step's scaling with threads, before anything else is timed: on a CPU where the caller did not fix
+        the threads (a ``threads:1`` candidate stands for that), a few plain steps at one thread and at the
+        process's count, alternated. The faster count becomes every lane's (a busy machine, or a step too small
+        to split, can make two threads several times slower than one); the other is raced as the candidate."""
+        i = next((i for i, c in enumerate(cands) if c.name == "threads:1"), None)
+        n = int(self.base_cfg.get("threads") or 0)
+        if i is None or n <= 1:
+            return
+        times: dict[int, list[float]] = {1: [], n: []}
+        for _ in range(_THREAD_PROBES):
+            for k in (n, 1):
+                times[k].append(_timed_at(base, k))
+        one, many = _median(times[1]), _median(times[n])
+        self.report.threads = {**(self.report.threads or {}), "probe_s": {"1": one, str(n): many}}
+        if one >= _THREADS_WIN * many:
+            return
+        self.base_cfg["threads"] = 1
+        base.step.config = base.step.config.replace(threads=1)
+        base.step_times = times[1]
+        c = cands[i]
+        cands[i] = Candidate(f"threads:{n}", {"threads": n}, "speed", tricks=c.tricks,
+                             note=f"{n} intra-op threads instead of 1 (one was faster when the tune began: "
+                                  f"{one * 1e3:.0f} ms against {many * 1e3:.0f} ms a plain step)")
+        self.report.threads.update(threads=1, chosen_at_start=True)
 
     def _build_plain(self) -> Runner:
         """The plain fp32 step's runner; a UserError where the model cannot train on the input, or its loss

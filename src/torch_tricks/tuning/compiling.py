@@ -7,10 +7,16 @@ it, and recommended only if it beats it beyond the margin and its compilation pa
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from pathlib import Path
 
+import torch
 import torch.nn as nn
+
+from torch_tricks._io import atomic_path
+from torch_tricks.inspect.peak import cache_path, machine_key
 
 from torch_tricks.errors import one_line
 from torch_tricks.tuning.builds import _drift_into
@@ -89,6 +95,7 @@ class Compiling:
         try:  # no probe: a second batch shape would make dynamo recompile with dynamic shapes
             r = build_runner(target.name, self.model, cfg, self.batches, probe=False, **self.kw)
             _drift_into(target, r, self.base)
+            record_compile(self.model, r.first_call_s)
             target.runner = r
             # half of what is left; more rounds at the end are shared with the other open races
             self._race_side_by_side(target, best if on_best else None, self.train_end, share=0.5)
@@ -137,11 +144,50 @@ class Compiling:
 
 
 def _compile_estimate(model: nn.Module, step_s: float) -> float:
-    """Seconds a first ``torch.compile`` of forward + backward takes, roughly, from the model's size.
+    """Seconds a first ``torch.compile`` of forward + backward takes here: the first call an earlier tune of the
+    same model measured on this machine (:func:`record_compile`), else a first estimate from the model's size.
 
-    On the 2-core machine this project is tested on, a cold compile took ~10 s for
-    small_cnn (13 modules) and ~15-25 s for ResNet-18 (68 modules); a warm inductor
-    cache is faster. Only used to decide whether the budget leaves room to try.
+    The estimate decides whether compile is started at all: once started, a compilation cannot be cut short,
+    so one that was under-estimated runs the tune past its budget (a 2-layer GPT-2 took 54 s on 2 cores where
+    the size rule said 14). On the 2-core machine this project is tested on, a cold compile took ~10 s for
+    small_cnn (13 modules), ~15-25 s for ResNet-18 (68 modules) and ~50 s for a transformers GPT-2 of 2 blocks
+    (its attention and generation code trace slowly); a warm inductor cache is faster.
     """
-    return 8.0 + 0.2 * sum(1 for _ in model.modules()) + 20 * step_s
+    seen = _read_compile_times().get(_compile_key(model))
+    if seen is not None:
+        return float(seen) + 20 * step_s
+    modules = sum(1 for _ in model.modules())
+    per_module = 1.0 if type(model).__module__.startswith("transformers.") else 0.2
+    return 8.0 + per_module * modules + 20 * step_s
+
+
+def record_compile(model: nn.Module, first_call_s: float) -> None:
+    """Keep a compiled first call's seconds for the next tune of this model here (a cache of its own beside
+    the peaks'); a cache that cannot be written is left as it is (the size estimate stands in)."""
+    times = _read_compile_times()
+    times[_compile_key(model)] = round(float(first_call_s), 2)
+    try:
+        with atomic_path(_compile_cache()) as tmp:
+            tmp.write_text(json.dumps(times, indent=1))
+    except OSError:
+        pass
+
+
+def _compile_key(model: nn.Module) -> str:
+    """What a compile time depends on: the model's class and size, this machine and torch."""
+    params = sum(p.numel() for p in model.parameters())
+    return f"{type(model).__module__}.{type(model).__qualname__}|{sum(1 for _ in model.modules())} modules|" \
+           f"{params} params|{machine_key(torch.device('cpu'))}"
+
+
+def _compile_cache() -> Path:
+    return cache_path().with_name("compile_times.json")
+
+
+def _read_compile_times() -> dict[str, float]:
+    try:
+        data = json.loads(_compile_cache().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 

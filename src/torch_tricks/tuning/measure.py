@@ -22,7 +22,7 @@ on its own copy of the same initial weights:
   time is the first call, apart.
 
 Switches that are process-wide rather than per model (``deterministic``,
-``cudnn_benchmark``) are set around every call of a candidate and put back after it,
+``cudnn_benchmark``, the intra-op ``threads``) are set around every call of a candidate and put back after it,
 so one candidate's switch never leaks into another's timings.
 """
 
@@ -71,14 +71,19 @@ def _set_global_state(state: tuple[bool, bool, bool, bool]) -> None:
 def switches(config: Any) -> Iterator[None]:
     """The process-wide switches of ``config`` (a dict or TrainConfig) inside, the previous ones after."""
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-    before = _global_state()
+    before, threads = _global_state(), torch.get_num_threads()
     det = bool(get("deterministic", False))
     bench = bool(get("cudnn_benchmark", False)) and not det
     _set_global_state((det, False, det, bench))
+    want = int(get("threads", 0) or 0)  # intra-op threads: each lane's own, set around each of its calls
+    if want and want != threads:
+        torch.set_num_threads(want)
     try:
         yield
     finally:
         _set_global_state(before)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

@@ -178,7 +178,8 @@ class Race:
                 continue  # the winner: settled
             out.append(self._lane_text(i) + (" (faster; racing for the best)" if faster else ""))
         if not self.noise_resolved():
-            out.append(f"the noise, known to ±{self.noise_half():.1%} (settled at ±{self.noise_resolution:.1%})")
+            out.append(f"the noise, known to ±{self.noise_half():.1%} so far (it settles within "
+                       f"±{self.noise_resolution:.1%})")
         return out
 
     def _lane_text(self, i: int) -> str:

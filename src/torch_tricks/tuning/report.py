@@ -36,7 +36,7 @@ __all__ = ["Result", "TuneReport"]
 # The config keys the tuner decides; tricks.toml states those of the tricks it measured (issue 34: no others).
 TUNED_KEYS = ("precision", "channels_last", "checkpointing", "compile", "fused_optimizer", "inplace",
               "memory_efficient_bn", "accumulate", "cudnn_benchmark", "ema", "deterministic", "chunked_lm_loss",
-              "optimizer_in_backward", "offload_activations")
+              "optimizer_in_backward", "offload_activations", "threads")
 
 
 @dataclass
@@ -86,6 +86,8 @@ class TuneReport(Explain, Payback, ReportText, ReportDistributed, ReportFiles, R
     run_steps: int | None = None  # the training run's optimizer steps a one-off cost (compile) must pay back within
     run_steps_source: str = ""  # "given" (tune(steps=...)) or "assumed"
     model_record: dict[str, Any] | None = None  # what the tune ran on (tricks.toml's [model]; see tuning.record)
+    machine: dict[str, Any] | None = None  # other processes' use of the machine during the tune (the first line)
+    threads: dict[str, Any] | None = None  # the intra-op threads the lanes ran at, and whether the caller gave them
 
     # -- the recommended configuration ------------------------------------------------------
     def recommended_config(self, which: str = "throughput") -> dict[str, Any]:
@@ -103,6 +105,9 @@ class TuneReport(Explain, Payback, ReportText, ReportDistributed, ReportFiles, R
         plain = _plain_switches()
         cfg = {k: plain[k] for k in TUNED_KEYS if k in self._decided_keys()}
         cfg.update(chosen)
+        if self.threads and (self.threads.get("given") or self.threads.get("chosen_at_start")) \
+                and "threads" not in chosen:  # every lane ran at these threads: the caller's, or one (faster)
+            cfg["threads"] = self.threads["threads"]
         if not self.own_optimizer and (self.optimizer != TrainConfig.optimizer or cfg.get("optimizer_state")):
             cfg["optimizer"] = self.optimizer
         batch = self._tuned_batch(which, best)

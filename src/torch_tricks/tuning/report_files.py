@@ -45,7 +45,7 @@ class ReportFiles:
             "optimizer": self.optimizer, "memory_limit": self.memory_limit,
             "memory_limit_source": self.memory_limit_source, "budget_s": self.budget_s,
             "elapsed_s": self.elapsed_s, "rounds": self.rounds, "stop_reason": self.stop_reason,
-            "phase_s": self.phase_s,
+            "phase_s": self.phase_s, "machine": self.machine, "threads": self.threads,
             "noise": _num(self.noise), "aa_ratio": _num(self.aa_ratio), "aa_half_ci": _num(self.aa_half_ci),
             "aa_grad_drift": self.aa_grad_drift, "aa_loss_drift": self.aa_loss_drift,
             "min_effect": self.min_effect, "drift_tolerance": self.drift_tolerance,
@@ -76,7 +76,8 @@ class ReportFiles:
         head = "| " + " | ".join(self.HEADERS) + " |\n|" + "---|" * len(self.HEADERS) + "\n"
         body = "".join("| " + " | ".join(c.replace("|", "/") for c in row) + " |\n" for row in self.rows())
         n_drift = len(self.baseline.losses) if self.baseline else 0
-        return (f"# torch-tricks tune: {self.model}\n\n" + "\n".join(f"- {line}" for line in self.summary_lines())
+        return (f"# torch-tricks tune: {self.model}\n\n" + "".join(f"**{line}**\n\n" for line in self.machine_lines())
+                + "\n".join(f"- {line}" for line in self.summary_lines())
                 + "\n\n![speed-up and memory per trick](report.png)\n\n## Every trick\n\n" + head + body
                 + "\n**Speed-up**: plain step time / the trick's, the median of per-round ratios, all steps timed "
                   "round-robin in one run (± half the ~95% interval of that median). The *plain again* row is a "

@@ -56,10 +56,30 @@ class ReportText:
                 _bytes(r.activation_bytes), _maxb(r), _drift(r), _with_advice(verdict, r.advice)]
 
     def to_text(self) -> str:
-        parts = [table(self.HEADERS, self.rows(compact=True), "llllrrrrrll"), ""]
+        parts = self.machine_lines() + [table(self.HEADERS, self.rows(compact=True), "llllrrrrrll"), ""]
         if self._has_distributed_rows():
             parts += [table(self.DIST_HEADERS, self.distributed_rows(), "lrrrrrrrrrrl"), ""]
         return "\n".join(parts + self.summary_lines())
+
+    def machine_lines(self) -> list[str]:
+        """The first line where other processes used the machine during the tune: how much, what the tune did
+        about it, and what would give figures that hold on a quiet machine (none on a quiet machine)."""
+        m = self.machine
+        if not m or not m.get("shared"):
+            return []
+        did = ["a trick is called faster only beyond the noise measured under that load"]
+        t = self.threads or {}
+        probe = t.get("probe_s") or {}
+        if t.get("chosen_at_start"):
+            many = next(k for k in probe if k != "1")
+            did.insert(0, f"one intra-op thread was faster at the start ({probe['1'] * 1e3:.0f} ms against "
+                          f"{probe[many] * 1e3:.0f} ms at {many}), so every step ran on one and {many} was raced "
+                          f"(threads:{many})")
+        elif any(r.name.startswith("threads:") for r in self.results):
+            did.insert(0, "it raced one intra-op thread against all (threads:1)")
+        gpu = f"; {m['gpu']}" if m.get("gpu") else ""
+        return [f"shared machine: {m['text']}{gpu}; {', and '.join(did)}; for figures that hold on a quiet machine, "
+                "tune when the other processes are done, or give them and the tune separate cores (taskset)"]
 
     def summary_lines(self) -> list[str]:
         """The lines under the table, in order: the set-up and the race, what to switch on and what it

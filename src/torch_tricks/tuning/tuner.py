@@ -45,9 +45,10 @@ what is faster and what to combine (:mod:`.decide`), what fits when plain does n
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -57,6 +58,7 @@ from torch_tricks._gc import new_objects_only
 from torch_tricks.batches import example_batch  # the CLI's way in, re-exported
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError
+from torch_tricks.machine import LoadMonitor, available_cores, check_threads, gpu_processes
 from torch_tricks.outputs import get_loss
 from torch_tricks.seed import seed_everything
 from torch_tricks.train.distributed import cleanup, init_distributed
@@ -117,6 +119,7 @@ def tune(
     processes: int | None = None,
     steps: int | None = None,
     fit: str | None = None,
+    threads: int | None = None,
     _channel: Any = None,
 ) -> TuneReport:
     """Measure the training tricks on ``model_fn()`` with ``example_batch``, one batch of fit's.
@@ -139,6 +142,10 @@ def tune(
     given: rank 0 measures the single-process tricks while the others wait, then every
     rank times the modes; every rank returns the same report. The model and functions
     must pickle for ``processes`` (spawned ranks); under torchrun rank 0's are sent.
+
+    ``threads``: the intra-op threads to tune at (and to write into tricks.toml); by default a CPU tune
+    runs at the process's count and races one thread against it (``threads:1``): on a busy or small
+    machine, OpenMP threads waiting for a core make every step slower.
 
     ``steps``: the optimizer steps of the training run the recommendation is for
     (default: ``ASSUMED_RUN_STEPS``, said so in the report). A trick with a one-off cost
@@ -168,7 +175,7 @@ def tune(
         raise UserError("--fit seq searches the longest sequence under --memory-limit: give one (on a CPU the "
                         "host's RAM is no limit to search against: each run there is large and slow)")
     base_cfg = {"optimizer": optimizer, "lr": lr, "fused_optimizer": False, "device": str(dev), "seed": seed,
-                "batch_size": batch}
+                "batch_size": batch, "threads": _base_threads(threads, dev)}
     own_opt = optimizer_fn is not None
     report = TuneReport(model=name or type(model).__name__, batch=batch, device=str(dev),
                         optimizer="your optimizer_fn" if own_opt else optimizer, own_optimizer=own_opt,
@@ -182,17 +189,63 @@ def tune(
     cands, skipped = training_candidates(model, inputs_t, dev, batch=batch, own_optimizer=optimizer_fn is not None,
                                          skip=skip, labels_in_forward=labels_in, optimizer=optimizer)
     report.skipped = skipped
+    cands += _threads_candidate(base_cfg["threads"], threads, dev, skip)
+    report.threads = {"threads": base_cfg["threads"], "given": threads is not None}
 
     from tqdm.auto import tqdm
 
     total = 4 + len(cands) + bool(data) + bool(deploy) + bool(dist_world)
     bar = tqdm(total=total, desc="tune", unit="phase", disable=not progress, leave=False)
-    with new_objects_only():  # the collections around every memory measurement skip the caller's objects
+    monitor = LoadMonitor().start()  # other processes' CPU use during the tune: said in the report's first line
+    with new_objects_only(), _threads_kept():  # the collections around every memory measurement skip the caller's
         _run_job(_Tune(model, batches, base_cfg, kw, limit, report, bar, t_start, float(budget_s), bool(data),
                        bool(deploy), dist_world=dist_world, channel=_channel, fit=fit_t), cands, data)
+    report.machine = _machine_record(monitor, dev)
     report.elapsed_s = time.perf_counter() - t_start
     report.explain()  # every row's reason (the views take it again from the figures)
     return report
+
+
+def _base_threads(threads: int | None, dev: torch.device) -> int:
+    """The intra-op threads every lane runs at unless it changes them: ``threads`` (checked against this
+    machine's cores), else the process's count (at most the cores it may use); 0 on a GPU (not a knob there)."""
+    if threads is not None:
+        return check_threads(threads, what="threads")
+    if dev.type != "cpu":
+        return 0
+    return min(torch.get_num_threads(), available_cores())
+
+
+def _threads_candidate(base: int, given: int | None, dev: torch.device, skip: Sequence[str]) -> list[Candidate]:
+    """``threads:1`` (one intra-op thread against ``base``), raced like a speed trick, on a CPU where the
+    caller did not fix the threads and the tune runs on more than one."""
+    if given is not None or dev.type != "cpu" or base <= 1 or any(s.split(":")[0] == "threads" for s in skip):
+        return []
+    return [Candidate("threads:1", {"threads": 1}, "speed", tricks=("threads",),
+                      note=f"one intra-op thread instead of {base}: where other processes hold cores, or a step "
+                           "is too small to split, waiting threads make every step slower")]
+
+
+@contextlib.contextmanager
+def _threads_kept() -> Iterator[None]:
+    """The process's intra-op thread count as it was before the tune, after it."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _machine_record(monitor: LoadMonitor, dev: torch.device) -> dict[str, Any]:
+    """Other processes' CPU use during the tune (and, on CUDA, the other processes on the device)."""
+    load = monitor.stop(hold=False)
+    out = {"cores": load.cores, "foreign_cores": load.foreign_cores, "shared": load.shared(),
+           "text": load.describe("during the tune")}
+    if dev.type == "cuda":
+        gpu = gpu_processes(dev)
+        out["gpu"] = gpu.describe()
+        out["shared"] = out["shared"] or gpu.shared()
+    return out
 
 
 def _run_job(job: _Tune, cands: list[Candidate], data: str | None) -> None:

@@ -1,0 +1,30 @@
+"""compile in the tune (issue 35, item 1): the first call an earlier tune measured here decides whether compile fits
+the budget the next time, not the size rule (which under-estimated a transformers model by 4x)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+import torch_tricks.tuning.compiling as compiling
+
+
+def test_a_measured_first_call_replaces_the_size_estimate(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_TRICKS_CACHE", str(tmp_path))
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    first = compiling._compile_estimate(model, 0.01)
+    assert first == 8.0 + 0.2 * 4 + 20 * 0.01  # no record yet: the size rule
+    compiling.record_compile(model, 61.5)
+    assert (tmp_path / "compile_times.json").is_file()
+    assert compiling._compile_estimate(model, 0.01) == 61.5 + 20 * 0.01
+    other = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))  # another size: its own record
+    assert compiling._compile_estimate(other, 0.01) == first
+
+
+def test_a_damaged_or_unwritable_cache_falls_back_to_the_size_rule(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_TRICKS_CACHE", str(tmp_path))
+    (tmp_path / "compile_times.json").write_text("{not json")
+    model = nn.Linear(4, 4)
+    assert compiling._compile_estimate(model, 0.0) == 8.0 + 0.2
+    monkeypatch.setenv("TORCH_TRICKS_CACHE", str(tmp_path / "file.txt" / "sub"))
+    (tmp_path / "file.txt").write_text("")
+    compiling.record_compile(model, 3.0)  # cannot be written: left as it is, no error
