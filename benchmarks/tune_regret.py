@@ -2,32 +2,33 @@
 
 Claim: ``torch_tricks.tune``'s answer is the best configuration that can be measured on this machine inside
 its budget. For each model (a CNN, a transformers causal LM, a small transformer encoder), in one process:
+the tune runs as a user runs it (``--budget`` s; its seconds from the call to the report written against
+1.05 x the budget) and its ``tricks.toml`` is the pick. The grid: every combination of the speed switches
+that apply (bf16 only where native: ``torch.cuda.is_bf16_supported()``, or a CPU flag avx512_bf16/amx_bf16,
+since an emulated bf16 cannot win and the tune measures it anyway; fused optimizer; channels_last for a 4-D
+input; threads 1 / all cores on a CPU), each built through ``Tricks`` from one initial model (a copy each).
 
-1. **The tune** runs as a user runs it (``--budget`` seconds, default 120; compile allowed), its wall time
-   from the call to the report written is measured against the budget (``<= 1.05 x budget`` is the claim),
-   and its ``tricks.toml`` is read back: the pick.
-2. **The grid**: every combination of the speed switches that apply (precision fp32/bf16 where the CPU or
-   GPU runs bf16, fused optimizer off/on, channels_last off/on for a 4-D input, intra-op threads 1 / all
-   cores on a CPU), each built through ``torch_tricks.Tricks`` from one initial model (a copy each) with the
-   optimizer the tune times (AdamW, lr 1e-3). Compile is then added on top of the best two after the first
-   race (its first call timed apart).
-3. **The race**: the grid, the pick and a second plain arm (the A/A check) are stepped round-robin, each
-   round in a new random order, each step timed alone; an arm's time is the median of its steps. Threads
-   are set per arm around its step.
-4. **Regret** = the pick's median step time / the best grid arm's. PASS at <= 1.03 (``--busy``: 1.10),
-   with the benchmarks' trust checks (``benchmarks/_trust.py``): the A/A within 10%, the plain arm on all
-   cores not slower than on one (threads), and at most a quarter core of foreign load during the race (not
-   checked under ``--busy``, which makes that load on purpose). A failed check makes the row UNRELIABLE.
+The race is a successive halving in one process, round-robin, a new random order each round, each step
+timed alone: the grid, the pick and a second plain arm (A/A) get ``--first-rounds`` (4) rounds; the slower
+half of the grid arms leave (never plain at 1 and at all cores, the A/A or the pick: the trust checks and
+the regret need them), the survivors get twice the rounds, until at most 3 grid arms are left; the last
+stage gives them, the plain arms, the A/A and the pick at least ``--rounds`` (12), and compile on top of the
+best two grid arms joins it (not with ``--no-compile``). An arm's median is over the rounds it was in.
+**Regret** = the pick's median step / the best arm's, both over the last stage only (same conditions):
+PASS at <= 1.03 (``--busy``: 1.10) with ``_trust``'s checks (A/A within 10%, plain not slower on all cores
+than on one, no foreign load during the race but under ``--busy``), else UNRELIABLE.
+Why halving: raced in full, the grid's 16 arms x 15 rounds (twice) took longer than the tune it judges (over
+20 minutes for ResNet-18 alone on 2 shared cores), when a few rounds show most arms plainly slower.
 
-``--busy`` starts a busy loop on one core before the tune and stops it after the race: the tune's first
-report line must say the machine is shared, and every applicable speed trick must be measured (not
-"skipped: over --budget-seconds"); both are printed as checks.
+``--busy``: a busy loop on one core throughout; the tune's first line must say the machine is shared, and no
+speed trick may be "skipped: over --budget-seconds". ``--budgets 30 60 120``: the budget wall alone (no
+grid): the README's two tune examples, built as the CLI builds them (``--models`` cnn: ResNet-18, lm: GPT-2),
+tuned at each budget: seconds from the ``tune`` call to the report written against 1.05 x the budget.
 
     python benchmarks/tune_regret.py                         # the three models, 120 s of tune each
-    python benchmarks/tune_regret.py --models cnn --budget 30 --rounds 10
-    python benchmarks/tune_regret.py --busy
+    python benchmarks/tune_regret.py --models cnn --budget 30 --rounds 10 [--busy]
+    python benchmarks/tune_regret.py --budgets 30 60 120 [--busy]
 """
-
 from __future__ import annotations
 
 import argparse
@@ -41,6 +42,7 @@ import tempfile
 import time
 import tomllib
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,6 +51,12 @@ sys.path.insert(0, str(HERE))  # benchmarks/_trust.py
 from _trust import UNRELIABLE, LoadMonitor, aa_check, load_check, thread_check, verdict  # noqa: E402
 
 QUIET_TARGET, BUSY_TARGET, BUDGET_SLACK = 1.03, 1.10, 1.05
+KEEP = 3  # the halving stops when at most this many grid arms (the plain ones apart) are left
+EMULATED_BF16 = "bf16 left out of the grid: this CPU emulates it"
+EXAMPLES = {  # the README's tune examples as its command lines write them: model, --hf-config, --input, --batch
+    "cnn": ("resnet18", None, "3x64x64", 32),
+    "lm": ("hf:gpt2", {"n_layer": 2, "n_embd": 64, "n_head": 2}, "input_ids=long:32:50257", 4),
+}
 
 
 # --------------------------------------------------------------------------- the models
@@ -94,23 +102,41 @@ def _logits(out: Any) -> Any:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def build_example(name: str) -> tuple[Any, Any, Any]:
+    """``(model, batch, loss_fn)`` of a README example as ``torch-tricks tune`` builds them (load_with_specs,
+    then example_batch with the default loss: a causal LM's own, its ``input_ids`` as ``labels``)."""
+    from torch_tricks.batches import example_batch
+    from torch_tricks.inspect.inputs import make_inputs, parse_input_specs
+    from torch_tricks.models import load_model
+
+    ref, hf_config, spec, batch = EXAMPLES[name]
+    model, _ = load_model(ref, hf_config=hf_config)
+    inputs = make_inputs(parse_input_specs([spec]), batch, model=model, device="cpu")
+    return (model, *example_batch(model, inputs, seed=0, loss="auto"))
+
+
 # --------------------------------------------------------------------------- the arms
 
 
-@dataclass
+@dataclass(eq=False)
 class Arm:
-    """One configuration in the race: its [train] keys, threads, and the steps timed."""
+    """One configuration in the race: its [train] keys, threads, and the steps timed (all, and the last stage's)."""
 
     name: str
     cfg: dict[str, Any]
     threads: int
     times: list[float] = field(default_factory=list)
+    last: list[float] = field(default_factory=list)  # the last stage's rounds: what the regret compares
     step: Callable[[], None] | None = None
     first_s: float = 0.0
 
     @property
     def median(self) -> float:
         return statistics.median(self.times) if self.times else float("inf")
+
+    @property
+    def last_median(self) -> float:
+        return statistics.median(self.last) if self.last else float("inf")
 
 
 def grid(case: Case, cores: int, bf16: bool) -> list[dict[str, Any]]:
@@ -126,6 +152,22 @@ def label(cfg: dict[str, Any], threads: int) -> str:
     on = [k if v is True else f"{k}={v}" for k, v in cfg.items()
           if k != "threads" and v is not False and v not in ("fp32", "", 0) and not (k == "accumulate" and v == 1)]
     return (" + ".join(on) or "plain") + f" @{threads}t"
+
+
+def cpu_bf16_native(cpuinfo: str) -> bool:
+    """Whether ``/proc/cpuinfo``'s flags name a bf16 unit (avx512_bf16, amx_bf16); elsewhere bf16 is emulated."""
+    flags = {f for line in cpuinfo.splitlines() if line.startswith("flags") for f in line.partition(":")[2].split()}
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def bf16_native() -> tuple[bool, str]:
+    """Whether bf16 goes in the grid here, and the note printed when it does not."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported(), "bf16 left out of the grid: this GPU does not run it natively"
+    info = Path("/proc/cpuinfo")
+    return cpu_bf16_native(info.read_text() if info.exists() else ""), EMULATED_BF16
 
 
 def build_arm(case: Case, model0: Any, cfg: dict[str, Any], threads: int, name: str) -> Arm:
@@ -152,143 +194,301 @@ def timed(arm: Arm) -> float:
     import torch
 
     torch.set_num_threads(arm.threads)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     t = time.perf_counter()
     arm.step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t
 
 
-def race(arms: list[Arm], rounds: int, seed: int = 0) -> None:
-    """Warm-up (the first call apart), then ``rounds`` rounds, each arm once a round in a new random order."""
+# --------------------------------------------------------------------------- the race: successive halving
+
+
+def halving_plan(contenders: int, first: int, rounds: int, keep: int = KEEP) -> list[tuple[int, int]]:
+    """``(grid arms racing, rounds)`` per stage: all for ``first`` rounds, then the faster half with twice the
+    rounds until at most ``keep`` are left; the last stage (never the first: the best two must be known before
+    compile joins it) has at least ``rounds``."""
+    plan, n, r = [(contenders, first)], contenders, first
+    while n > keep:
+        n, r = n - n // 2, 2 * r
+        plan.append((n, r))
+    if len(plan) == 1:
+        plan.append((n, 2 * r))
+    plan[-1] = (n, max(rounds, plan[-1][1]))
+    return plan
+
+
+def faster(arms: list[Arm], n: int) -> list[Arm]:
+    """The ``n`` arms with the shortest median over the rounds they were in."""
+    return sorted(arms, key=lambda a: a.median)[:n]
+
+
+def race(arms: list[Arm], rounds: int, rng: random.Random, *, last: bool = False) -> None:
+    """Warm-up of new arms (the first call apart), then ``rounds`` rounds, each arm once in a new random order."""
     for arm in arms:
         if not arm.first_s:
             arm.first_s = timed(arm)
             timed(arm)
-    rng = random.Random(seed)
     for _ in range(rounds):
-        order = arms[:]
-        rng.shuffle(order)
-        for arm in order:
-            arm.times.append(timed(arm))
+        for arm in rng.sample(arms, len(arms)):
+            t = timed(arm)
+            arm.times.append(t)
+            if last:
+                arm.last.append(t)
+
+
+def run_halving(contenders: list[Arm], kept: list[Arm], others: list[Arm], plan: list[tuple[int, int]],
+                join_last: Callable[[list[Arm]], list[Arm]], seed: int = 0) -> list[Arm]:
+    """Race ``plan``'s stages: ``kept`` (grid arms) and ``others`` run every round, ``contenders`` leave by
+    halves (their models let go); ``join_last`` adds arms to the last stage. Returns its grid arms."""
+    rng = random.Random(seed)
+    for i, (n, rounds) in enumerate(plan):
+        stay = faster(contenders, n)
+        for arm in set(contenders) - set(stay):
+            arm.step = None
+        contenders = stay
+        joined = join_last(contenders + kept) if i == len(plan) - 1 else []
+        race(contenders + kept + joined + others, rounds, rng, last=i == len(plan) - 1)
+    return contenders + kept + joined
 
 
 # --------------------------------------------------------------------------- one model
 
 
-def run_case(case: Case, args: argparse.Namespace, cores: int) -> dict[str, Any]:
+def run_case(case: Case, args: argparse.Namespace, cores: int, bf16: bool) -> dict[str, Any]:
     import torch
-
-    from torch_tricks import tune
 
     torch.manual_seed(0)
     model0 = case.make()
     torch.set_num_threads(cores)
-    out = Path(tempfile.mkdtemp(prefix=f"regret-{case.name}-"))
-    t0 = time.perf_counter()
-    loss_fn = None if isinstance(case.batch, dict) else _loss_fn(case)  # a dict batch: the model's own loss
-    report = tune(lambda: copy.deepcopy(model0), case.batch, loss_fn, budget_s=args.budget, progress=False,
-                  name=case.name)
-    report.write(out)
-    tune_s = time.perf_counter() - t0
-    picked = tomllib.loads((out / "tricks.toml").read_text()).get("train", {})
-    pick_threads = int(picked.get("threads") or cores)
-    bf16 = _bf16_fast()
-    arms = [build_arm(case, model0, c, c["threads"], label(c, c["threads"])) for c in grid(case, cores, bf16)]
-    plain_all = next(a for a in arms if a.name == f"plain @{cores}t")
-    plain_one = next(a for a in arms if a.name == "plain @1t")
-    aa = build_arm(case, model0, plain_all.cfg, cores, "plain (A/A)")
-    pick = build_arm(case, model0, picked, pick_threads, "the tune's pick: " + label(picked, pick_threads))
+    run = tune_pick(case, model0, args.budget)
+    arms, kept, aa, pick = build_arms(case, model0, run.picked, cores, bf16)
+    contenders = [a for a in arms if a not in kept]
+    join = partial(compile_arms, case, model0) if args.compile else (lambda _: [])
     with LoadMonitor() as window:
-        race(arms + [aa, pick], args.rounds)
-        best_two = sorted(arms, key=lambda a: a.median)[:2]
-        compiled = [build_arm(case, model0, {**a.cfg, "compile": True}, a.threads, a.name + " + compile")
-                    for a in best_two] if args.compile else []
-        race(arms + compiled + [aa, pick], args.rounds)
-    return _judge(case, report, tune_s, arms + compiled, aa, pick, plain_one, plain_all, window, args, cores)
+        plan = halving_plan(len(contenders), args.first_rounds, args.rounds)
+        last = run_halving(contenders, kept, [aa, pick], plan, join)
+    r = judge(last, aa, pick, kept, window, args, cores)
+    return r | {"case": case, "tune": run, "arms": arms + [a for a in last if a not in arms] + [aa, pick]}
 
 
-def _loss_fn(case: Case) -> Callable[[Any, Any], Any]:
-    """``loss_fn(output, target)``, as ``tune`` calls it: the case's loss on the model's output."""
+def build_arms(case: Case, model0: Any, picked: dict[str, Any], cores: int, bf16: bool
+               ) -> tuple[list[Arm], list[Arm], Arm, Arm]:
+    """The grid's arms, its plain arms at 1 and all cores (kept to the end), the A/A arm, the pick's arm."""
+    arms = [build_arm(case, model0, c, c["threads"], label(c, c["threads"])) for c in grid(case, cores, bf16)]
+    kept = [next(a for a in arms if a.name == f"plain @{t}t") for t in sorted({1, cores})]
+    threads = int(picked.get("threads") or cores)
+    return (arms, kept, build_arm(case, model0, kept[-1].cfg, cores, "plain (A/A)"),
+            build_arm(case, model0, picked, threads, "the tune's pick: " + label(picked, threads)))
+
+
+def tune_pick(case: Case, model0: Any, budget: float) -> TuneRun:
+    """The tune as a user runs it on ``case`` (a dict batch: the model's own loss)."""
     import torch.nn.functional as F
 
-    return lambda out, target: F.cross_entropy(_logits(out), target)
+    loss_fn = None if isinstance(case.batch, dict) else (lambda out, y: F.cross_entropy(_logits(out), y))
+    return timed_tune(case.name, lambda: copy.deepcopy(model0), case.batch, loss_fn, budget)
 
 
-def _bf16_fast() -> bool:
-    import torch
+@dataclass
+class TuneRun:
+    """A tune timed from its call to its report written, and what the claims read from it."""
 
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    return torch.backends.mkldnn.is_available()
+    name: str
+    budget: float
+    seconds: float
+    picked: dict[str, Any]  # its tricks.toml's [train]
+    skipped: list[str]  # speed tricks "skipped: over --budget-seconds"
+    first_line: str  # the report's: says whether the machine is shared
+
+    @property
+    def ok(self) -> bool:
+        return self.seconds <= BUDGET_SLACK * self.budget
+
+    @property
+    def says_shared(self) -> bool:
+        return "shared" in self.first_line.lower()
 
 
-def _judge(case: Case, report: Any, tune_s: float, grid_arms: list[Arm], aa: Arm, pick: Arm, plain_one: Arm,
-           plain_all: Arm, window: Any, args: argparse.Namespace, cores: int) -> dict[str, Any]:
-    best = min(grid_arms, key=lambda a: a.median)
-    regret = pick.median / best.median
+def timed_tune(name: str, model: Any, batch: Any, loss_fn: Any, budget: float) -> TuneRun:
+    from torch_tricks import tune
+
+    with tempfile.TemporaryDirectory(prefix=f"tune-{name.replace(':', '-')}-") as out:
+        t0 = time.perf_counter()
+        report = tune(model, batch, loss_fn, budget_s=budget, progress=False, name=name)
+        report.write(out)
+        seconds = time.perf_counter() - t0
+        picked = tomllib.loads((Path(out) / "tricks.toml").read_text()).get("train", {})
+    return TuneRun(name, budget, seconds, picked, skipped_over_budget(report), report.to_text().splitlines()[0])
+
+
+def compile_arms(case: Case, model0: Any, grid_arms: list[Arm]) -> list[Arm]:
+    """Compile on top of the best two grid arms so far."""
+    return [build_arm(case, model0, {**a.cfg, "compile": True}, a.threads, a.name + " + compile")
+            for a in faster(grid_arms, 2)]
+
+
+def skipped_over_budget(report: Any) -> list[str]:
+    """The speed tricks the tune did not measure for want of time."""
+    return [r.name for r in report.results
+            if r.goal == "speed" and r.status == "skipped" and r.reason.startswith("over --budget-seconds")]
+
+
+def judge(last: list[Arm], aa: Arm, pick: Arm, kept: list[Arm], window: Any, args: argparse.Namespace,
+          cores: int) -> dict[str, Any]:
+    """The regret over the last stage, with its trust checks."""
+    best = min(last, key=lambda a: a.last_median)
+    regret = pick.last_median / best.last_median
     target = BUSY_TARGET if args.busy else QUIET_TARGET
-    checks = [aa_check(plain_all.median, aa.median, what="plain vs plain")]
+    checks = [aa_check(kept[-1].last_median, aa.last_median, what="plain vs plain")]
     if cores > 1:
-        checks.append(thread_check(plain_one.median, plain_all.median, cores, what="plain step"))
+        checks.append(thread_check(kept[0].last_median, kept[-1].last_median, cores, what="plain step"))
     if not args.busy:
         checks.append(load_check(window.load, what="the race"))
-    over_budget = [r.name for r in report.results if r.status == "skipped" and "--budget-seconds" in r.reason]
-    first = report.to_text().splitlines()[0]
-    return {"case": case, "best": best, "pick": pick, "regret": regret, "target": target,
-            "status": verdict(regret <= target, checks), "checks": checks, "tune_s": tune_s,
-            "budget_ok": tune_s <= BUDGET_SLACK * args.budget, "over_budget": over_budget, "first_line": first,
-            "says_shared": "shared" in first.lower(), "arms": sorted(grid_arms + [aa, pick], key=lambda a: a.median)}
+    return {"best": best, "pick": pick, "regret": regret, "target": target, "checks": checks,
+            "status": verdict(regret <= target, checks)}
+
+
+def arm_lines(arms: list[Arm], best: Arm) -> list[str]:
+    """The race's table: the last stage's arms first (by their last-stage median), then those that left."""
+    rows = [f"   {'arm':<58} {'rounds':>6} {'median':>10} {'last stage':>10} {'vs best':>8} {'first call':>11}"]
+    for a in sorted(arms, key=lambda a: (a.last_median, a.median)):
+        last, vs = (f"{a.last_median * 1e3:8.1f}ms", f"{a.last_median / best.last_median:7.2f}x") if a.last \
+            else (f"{'-':>10}", f"{'left':>8}")
+        rows.append(f"   {a.name:<58} {len(a.times):>6} {a.median * 1e3:8.1f}ms {last} {vs} {a.first_s:10.2f}s")
+    return rows
 
 
 def print_case(r: dict[str, Any], args: argparse.Namespace) -> None:
-    case, best = r["case"], r["best"]
-    print(f"\n== {case.title}")
-    print(f"   {'arm':<58} {'median':>10} {'vs best':>8} {'first call':>11}")
-    for arm in r["arms"]:
-        print(f"   {arm.name:<58} {arm.median * 1e3:8.1f}ms {arm.median / best.median:7.2f}x "
-              f"{arm.first_s:10.2f}s")
-    print(f"   regret: {r['regret']:.3f} (target <= {r['target']:.2f}) -> {r['status']}"
-          + (f" ({'; '.join(str(c) for c in r['checks'] if not c.ok)})" if r["status"] == UNRELIABLE else ""))
-    print(f"   budget: the tune took {r['tune_s']:.0f} s of {args.budget:.0f} s "
-          f"({r['tune_s'] / args.budget:.2f}x, claim <= {BUDGET_SLACK:.2f}x) -> "
-          f"{'PASS' if r['budget_ok'] else 'FAIL'}")
-    print(f"   every speed trick measured: {'PASS' if not r['over_budget'] else 'FAIL (skipped over the budget: ' + ', '.join(r['over_budget']) + ')'}")
+    print(f"\n== {r['case'].title}")
+    print("\n".join(arm_lines(r["arms"], r["best"])))
+    failed = "; ".join(str(c) for c in r["checks"] if not c.ok)
+    print(f"   regret (last stage): {r['regret']:.3f} (target <= {r['target']:.2f}) -> {r['status']}"
+          + (f" ({failed})" if r["status"] == UNRELIABLE else ""))
+    run = r["tune"]
+    print(f"   budget: the tune took {run.seconds:.0f} s of {run.budget:.0f} s ({run.seconds / run.budget:.2f}x, "
+          f"claim <= {BUDGET_SLACK:.2f}x) -> {'PASS' if run.ok else 'FAIL'}")
+    print("   every speed trick measured: "
+          + ("PASS" if not run.skipped else "FAIL (skipped over the budget: " + ", ".join(run.skipped) + ")"))
     if args.busy:
-        print(f"   first line says the machine is shared: {'PASS' if r['says_shared'] else 'FAIL'} "
-              f"({r['first_line']!r})")
+        print(f"   first line says the machine is shared: {'PASS' if run.says_shared else 'FAIL'} "
+              f"({run.first_line!r})")
+
+
+def regret_overall(results: list[dict[str, Any]], busy: bool) -> str:
+    """One line: PASS only when every claim held on every model; else which did not."""
+    missed = [claim for claim, ok in _claims(results, busy).items() if not ok]
+    unreliable = any(r["status"] == UNRELIABLE for r in results)
+    word = "PASS" if not missed else UNRELIABLE if unreliable else "FAIL"
+    regrets = ", ".join(f"{r['case'].name} {r['regret']:.3f}" for r in results)
+    return f"overall: {word} (regret: {regrets})" + (f"; not held: {', '.join(missed)}" if missed else "")
+
+
+def _claims(results: list[dict[str, Any]], busy: bool) -> dict[str, bool]:
+    return {"regret": all(r["status"] == "PASS" for r in results),
+            "budget": all(r["tune"].ok for r in results),
+            "every speed trick measured": all(not r["tune"].skipped for r in results),
+            "first line says shared": not busy or all(r["tune"].says_shared for r in results)}
+
+
+# --------------------------------------------------------------------------- the budget wall
+
+
+def budget_run(name: str, budget: float, threads: int) -> TuneRun:
+    """A README example tuned as the CLI tunes it (the model, not a factory; named by its --model), from the
+    process's own thread count as a fresh CLI process would (a tune before may have left another)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    return timed_tune(EXAMPLES[name][0], *build_example(name), budget)
+
+
+def budget_table(runs: list[TuneRun], busy: bool) -> list[str]:
+    """The budget wall's table (``busy``: with whether each first line says shared) and its overall line."""
+    head = f"   {'example':<8} {'budget':>7} {'seconds':>8} {'ratio':>6}  {'wall':<5} " + ("shared  " if busy else "")
+    rows = [head + "speed tricks skipped: over --budget-seconds"]
+    for r in runs:
+        shared = f"{'yes' if r.says_shared else 'NO':<7} " if busy else ""
+        rows.append(f"   {r.name:<8} {r.budget:6.0f}s {r.seconds:7.1f}s {r.seconds / r.budget:5.2f}x  "
+                    f"{'PASS' if r.ok else 'FAIL':<5} {shared}{', '.join(r.skipped) or 'none'}")
+    return rows + [budget_overall(runs, busy)]
+
+
+def budget_overall(runs: list[TuneRun], busy: bool) -> str:
+    counts = {f"within {BUDGET_SLACK:.2f}x the budget": sum(r.ok for r in runs),
+              "every speed trick measured": sum(not r.skipped for r in runs)}
+    if busy:
+        counts["first line says shared"] = sum(r.says_shared for r in runs)
+    word = "PASS" if all(n == len(runs) for n in counts.values()) else "FAIL"
+    return f"overall: {word} (" + "; ".join(f"{k}: {n} of {len(runs)}" for k, n in counts.items()) + ")"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", choices=["cnn", "lm", "encoder"], default=["cnn", "lm", "encoder"],
+                   help="the models (with --budgets: the README examples, cnn = ResNet-18, lm = GPT-2)")
+    p.add_argument("--budget", type=float, default=120.0, help="seconds of tune per model (default 120)")
+    p.add_argument("--first-rounds", type=int, default=4, help="rounds of the halving's first stage (default 4)")
+    p.add_argument("--rounds", type=int, default=12, help="rounds of the last stage, at least (default 12)")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="no compile arms on the best two")
+    p.add_argument("--busy", action="store_true", help="a busy loop on one core during the tunes and the race")
+    p.add_argument("--budgets", type=float, nargs="+", metavar="S",
+                   help="the budget wall check only (no grid): the README examples tuned at each of these budgets")
+    args = p.parse_args(argv)
+    if min([args.budget, *(args.budgets or [])]) <= 0 or min(args.rounds, args.first_rounds) < 1:
+        p.error("budgets must be > 0 seconds, --rounds and --first-rounds at least 1")
+    if args.budgets and not set(args.models) & set(EXAMPLES):
+        p.error("--budgets needs --models cnn or lm: the README has a tune example for those only")
+    return args
+
+
+def check_budgets(args: argparse.Namespace) -> None:
+    import torch
+
+    left = [m for m in args.models if m not in EXAMPLES]
+    if left:
+        print(f"{', '.join(left)}: no tune example in the README, left out of the budget wall check")
+    runs, threads = [], torch.get_num_threads()
+    for name in [m for m in args.models if m in EXAMPLES]:
+        for budget in args.budgets:
+            print(f"tuning the README's {name} example at {budget:.0f} s ...", file=sys.stderr)
+            runs.append(budget_run(name, budget, threads))
+    print(f"\n== the budget wall: seconds from tune() to the report written, against {BUDGET_SLACK:.2f} x the "
+          "budget" + (" (a busy loop on one core)" if args.busy else ""))
+    print("\n".join(budget_table(runs, args.busy)))
+
+
+def check_regret(args: argparse.Namespace, cores: int) -> None:
+    bf16, note = bf16_native()
+    if not bf16:
+        print(note)
+    results = []
+    for name in args.models:
+        case = cases()[name]
+        print(f"tuning {case.title} ({args.budget:.0f} s), then the grid ...", file=sys.stderr)
+        results.append(run_case(case, args, cores, bf16))
+        print_case(results[-1], args)
+    print("\n" + regret_overall(results, args.busy))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", choices=["cnn", "lm", "encoder"], default=["cnn", "lm", "encoder"])
-    p.add_argument("--budget", type=float, default=120.0, help="seconds of tune per model (default 120)")
-    p.add_argument("--rounds", type=int, default=15, help="race rounds (each arm once a round; default 15)")
-    p.add_argument("--no-compile", dest="compile", action="store_false", help="no compile arms on the best two")
-    p.add_argument("--busy", action="store_true", help="a busy loop on one core during the tune and the race")
-    args = p.parse_args(argv)
+    args = parse_args(argv)
+    from torch_tricks.machine import available_cores
 
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
     try:
-        results = []
-        for name in args.models:
-            case = cases()[name]
-            print(f"tuning {case.title} ({args.budget:.0f} s), then the grid ...", file=sys.stderr)
-            results.append(run_case(case, args, cores))
-            print_case(results[-1], args)
+        if args.budgets:
+            check_budgets(args)
+        else:
+            check_regret(args, available_cores())
     finally:
         if busy is not None:
             busy.kill()
-    statuses = [r["status"] for r in results]
-    overall = "PASS" if all(s == "PASS" for s in statuses) and all(r["budget_ok"] for r in results) else (
-        UNRELIABLE if UNRELIABLE in statuses else "FAIL")
-    regrets = ", ".join(f"{r['case'].name} {r['regret']:.3f}" for r in results)
-    print(f"\noverall: {overall} (regret: {regrets})")
+            busy.wait()
     return 0
 
 

@@ -51,8 +51,9 @@ def _timed_at(base: Runner, threads: int) -> float:
 
 
 class Builds:
-    """The baselines (``base``, ``twin``; ``step_s``, ``setup_s``, ``memory_s``: what one step, one set-up and
-    one memory run take), each candidate's set-up, and the memory runs."""
+    """The baselines (``base``, ``twin``; ``step_s``, ``build_s``, ``setup_s``, ``memory_s``: what one step, one
+    build, one set-up (a build and a memory run) and one memory run take), each candidate's set-up, and the
+    memory runs."""
 
     def _baselines(self, cands: list[Candidate]) -> bool:
         """1. the plain step and its A/A twin, with the plain step's memory; False when the budget cannot
@@ -76,6 +77,7 @@ class Builds:
         report.aa_loss_drift = _loss_drift(twin.losses, base.losses)
         twin.grads = None
         t_mem = time.perf_counter()
+        self.build_s = t_mem - t0  # one build with its drift steps: what a combination's costs
         self._memory_into(base_res, self.base_cfg)
         self.memory_s = time.perf_counter() - t_mem  # one memory run: a copy's build and its steps
         self.setup_s = time.perf_counter() - t0
@@ -152,7 +154,7 @@ class Builds:
         # set-up gets half the time left, but the first trick (the most promising: speed first) may take
         # more: a race of the two baselines alone answers nothing (a 0.76 s GPT-2 step: 35 s per set-up)
         end = min(setup_end if built else math.inf, self.train_end - self.compile_reserve - timing_need)
-        if time.perf_counter() + self.setup_s > end:
+        if time.perf_counter() + self._setup_need(c) > end:
             res.status, res.verdict = "skipped", "skipped"
             res.reason = "over --budget-seconds before it could be measured: raise it"
             return
@@ -160,6 +162,13 @@ class Builds:
             self._setup_candidate(res, c, end)
         except Exception as exc:
             res.status, res.verdict, res.reason = "failed", "failed", one_line(exc, with_type=True)
+
+    def _setup_need(self, c: Candidate) -> float:
+        """Seconds ``c``'s set-up takes, about: a build, and its memory run unless that waits; nothing more for
+        one a probe already called far slower."""
+        if c.probe_ratio is not None and c.probe_ratio >= SLOW_FACTOR:
+            return 0.0
+        return self.build_s if self.memory_later and c.goal == "speed" else self.setup_s
 
     def _setup_candidate(self, res: Result, c: Candidate, setup_end: float, retry: bool = True) -> None:
         """Drift and memory of one candidate, unless its probe step says it is far too slow (or too slow for the budget)."""
@@ -186,7 +195,10 @@ class Builds:
                 self._setup_candidate(res, c, setup_end, retry=False)
             return
         _drift_into(res, r, self.base)
-        self._memory_into(res, cfg)
+        if self.memory_later and c.goal == "speed":
+            res.status = "measured"  # its memory run after the speed question (tuning.contenders)
+        else:
+            self._memory_into(res, cfg)
         res.runner = r
 
     def _plain_now(self, what: str) -> tuple[float, str]:

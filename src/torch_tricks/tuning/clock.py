@@ -45,8 +45,8 @@ class Clock:
         return (rounds + 1) * lanes * self.step_s
 
     def _combo_need(self) -> float:
-        """Seconds one combination takes at least: its set-up, then a short race with plain and what it extends."""
-        return 1.2 * self.setup_s + self._race_need(3, _SIDE_SETTLE_ROUNDS)
+        """Seconds one combination takes at least: its build, then a short race with plain and its two parts."""
+        return 1.2 * self.build_s + self._race_need(4, _SIDE_SETTLE_ROUNDS)
 
     def _kept_from_the_race(self, lanes: list[Lane]) -> float:
         """Seconds kept back from the race of the single tricks: compile's, one combination's where two

@@ -22,7 +22,7 @@ from torch_tricks.errors import one_line
 from torch_tricks.tuning.builds import _drift_into
 from torch_tricks.tuning.candidates import Candidate
 from torch_tricks.tuning.measure import build_runner
-from torch_tricks.tuning.racing import _MIN_ROUNDS, _SETTLE_ROUNDS
+from torch_tricks.tuning.racing import _MIN_ROUNDS
 from torch_tricks.tuning.result import Result
 
 
@@ -46,8 +46,12 @@ class Compiling:
         est = self.compile_est = _compile_estimate(self.model, self.step_s)
         self.compile_need = est + self._race_need(3, _MIN_ROUNDS + 3)  # its compilation, then a short race
         # the others first: their set-up, the least race worth having, one combination
-        need_rest = (len(others) * self.setup_s * 1.3 + self._race_need(len(others) + 2, _MIN_ROUNDS)
-                     + self._race_need(4, _SETTLE_ROUNDS // 2) + self._combo_need())
+        # the speed tricks before it: their set-up, the least race, one combination (compile is a speed trick:
+        # it comes before more rounds of a race that has answered its questions, and before the memory tricks)
+        first = self._contenders_first(others)[0]
+        n = len(first)
+        need_rest = (sum(self._setup_need(c) for c in first) * 1.3 + self._race_need(n + 2, _MIN_ROUNDS)
+                     + (self._combo_need() if n >= 2 else 0.0))
         if self.left() < self.compile_need + need_rest:
             # not planned: tried at the end only if the races settle early and leave the time for it
             self.compile_skip_reason = (

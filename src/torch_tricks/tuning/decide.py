@@ -1,5 +1,6 @@
 """The decisions of the tune: what is faster than plain beyond the margin, what fits under the memory limit,
-and the recommendation for throughput (the fastest trick that fits, plus the next while the pair beats it).
+and the recommendation for throughput (the joint race of the faster tricks' combinations where the plain step
+fits; else the fastest way under the limit, plus the next trick while the pair beats it).
 
 :class:`Decisions` is one part of the tune's state (:class:`~torch_tricks.tuning.tuner._Tune`): it reads the
 report, the memory limit and the measured rows, and is taken again after more rounds (:meth:`Decisions._decide`).
@@ -36,7 +37,9 @@ class Decisions:
     """
 
     def _best_throughput(self) -> None:
-        """Greedy: the fastest fitting trick, plus the next fastest while the pair beats it beyond the noise.
+        """Where the plain step fits: the faster speed tricks and their combinations, raced jointly
+        (:mod:`~torch_tricks.tuning.combine`). Where it does not: the fastest way under the limit, plus the
+        next fastest trick while the pair beats it beyond the noise.
 
         Taken again after more rounds (see :meth:`_decide`): a combination or a configuration
         measured already is reused, not measured twice.
@@ -56,10 +59,10 @@ class Decisions:
                 return
             report.fits_with = current.name
             good = [r for r in good if not (set(r.changes) & set(current.changes))]
-        else:
-            current = good.pop(0) if good else base
-        report.best_throughput = current
-        self._add_while_faster(current, good, end)
+            report.best_throughput = current
+            self._add_while_faster(current, good, end)
+        else:  # every compatible combination of the faster tricks, raced jointly (tuning.combine)
+            report.best_throughput = self._joint_best(good, end)
         if report.best_throughput is not base:
             report.best_throughput.chosen = True
 
@@ -112,7 +115,11 @@ class Decisions:
         self._compile_decide()
 
     def _fits(self, r: Result) -> bool:
-        return r.peak_bytes is not None and r.peak_bytes <= self.limit
+        """Measured under the limit; or, not measured yet, a speed trick where the limit is far above the plain
+        step (its memory run waits: :mod:`~torch_tricks.tuning.contenders`)."""
+        if r.peak_bytes is None:
+            return self.memory_later and r.goal == "speed"
+        return r.peak_bytes <= self.limit
 
     def _faster(self, res: Result) -> bool:
         return (res.status == "measured" and res.ratio is not None and not math.isnan(res.ratio) and _drift_ok(res)

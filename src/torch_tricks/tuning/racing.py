@@ -84,7 +84,12 @@ class Races:
         report.aa_ratio, report.aa_half_ci = aa, aa_half
         base_res = report.baseline
         base_res.step_s, base_res.ratio, base_res.rounds = _median(base_t), 1.0, race.rounds
-        for res, lane in zip(self.singles_res, race.lanes[2:]):
+        self._read_rows(race, self.singles_res, race.lanes[2:])
+
+    def _read_rows(self, race: Race, rows: list[Result], lanes: list[Lane]) -> None:
+        """Each of ``rows``' figures against plain (the race's first lane) and verdict, from its lane."""
+        base_t = race.lanes[0].times
+        for res, lane in zip(rows, lanes):
             if res.status == "failed":
                 continue
             if lane.error:
@@ -152,6 +157,8 @@ class Races:
         self.phase("more rounds")
         if self._more_rounds():
             self._read_singles()
+            if self.later is not None:
+                self._read_rows(self.later, self.later_res, self.later.lanes[1:])
             for res in self.report.results + self.report.combos:
                 if id(res) in self.side:
                     self._read_side(res)
@@ -161,7 +168,7 @@ class Races:
     def _more_rounds(self) -> bool:
         """What is left of the training budget goes to the races still open: the singles first, then the
         combinations and compile, each until settled or its share of what is left. True if any ran."""
-        races = self._singles_race() + [race for race, _ in self.side.values()]
+        races = self._singles_race() + self._joint_race() + [race for race, _ in self.side.values()]
         ran = False
         tried: set[int] = set()
         while True:
@@ -202,14 +209,19 @@ class Races:
         return f"; not measured for the budget: {', '.join(not_run)}" if not_run else ""
 
     def _races(self) -> list[Race]:
-        """The race of the single tricks, then each row's side-by-side race, in the rows' order."""
-        races = self._singles_race()
-        return races + [self.side[id(res)][0] for res in self.report.results + self.report.combos
-                        if id(res) in self.side]
+        """The race of the single tricks, the joint race, each row's side-by-side race in the rows' order, and the
+        memory and cost tricks' race."""
+        races = self._singles_race() + self._joint_race()
+        races += [self.side[id(res)][0] for res in self.report.results + self.report.combos if id(res) in self.side]
+        return races + ([self.later] if self.later is not None else [])
 
     def _singles_race(self) -> list[Race]:
         """The race of the single tricks, as a list: empty where it did not run."""
         return [self.singles] if self.singles is not None else []
+
+    def _joint_race(self) -> list[Race]:
+        """The joint race of the combinations, as a list: empty where it did not run."""
+        return [self.joint] if self.joint is not None else []
 
     def _sync(self) -> None:
         synchronize(self.base.step.device if self.base is not None else torch.device("cpu"))

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch_tricks.train.config import TrainConfig
+from torch_tricks.tuning.decide import _valid_together
 from torch_tricks.tuning.explain import Explain
 from torch_tricks.tuning.payback import Payback
 from torch_tricks.tuning.record import model_table
@@ -123,8 +124,41 @@ class TuneReport(Explain, Payback, ReportText, ReportDistributed, ReportFiles, R
         """The keys of the speed tricks measured, chosen or not: the tune's answer to "is it faster here" stands
         either way. A memory or cost trick left off is not a decision about your run (your own checkpointing for a
         larger batch, your EMA, your determinism stay yours): it is written only when chosen."""
-        return {k for r in self.results + self.combos if r.goal == "speed" and r.status.startswith("measured")
+        keys = {k for r in self.results + self.combos if r.goal == "speed" and r.status.startswith("measured")
                 for k in r.changes if k in TUNED_KEYS}
+        return keys - self.open_keys()
+
+    def open_keys(self) -> set[str]:
+        """The switches of speed tricks measured faster alone whose combination with the recommendation was not
+        measured: undecided, so not written (a trick measured faster is never written off on a guess)."""
+        best = self.best_throughput
+        chosen = best.changes if best is not None else {}
+        measured = [r.changes for r in self.results + self.combos if r.status == "measured"]
+        out: set[str] = set()
+        undecided = self.undecided()
+        for r in self.results:
+            if r.goal != "speed" or set(r.changes) & set(chosen):
+                continue
+            if any(r is u for u in undecided):
+                out |= set(r.changes)
+                continue
+            if r.verdict != "faster":
+                continue
+            together = {**chosen, **r.changes}
+            if not any(together.items() <= c.items() for c in measured) and _valid_together(together):
+                out |= set(r.changes)
+        return out
+
+    def undecided(self) -> list[Result]:
+        """The speed tricks whose call the noise alone withheld: faster by more than the least effect that
+        counts, by their own interval too, but not beyond the A/A noise of this machine. No recommendation is
+        made on them either way (their keys are not written); the report says what would settle them."""
+        noise = self.noise
+        if math.isnan(noise) or noise <= self.min_effect:
+            return []
+        return [r for r in self.results if r.goal == "speed" and r.verdict == "no measurable change"
+                and r.ratio is not None and not math.isnan(r.ratio) and self.min_effect < 1 - r.ratio <= noise
+                and (r.ratio_half_ci or 0.0) < 1 - r.ratio]
 
     def _tuned_batch(self, which: str, best: Result | None) -> int:
         """The batch measured, or for the largest-batch configuration the largest batch that ran under the limit."""

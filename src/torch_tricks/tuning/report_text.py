@@ -141,10 +141,28 @@ class ReportText:
             return []
         if bt is b and not self._any_measured():
             return ["throughput: no trick was measured: keep the plain step until a longer tune says more"]
-        if bt is b:
-            return ["throughput: no trick is faster beyond the noise here: keep the plain step"]
-        return [f"throughput: {bt.name}: {_speedup(bt)} the plain step"
-                + (f", peak {_bytes(bt.peak_bytes)}" if bt.peak_bytes else "")]
+        out = [f"throughput: {bt.name}: {_speedup(bt)} the plain step"
+               + (f", peak {_bytes(bt.peak_bytes)}" if bt.peak_bytes else "")] if bt is not b else []
+        undecided = self.undecided()
+        if undecided:
+            out.append(self._undecided_line(undecided))
+        elif bt is b:
+            out.append("throughput: no trick is faster beyond the noise here: keep the plain step")
+        return out
+
+    def _undecided_line(self, undecided: list[Result]) -> str:
+        """No call where the noise is larger than the effect: which tricks, and what would settle them."""
+        what = ", ".join(f"{r.name} {_speedup(r)}" for r in undecided)
+        settle = ["a longer --budget-seconds (more rounds narrow the noise)"]
+        m = self.machine or {}
+        if m.get("shared"):
+            settle.insert(0, f"a quieter machine (other processes used {m.get('foreign_cores', 0):.1f} cores "
+                             "during the tune)")
+        if self.device.startswith("cpu") and not (self.threads or {}).get("given"):
+            settle.insert(1 if m.get("shared") else 0, "--threads 1 (one thread waits less for a busy core)")
+        return (f"no recommendation on {what}: faster by more than {self.min_effect:.0%}, but the noise of this "
+                f"machine (±{self.noise:.1%}) is as large as the effect, so neither on nor off is written to "
+                f"tricks.toml; what would settle it: {', or '.join(settle)}")
 
     def _compile_lines(self) -> list[str]:
         """Each compiled row's first call, and when its compilation pays back."""

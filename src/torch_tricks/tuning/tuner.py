@@ -3,33 +3,41 @@
 The plan, inside ``budget_s``:
 
 1. the plain fp32 baseline (a model that cannot run the input stops here, with one
-   line), and a second, identical baseline: the A/A pair whose disagreement is the
-   stated noise;
-2. for each candidate trick (see :mod:`torch_tricks.tuning.candidates`): drift against
-   fp32 from the same seed, and memory (peak, activations, bytes per sample);
-3. the race (:mod:`torch_tricks.tuning.race`): all candidates' steps and both baselines
-   timed round-robin, a new random order every round. A candidate leaves once its
-   question is answered (it cannot be ``MIN_EFFECT`` faster than plain; it is faster
-   and slower than the best beyond their interval; a memory or cost trick, timed for
-   its cost only, after the least rounds); the contenders and both baselines get the
-   rounds, so the intervals and the noise narrow. The race stops when settled, or at
-   its share of the budget (what the combinations and compile need is kept back);
-4. greedy combinations for throughput: the fastest trick that fits the memory limit,
-   plus the next one while the pair beats the current best beyond the noise, each
-   raced against it side by side until that is settled or its share is spent. If the
-   plain step does not fit the memory limit: first the single tricks that fit, else the
-   memory tricks together, then with micro-batches (accumulation), until one fits;
-5. the largest batch: all memory tricks that cut bytes per sample, together; its largest batch
+   line; on a CPU its step timed at one thread and at the process's count, the faster
+   count every lane's), and a second, identical baseline: the A/A pair whose
+   disagreement is the stated noise;
+2. contenders first (:mod:`torch_tricks.tuning.contenders`): where the question is speed
+   (the plain step fits, no memory limit given, no ``--fit``) only the speed tricks are set
+   up now: drift against fp32 from the same seed, and memory. Where memory is asked for,
+   every candidate is;
+3. the race (:mod:`torch_tricks.tuning.race`): all of them and both baselines timed
+   round-robin, a new random order every round. A candidate leaves once its question is
+   answered (it cannot be ``MIN_EFFECT`` faster than plain; it is faster and slower than the
+   best beyond their interval; a memory or cost trick, timed for its cost only, after the
+   least rounds); the contenders and both baselines get the rounds, so the intervals and
+   the noise narrow. The race stops when settled, or at its share of the budget (what the
+   combinations and compile need is kept back);
+4. the combinations for throughput (:mod:`torch_tricks.tuning.combine`): the speed tricks
+   faster than plain and every compatible combination of them, built as the time allows
+   (the fastest predicted first), raced jointly; the pick is the fastest beyond the margin,
+   made simpler while a measured part of it is as fast. If the plain step does not fit the
+   memory limit: first the single tricks that fit, else the memory tricks together, then
+   with micro-batches (accumulation), until one fits, and the next trick on top while the
+   pair wins;
+5. ``compile`` on top of the best configuration (one compilation), raced against it,
+   if the budget has room for it (also when it was not planned at the start, if the
+   races settled early and saved the time);
+6. the memory and cost tricks, where the question was speed: set up and timed for their
+   cost in a short race of their own, as the time left holds them (else named, with the
+   budget that would measure them);
+7. the largest batch: all memory tricks that cut bytes per sample, together; its largest batch
    under the limit (and plain's) then *run*: a search on tiled batches, each a build and two
    steps with the peak measured (a straight line through two batch sizes only says where to
    start: attention and logits grow faster than linearly in a sequence);
-6. ``compile`` on top of the best configuration (one compilation), raced against it,
-   if the budget has room for it (also when it was not planned at the start, if the
-   races settled early and saved the time);
-7. what is left of the training budget goes to the races still open (more rounds), and
+8. what is left of the training budget goes to the races still open (more rounds), and
    every decision is taken again with the final rounds; ``report.stop_reason`` says
    whether the tune stopped settled or for the budget, and what was still open;
-8. with ``data``, the loader; with ``deploy``, the inference chain (fixed shares).
+9. with ``data``, the loader; with ``deploy``, the inference chain (fixed shares).
 
 A trick that fails (while checking, building, or in the middle of timing) is recorded
 as failed with its reason, and the tune goes on. Nothing is printed; the progress bar
@@ -67,6 +75,8 @@ from torch_tricks.tuning import fit as fit_mod
 from torch_tricks.tuning.builds import Builds
 from torch_tricks.tuning.candidates import Candidate, training_candidates
 from torch_tricks.tuning.clock import Clock
+from torch_tricks.tuning.combine import Combining
+from torch_tricks.tuning.contenders import Contenders
 from torch_tricks.tuning.compiling import Compiling
 from torch_tricks.tuning.decide import DRIFT_TOLERANCE, MIN_EFFECT, Decisions
 from torch_tricks.tuning.decide import _compatible, _valid_together  # noqa: F401  (re-exported: tests import them here)
@@ -328,7 +338,7 @@ class _RankChannel:
 
 
 
-class _Tune(Clock, Builds, Races, Decisions, UnderLimit, MemorySearch, Compiling, OtherPhases):
+class _Tune(Clock, Builds, Contenders, Races, Decisions, Combining, UnderLimit, MemorySearch, Compiling, OtherPhases):
     """One tune's state: the runners, the deadlines of its phases, the report it fills.
 
     Its parts, each in its module, work on this state: :class:`~.clock.Clock` (the budget and its pacing),
@@ -366,6 +376,12 @@ class _Tune(Clock, Builds, Races, Decisions, UnderLimit, MemorySearch, Compiling
         self.memory_s = 0.0  # what plain's memory run at the example batch took (the largest-batch search's unit)
         self.memory_reserve = 0.0  # kept back from the race and the combinations for the memory tricks together
         self.efficiency_reserve = 0.0  # kept back for the MFU figures (0: not measured, the report says why)
+        self.joint: Race | None = None  # the joint race of the faster tricks' combinations (tuning.combine)
+        self.joint_rows: list[Result] = []
+        self.joint_not_built: list[str] = []
+        self.memory_later = False  # the speed tricks' memory runs wait until after compile (tuning.contenders)
+        self.later: Race | None = None  # the memory and cost tricks' race, after the speed question
+        self.later_res: list[Result] = []
 
     def run(self, cands: list[Candidate], data: str | None) -> None:
         """The plan (see the module's docstring): the baselines, each candidate's drift and memory, the race,
@@ -374,32 +390,40 @@ class _Tune(Clock, Builds, Races, Decisions, UnderLimit, MemorySearch, Compiling
             return
         self._reserve_efficiency()
         compile_res, others = self._plan_compile(cands)
-        results = self._set_up_candidates(others)
-        if compile_res is not None:
-            results.append(compile_res)
-        self.report.results = results
+        first, later = self._contenders_first(others)
+        results = self._set_up_candidates(first)
+        later_res = [Result(c.name, c.goal, c.changes, c.ids, note=c.note) for c in later]
+        self.report.results = results + later_res + ([compile_res] if compile_res is not None else [])
         self._race_singles(results)
         self._combinations()
         if compile_res is not None:
             self._compile_phase(compile_res)
+        self._later_phase(later, later_res)
+        self._largest_batch_phase()
         self._more_rounds_phase()
+        results = self.report.results
         self._close_training(results)
         self._efficiency_phase()
         self._other_phases(data)
         self.report.phase_s = {k: round(v, 2) for k, v in self.phase_s.items()}
 
     def _combinations(self) -> None:
-        """4. combinations for throughput (under the memory limit); 5. the largest batch."""
+        """4. combinations for throughput (under the memory limit)."""
         t_combo = time.perf_counter()
         self.phase("combinations")
         self._best_throughput()
+        self.phase_s["combinations"] = time.perf_counter() - t_combo
         self.bar.update(1)
+
+    def _largest_batch_phase(self) -> None:
+        """5. the largest batch (and with ``--fit seq`` the longest sequence), with the memory tricks measured."""
+        t = time.perf_counter()
         self.phase("largest batch")
         self._largest_batch()
         if self.fit is not None and self.fit.search_seq:
             self.phase("longest sequence")
             self._longest_seq()
-        self.phase_s["combinations"] = time.perf_counter() - t_combo
+        self.phase_s["largest batch"] = time.perf_counter() - t
         self.bar.update(1)
 
     def _close_training(self, results: list[Result]) -> None:
