@@ -3,6 +3,7 @@ the budget the next time, not the size rule (which under-estimated a transformer
 
 from __future__ import annotations
 
+import pytest
 import torch.nn as nn
 
 import torch_tricks.tuning.compiling as compiling
@@ -15,7 +16,12 @@ def test_a_measured_first_call_replaces_the_size_estimate(tmp_path, monkeypatch)
     assert first == 8.0 + 0.2 * 4 + 20 * 0.01  # no record yet: the size rule
     compiling.record_compile(model, 61.5)
     assert (tmp_path / "compile_times.json").is_file()
-    assert compiling._compile_estimate(model, 0.01) == 61.5 + 20 * 0.01
+    assert compiling._compile_estimate(model, 0.01) == pytest.approx(61.5 * 1.1 + 20 * 0.01)
+    compiling.record_compile(model, 20.0)  # a warm cache's: the longest first call (a cold cache's) is kept
+    assert compiling._compile_estimate(model, 0.01) == pytest.approx(61.5 * 1.1 + 20 * 0.01)
+    # beside other processes using half the cores, a compilation takes longer: the estimate says so
+    assert compiling._compile_estimate(model, 0.01, foreign_share=0.5) == pytest.approx(61.5 * 1.6 + 20 * 0.01)
+    assert compiling._compile_estimate(nn.Linear(2, 2), 0.0, foreign_share=0.5) == pytest.approx((8.0 + 0.2) * 1.5)
     other = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))  # another size: its own record
     assert compiling._compile_estimate(other, 0.01) == first
 

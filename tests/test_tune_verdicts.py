@@ -260,3 +260,52 @@ def test_every_verdict_of_a_real_tune_agrees_with_its_figures():
     report = tune(_Small, batch, budget_s=12, progress=False, skip=["compile"], name="small")
     assert any(r.status == "measured" for r in report.results)
     assert all_violations(report) == []
+
+
+def test_a_gain_as_large_as_the_noise_gets_no_call_either_way_and_says_what_would_settle_it():
+    """No recommendation from a race whose noise is as large as the effect it would claim (issue 35): the trick
+    is neither written on nor off, and the report says so with what would settle it."""
+    report = TuneReport(model="net", batch=32, device="cpu", optimizer="adamw", memory_limit=1 << 30,
+                        memory_limit_source="ram", budget_s=60.0, noise=0.08, aa_ratio=1.05, aa_half_ci=0.08,
+                        drift_tolerance={"loss": 0.05}, rounds=12, stop_reason="budget: the time ran out",
+                        machine={"cores": 2, "foreign_cores": 1.1, "shared": True, "text": "..."})
+    plain = Result("plain", "baseline", {}, (), status="measured", verdict="baseline", step_s=1.0, ratio=1.0,
+                   peak_bytes=100 * _MIB)
+    fused = Result("fused_optimizer", "speed", {"fused_optimizer": True}, ("T7",), status="measured",
+                   verdict="no measurable change", step_s=0.94, ratio=0.94, ratio_half_ci=0.03, peak_bytes=100 * _MIB)
+    slow = Result("channels_last", "speed", {"channels_last": True}, (), status="measured",
+                  verdict="no measurable change", step_s=1.01, ratio=1.01, ratio_half_ci=0.03, peak_bytes=100 * _MIB)
+    report.baseline = report.best_throughput = plain
+    report.results = [fused, slow]
+    assert report.undecided() == [fused]  # 6% faster, beyond its own ±3% but inside the noise ±8%
+    cfg = report.recommended_config()
+    assert "fused_optimizer" not in cfg and cfg["channels_last"] is False  # no gain claimed: decided off
+    text = report.to_text()
+    line = next(x for x in text.splitlines() if x.startswith("no recommendation on "))
+    assert "fused_optimizer 1.06x" in line and "±8.0%" in line and "neither on nor off" in line
+    assert "a quieter machine (other processes used 1.1 cores" in line and "--threads 1" in line
+    assert "keep the plain step" not in text.split("no recommendation on ")[1].splitlines()[0]
+    report.noise = 0.01  # on a quiet machine the noise withholds nothing: no line, nothing left open
+    assert report.undecided() == []
+    assert all_violations(report) == []
+
+
+def test_a_joint_combination_that_is_not_the_pick_says_which_was_faster_in_the_same_race():
+    report, r = _report()
+    pick = Result("fused_optimizer+mixed_precision:bf16", "speed", {"precision": "bf16", "fused_optimizer": True},
+                  ("T1", "T5"), status="measured", verdict="faster", step_s=0.40, ratio=0.40, ratio_half_ci=0.01,
+                  vs_current=0.8, vs_current_half_ci=0.01, vs_current_name="mixed_precision:bf16", rounds=20,
+                  race="joint", peak_bytes=80 * _MIB)
+    other = Result("channels_last+mixed_precision:bf16", "speed", {"precision": "bf16", "channels_last": True},
+                   ("T1", "T3"), status="measured", verdict="faster", step_s=0.45, ratio=0.45, ratio_half_ci=0.01,
+                   vs_current=0.9, vs_current_half_ci=0.01, vs_current_name="mixed_precision:bf16", rounds=20,
+                   race="joint")
+    report.combos = [pick, other]
+    for row in report.results + report.combos:
+        row.chosen = False
+    report.best_throughput, pick.chosen = pick, True
+    report.explain()
+    assert other.decision == "not recommended"
+    assert f"but {pick.name} was faster in the same race" in other.why
+    assert "on top of which it was not measured" not in other.why
+    assert [v for v in all_violations(report) if v.startswith((other.name, pick.name))] == []

@@ -96,7 +96,7 @@ class Combining:
 
     def _build_combination(self, changes: dict[str, Any], names: str) -> Result | None:
         """One combination's runner and drift (its memory only if it is picked); a failure is its row's reason."""
-        res = Result(names, "speed", changes, _ids_of(self.report.results, changes))
+        res = Result(names, "speed", changes, _ids_of(self.report.results, changes), race="joint")
         self.report.combos.append(res)
         try:
             r = build_runner(names, self.model, {**self.base_cfg, **changes}, self.batches, **self.kw)

@@ -43,7 +43,7 @@ class Compiling:
             return None, others
         compile_res = Result(compile_cand.name, compile_cand.goal, compile_cand.changes, compile_cand.ids,
                              note=compile_cand.note)
-        est = self.compile_est = _compile_estimate(self.model, self.step_s)
+        est = self.compile_est = _compile_estimate(self.model, self.step_s, self._foreign_share())
         self.compile_need = est + self._race_need(3, _MIN_ROUNDS + 3)  # its compilation, then a short race
         # the others first: their set-up, the least race worth having, one combination
         # the speed tricks before it: their set-up, the least race, one combination (compile is a speed trick:
@@ -55,7 +55,7 @@ class Compiling:
         if self.left() < self.compile_need + need_rest:
             # not planned: tried at the end only if the races settle early and leave the time for it
             self.compile_skip_reason = (
-                f"compiling takes about {est:.0f} s here (a first estimate from the model's size), more than "
+                f"over --budget-seconds: compiling takes about {est:.0f} s here (a first estimate from the model's size), more than "
                 f"--budget-seconds leaves after the other tricks: raise it to about "
                 f"{math.ceil(self.report.budget_s + self.compile_need + need_rest - self.left()):.0f} to measure it")
         else:
@@ -67,6 +67,8 @@ class Compiling:
         """6. compile, on top of the best configuration so far, if the time left holds it (else skipped, why)."""
         t_compile = time.perf_counter()
         budget_left = self.left()
+        # again, with the machine's load as measured so far: a compilation cannot be cut short once started
+        self.compile_est = max(self.compile_est, _compile_estimate(self.model, self.step_s, self._foreign_share()))
         if self.compile_planned:
             room = budget_left >= self.compile_est + self._race_need(3, _MIN_ROUNDS)
         else:  # not planned: it may fit now, with the time the races saved by settling early
@@ -84,6 +86,13 @@ class Compiling:
         self.phase_s["compile"] = time.perf_counter() - t_compile
         self.compile_reserve = 0.0
         self.bar.update(1)
+
+    def _foreign_share(self) -> float:
+        """Other processes' share of this process's cores so far in the tune (0 where not measured)."""
+        load = self.monitor.load if self.monitor is not None else None
+        if load is None or load.foreign_cores is None or not load.cores:
+            return 0.0
+        return min(load.foreign_cores / load.cores, 1.0)
 
     def _try_compile(self, res: Result) -> None:
         """``compile`` on top of the best configuration so far (one compilation), raced against it and plain."""
@@ -147,9 +156,12 @@ class Compiling:
         return self.report.amortised(target) is not False
 
 
-def _compile_estimate(model: nn.Module, step_s: float) -> float:
-    """Seconds a first ``torch.compile`` of forward + backward takes here: the first call an earlier tune of the
-    same model measured on this machine (:func:`record_compile`), else a first estimate from the model's size.
+def _compile_estimate(model: nn.Module, step_s: float, foreign_share: float = 0.0) -> float:
+    """Seconds a first ``torch.compile`` of forward + backward takes here: the longest first call an earlier tune
+    of the same model measured on this machine (:func:`record_compile`; a warm inductor cache is faster, a cold
+    one is what a fresh machine pays), else a first estimate from the model's size; either times 1 + the share of
+    the cores other processes use now (a 2-layer GPT-2 compiled in 8 s quiet, 12 s beside a busy loop on one of
+    two cores), and a tenth more for the recorded figure's own spread.
 
     The estimate decides whether compile is started at all: once started, a compilation cannot be cut short,
     so one that was under-estimated runs the tune past its budget (a 2-layer GPT-2 took 54 s on 2 cores where
@@ -159,17 +171,18 @@ def _compile_estimate(model: nn.Module, step_s: float) -> float:
     """
     seen = _read_compile_times().get(_compile_key(model))
     if seen is not None:
-        return float(seen) + 20 * step_s
+        return float(seen) * (1.1 + foreign_share) + 20 * step_s
     modules = sum(1 for _ in model.modules())
     per_module = 1.0 if type(model).__module__.startswith("transformers.") else 0.2
-    return 8.0 + per_module * modules + 20 * step_s
+    return (8.0 + per_module * modules) * (1.0 + foreign_share) + 20 * step_s
 
 
 def record_compile(model: nn.Module, first_call_s: float) -> None:
     """Keep a compiled first call's seconds for the next tune of this model here (a cache of its own beside
     the peaks'); a cache that cannot be written is left as it is (the size estimate stands in)."""
     times = _read_compile_times()
-    times[_compile_key(model)] = round(float(first_call_s), 2)
+    key = _compile_key(model)
+    times[key] = round(max(float(first_call_s), float(times.get(key, 0.0))), 2)  # the longest: a cold cache's
     try:
         with atomic_path(_compile_cache()) as tmp:
             tmp.write_text(json.dumps(times, indent=1))

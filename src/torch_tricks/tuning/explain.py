@@ -278,11 +278,22 @@ class Explain:
         best, ref = self.best_throughput, r.vs_current_name or "plain"
         speed = (_speed_of(r.vs_current, r.vs_current_half_ci, ref) if r.vs_current_name
                  else _speed_of(r.ratio, r.ratio_half_ci, ref))
+        if r.race == "joint" and best is not None:
+            return "not recommended", self._joint_loser(r, best, ref, speed), ""
         if best is not None and best.name != ref:
             return ("not recommended", f"faster than {ref}, which it extends: {speed}, but the recommendation (after "
                     f"more rounds) is {best.name}, on top of which it was not measured",
                     "raise --budget-seconds (a longer tune settles the best first)")
         return "not recommended", f"faster than {ref}: {speed}, but {best.name if best else 'plain'} was kept", ""
+
+    def _joint_loser(self, r: Result, best: Result, ref: str, speed: str) -> str:
+        """A combination of the joint race, faster than what it extends, that is not the pick: why."""
+        if r.changes.items() < best.changes.items():
+            extra = ", ".join(sorted(set(best.changes) - set(r.changes)))
+            return (f"faster than {ref}, which it extends: {speed}; {best.name} adds {extra} and is faster still, "
+                    "beyond the margin, in the same race")
+        return (f"faster than {ref}, which it extends: {speed}, but {best.name} was faster in the same race (the "
+                "combinations raced jointly; the pick is the fastest, made simpler while a part of it is as fast)")
 
     def _explain_against_best(self, r: Result) -> tuple[str, str, str]:
         """A single trick, faster than plain but not the fastest: why the best was kept instead."""

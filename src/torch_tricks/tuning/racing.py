@@ -84,6 +84,8 @@ class Races:
         report.aa_ratio, report.aa_half_ci = aa, aa_half
         base_res = report.baseline
         base_res.step_s, base_res.ratio, base_res.rounds = _median(base_t), 1.0, race.rounds
+        if base_t:  # what the next phases' time is planned with: the plain step as the race found it (a busy
+            self.step_s = max(self.step_s, base_res.step_s)  # machine's steps are slower than at the start)
         self._read_rows(race, self.singles_res, race.lanes[2:])
 
     def _read_rows(self, race: Race, rows: list[Result], lanes: list[Lane]) -> None:

@@ -52,6 +52,7 @@ class Result:
     why: str = ""
     advice: str = ""  # what to change to get it measured or chosen ('' when nothing would)
     break_even_steps: int | None = None  # compile: steps until its one-off first call is paid back by faster steps
+    race: str = ""  # "joint": a combination timed in the joint race of the faster tricks' combinations
     runner: Any = field(default=None, repr=False, compare=False)
 
     @property

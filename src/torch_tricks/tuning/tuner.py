@@ -101,6 +101,8 @@ if TYPE_CHECKING:
 
 __all__ = ["tune", "example_batch", "parse_size", "TUNED_KEYS", "DRIFT_TOLERANCE", "MIN_EFFECT", "ASSUMED_RUN_STEPS"]
 
+# The share of the budget the training phases leave unplanned at their end (see _Tune.train_end).
+WALL_SLACK = 0.04
 # With several processes (--processes N, or under torchrun) the distributed rows get this share of the budget.
 DIST_SHARE = 0.4
 # The run a one-off cost must pay back within, when the caller does not say (tune(steps=N)): compile is
@@ -209,7 +211,7 @@ def tune(
     monitor = LoadMonitor().start()  # other processes' CPU use during the tune: said in the report's first line
     with new_objects_only(), _threads_kept():  # the collections around every memory measurement skip the caller's
         _run_job(_Tune(model, batches, base_cfg, kw, limit, report, bar, t_start, float(budget_s), bool(data),
-                       bool(deploy), dist_world=dist_world, channel=_channel, fit=fit_t), cands, data)
+                       bool(deploy), dist_world=dist_world, channel=_channel, fit=fit_t, monitor=monitor), cands, data)
     report.machine = _machine_record(monitor, dev)
     report.elapsed_s = time.perf_counter() - t_start
     report.explain()  # every row's reason (the views take it again from the figures)
@@ -350,8 +352,9 @@ class _Tune(Clock, Builds, Contenders, Races, Decisions, Combining, UnderLimit, 
 
     def __init__(self, model, batches, base_cfg, kw, limit, report: TuneReport, bar, t0: float, budget: float,
                  data: bool, deploy: bool, dist_world: int = 0, channel: Any = None,
-                 fit: fit_mod.FitTarget | None = None) -> None:
+                 fit: fit_mod.FitTarget | None = None, monitor: LoadMonitor | None = None) -> None:
         self.model, self.batches, self.base_cfg, self.kw = model, batches, base_cfg, kw
+        self.monitor = monitor  # other processes' CPU use so far (the compile estimate scales with it)
         self.fit = fit
         self.limit, self.report, self.bar = limit, report, bar
         self.deadline = t0 + budget
@@ -359,7 +362,10 @@ class _Tune(Clock, Builds, Contenders, Races, Decisions, Combining, UnderLimit, 
         self.dist_world, self.channel = dist_world, channel
         self.dist_share = DIST_SHARE * budget if dist_world else 0.0
         self.data_share = 0.15 * budget if data else 0.0
-        self.train_end = self.deadline - self.dist_share - self.data_share - (0.25 * budget if deploy else 0.0)
+        # the training phases end a little before their share: what overruns an estimate (a step slower under
+        # another job's load, a set-up, the report) is absorbed there, not past the budget
+        self.train_end = (self.deadline - self.dist_share - self.data_share - (0.25 * budget if deploy else 0.0)
+                          - WALL_SLACK * budget)
         self.deploy_start_share = 0.25 * budget if deploy else 0.0
         self.t0 = t0
         self.phase_s: dict[str, float] = {}  # wall seconds per phase (report.phase_s)
