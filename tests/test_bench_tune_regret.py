@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import statistics
+
 import pytest
 
 ROOT = Path(__file__).parent.parent
@@ -139,6 +141,29 @@ def test_regret_is_read_over_the_last_stage_only():
     assert tr.judge([best, plain1, plain2], aa, pick, [plain1, plain2], None, args, 2)["status"] == UNRELIABLE
     plain2.last, aa.last = [3.5] * 4, [3.5] * 4  # all cores slower than one: no verdict
     assert tr.judge([best, plain1, plain2], aa, pick, [plain1, plain2], None, args, 2)["status"] == UNRELIABLE
+
+
+def test_a_pick_that_is_a_grid_configuration_is_pooled_with_its_arm_and_the_aa_must_resolve_the_claim():
+    """The pick's configuration timed twice (its own arm and the grid's) is one configuration: 1.0 when it is the
+    best, whatever the two arms' own spread; and a quiet claim of 3% needs identical arms within 3%."""
+    fused = tr.Arm("fused @2t", {"precision": "fp32", "fused_optimizer": True, "channels_last": False}, 2)
+    other = tr.Arm("fused + cl @2t", {"precision": "fp32", "fused_optimizer": True, "channels_last": True}, 2)
+    pick = tr.Arm("the tune's pick", {"fused_optimizer": True, "threads": 2}, 2)
+    plain1 = tr.Arm("plain @1t", {}, 1)
+    plain2, aa = tr.Arm("plain @2t", {}, 2), tr.Arm("plain (A/A)", {}, 2)
+    for a, t in ((fused, 1.0), (other, 1.02), (pick, 1.07), (plain1, 3.0), (plain2, 2.0), (aa, 2.02)):
+        a.times, a.last = [t] * 4, [t] * 4
+    assert tr.same_configuration(pick, [other, fused, plain2]) is fused
+    assert tr.same_configuration(tr.Arm("p", {"fused_optimizer": True, "accumulate": 2}, 2), [fused]) is None
+    args = SimpleNamespace(busy=False)
+    r = tr.judge([fused, other, plain1, plain2], aa, pick, [plain1, plain2], SimpleNamespace(load=[]), args, 2)
+    assert r["best"] is fused and r["regret"] == 1.0
+    other.last = [0.95] * 4  # another configuration the best: the pick's two arms pooled against it
+    r = tr.judge([fused, other, plain1, plain2], aa, pick, [plain1, plain2], SimpleNamespace(load=[]), args, 2)
+    assert r["regret"] == pytest.approx(statistics.median([1.0] * 4 + [1.07] * 4) / 0.95)
+    aa.last = [2.08] * 4  # identical arms 4% apart: a 3% claim cannot be resolved
+    assert tr.judge([fused, other, plain1, plain2], aa, pick, [plain1, plain2], SimpleNamespace(load=[]), args,
+                    2)["checks"][0].ok is False
 
 
 def test_arm_table_puts_the_arms_that_left_last():

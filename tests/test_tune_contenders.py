@@ -141,3 +141,15 @@ def test_the_joint_race_builds_only_the_combinations_the_time_left_holds(clock):
     assert [r.name for r in job.joint_rows[3:]] == ["a+b+c"]  # the fastest predicted was built
     assert job.joint_not_built == ["a+b", "a+c", "b+c"]
     assert clock() <= end + job._race_need(5, 5)  # past the end only by the least race it always runs
+
+
+def test_the_later_race_times_only_the_lanes_whose_least_rounds_fit(clock):
+    job = _job(clock, 60)
+    rows = [Result(c.name, c.goal, c.changes, c.ids, status="measured", peak_bytes=900,
+                   runner=FakeRunner(clock, STEP_S * 1.3, {})) for c in (MEMORY, COST)]
+    clock.t = job.train_end - 1.5  # plain's 6 calls (0.6 s) and one trick's (0.78 s) fit in 1.5 s; not two
+    job._race_later(rows)
+    assert rows[0].rounds == 5 and rows[0].ratio == pytest.approx(1.3)
+    assert rows[1].runner is None and rows[1].rounds is None and rows[1].verdict == "not timed"
+    assert rows[1].reason.startswith("not timed: over --budget-seconds") and rows[1].peak_bytes == 900
+    assert clock() <= job.train_end

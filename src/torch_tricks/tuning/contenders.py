@@ -21,7 +21,7 @@ from torch_tricks._format import human_bytes
 from torch_tricks.tuning.candidates import Candidate
 from torch_tricks.tuning.decide import MIN_EFFECT
 from torch_tricks.tuning.race import Lane, Race
-from torch_tricks.tuning.racing import _MAX_SIDE_ROUNDS, _MIN_ROUNDS
+from torch_tricks.tuning.racing import _MAX_SIDE_ROUNDS, _MIN_ROUNDS, _median
 from torch_tricks.tuning.result import Result
 from torch_tricks.tuning.search_memory import _MEMORY_RUN_MARGIN
 
@@ -85,7 +85,12 @@ class Contenders:
             r.verdict = self._verdict(r) if r.ratio is not None else r.verdict
 
     def _race_later(self, built: list[Result]) -> None:
-        """``built`` with plain, each timed for its cost only (they leave after the least rounds)."""
+        """``built`` with plain, each timed for its cost only (they leave after the least rounds): as many as
+        the least rounds of their own steps (a memory trick's can be twice plain's) fit in the time left; the
+        others keep their memory figures, not timed."""
+        built = self._fit_later_lanes(built)
+        if not built:
+            return
         lanes = [Lane("plain", self.base, role="baseline")]
         lanes += [Lane(r.name, r.runner, contender=False, why_not=self._not_a_contender(r, True)) for r in built]
         self.later = Race(lanes, noise=self._noise, min_effect=MIN_EFFECT, min_rounds=_MIN_ROUNDS,
@@ -94,6 +99,23 @@ class Contenders:
         self.later_res = built
         self.later.run(self.train_end)
         self._read_rows(self.later, built, self.later.lanes[1:])
+
+    def _fit_later_lanes(self, built: list[Result]) -> list[Result]:
+        """The rows of ``built`` whose least rounds (and a warm-up) fit in the time left, in order; the others
+        are said not timed, for the budget."""
+        left = self.left()
+        need = (_MIN_ROUNDS + 1) * self.step_s  # plain's lane
+        out = []
+        for r in built:
+            step = _median(r.runner.step_times) if r.runner.step_times else self.step_s
+            if need + (_MIN_ROUNDS + 1) * step <= left:
+                need += (_MIN_ROUNDS + 1) * step
+                out.append(r)
+                continue
+            r.runner, r.verdict = None, "not timed"
+            r.reason = (f"not timed: over --budget-seconds (its {_MIN_ROUNDS} rounds beside plain's did not fit in "
+                        f"the {max(left, 0):.0f} s left); its memory is measured")
+        return out
 
     def _say_what_later_needs(self, rows: list[Result]) -> None:
         """A row the budget left out says it came after the speed tricks, and about what budget would do it."""
