@@ -13,17 +13,17 @@ def test_a_measured_first_call_replaces_the_size_estimate(tmp_path, monkeypatch)
     monkeypatch.setenv("TORCH_TRICKS_CACHE", str(tmp_path))
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     first = compiling._compile_estimate(model, 0.01)
-    assert first == pytest.approx(8.0 + 0.45 * 4 + 20 * 0.01)  # no record yet: the size rule
+    assert first == pytest.approx(8.0 + 0.45 * 4 + 10 * 0.01)  # no record yet: the size rule
     compiling.record_compile(model, 61.5)
     assert (tmp_path / "compile_times.json").is_file()
-    assert compiling._compile_estimate(model, 0.01) == pytest.approx(61.5 * 1.1 + 20 * 0.01)
+    assert compiling._compile_estimate(model, 0.01) == pytest.approx(61.5 * 1.1 + 10 * 0.01)
     compiling.record_compile(model, 20.0)  # a warm cache's: the last, where inductor's cache holds kernels
     monkeypatch.setattr(compiling, "_inductor_cache_warm", lambda: True)
-    assert compiling._compile_estimate(model, 0.01) == pytest.approx(20.0 * 1.1 + 20 * 0.01)
+    assert compiling._compile_estimate(model, 0.01) == pytest.approx(20.0 * 1.1 + 10 * 0.01)
     monkeypatch.setattr(compiling, "_inductor_cache_warm", lambda: False)  # an empty cache: the longest (cold)
-    assert compiling._compile_estimate(model, 0.01) == pytest.approx(61.5 * 1.1 + 20 * 0.01)
+    assert compiling._compile_estimate(model, 0.01) == pytest.approx(61.5 * 1.1 + 10 * 0.01)
     # beside other processes using half the cores, a compilation takes longer: the estimate says so
-    assert compiling._compile_estimate(model, 0.01, foreign_share=0.5) == pytest.approx(61.5 * 1.6 + 20 * 0.01)
+    assert compiling._compile_estimate(model, 0.01, foreign_share=0.5) == pytest.approx(61.5 * 1.6 + 10 * 0.01)
     assert compiling._compile_estimate(nn.Linear(2, 2), 0.0, foreign_share=0.5) == pytest.approx((8.0 + 0.45) * 1.5)
     other = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))  # another size: its own record
     assert compiling._compile_estimate(other, 0.01) == first

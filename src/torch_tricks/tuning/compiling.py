@@ -45,7 +45,7 @@ class Compiling:
         compile_res = Result(compile_cand.name, compile_cand.goal, compile_cand.changes, compile_cand.ids,
                              note=compile_cand.note)
         est = self.compile_est = _compile_estimate(self.model, self.step_s, self._foreign_share())
-        self.compile_need = est + self._race_need(3, _MIN_ROUNDS + 3)  # its compilation, then a short race
+        self.compile_need = est + self._race_need(3, _MIN_ROUNDS + 1)  # its compilation, then a short race
         # the others first: their set-up, the least race worth having, one combination
         # the speed tricks before it: their set-up, the least race, one combination (compile is a speed trick:
         # it comes before more rounds of a race that has answered its questions, and before the memory tricks)
@@ -161,8 +161,8 @@ def _compile_estimate(model: nn.Module, step_s: float, foreign_share: float = 0.
     """Seconds a first ``torch.compile`` of forward + backward takes here: the last first call an earlier tune
     of the same model measured on this machine (:func:`record_compile`), or the longest where inductor's cache on
     disk is empty (a cold cache is what a fresh machine pays), else a first estimate from the model's size
-    (per module: a transformers model's 1 s, others' 0.45 s: ResNet-18's 68 took 42 s cold); either times 1 + the share of
-    the cores other processes use now (a 2-layer GPT-2 compiled in 8 s quiet, 12 s beside a busy loop on one of
+    (per module: a transformers model's 0.6 s, others' 0.45 s: ResNet-18's 68 took 42 s cold, a 4-layer
+    GPT-2 41 s); either times 1 + the share of the cores other processes use now (a 2-layer GPT-2 compiled in 8 s quiet, 12 s beside a busy loop on one of
     two cores), and a tenth more for the recorded figure's own spread.
 
     The estimate decides whether compile is started at all: once started, a compilation cannot be cut short,
@@ -176,10 +176,10 @@ def _compile_estimate(model: nn.Module, step_s: float, foreign_share: float = 0.
         seen = {"last": seen, "max": seen}
     if isinstance(seen, dict):
         took = seen["last"] if _inductor_cache_warm() else seen["max"]
-        return float(took) * (1.1 + foreign_share) + 20 * step_s
+        return float(took) * (1.1 + foreign_share) + 10 * step_s
     modules = sum(1 for _ in model.modules())
-    per_module = 1.0 if type(model).__module__.startswith("transformers.") else 0.45
-    return (8.0 + per_module * modules) * (1.0 + foreign_share) + 20 * step_s
+    per_module = 0.6 if type(model).__module__.startswith("transformers.") else 0.45
+    return (8.0 + per_module * modules) * (1.0 + foreign_share) + 10 * step_s
 
 
 def record_compile(model: nn.Module, first_call_s: float) -> None:
