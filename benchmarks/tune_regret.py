@@ -3,7 +3,8 @@
 Claim: ``torch_tricks.tune``'s answer is the best configuration that can be measured on this machine inside
 its budget. For each model (a CNN, a transformers causal LM, a small transformer encoder), in one process:
 the tune runs as a user runs it (``--budget`` s; its seconds from the call to the report written against
-1.05 x the budget) and its ``tricks.toml`` is the pick. The grid: every combination of the speed switches
+1.05 x the budget) and its ``tricks.toml`` is the pick, as ``Tricks`` applies it (a switch the file leaves
+unwritten, undecided, keeps ``TrainConfig``'s default: ``fused_optimizer`` on). The grid: every combination of the speed switches
 that apply (bf16 only where native: ``torch.cuda.is_bf16_supported()``, or a CPU flag avx512_bf16/amx_bf16,
 since an emulated bf16 cannot win and the tune measures it anyway; fused optimizer; channels_last for a 4-D
 input; threads 1 / all cores on a CPU), each built through ``Tricks`` from one initial model (a copy each).
@@ -57,6 +58,7 @@ from _trust import UNRELIABLE, LoadMonitor, aa_check, load_check, thread_check, 
 QUIET_TARGET, BUSY_TARGET, BUDGET_SLACK = 1.03, 1.10, 1.05
 KEEP = 3  # the halving stops when at most this many grid arms (the plain ones apart) are left
 EMULATED_BF16 = "bf16 left out of the grid: this CPU emulates it"
+GRID_KEYS = ("precision", "fused_optimizer", "channels_last", "compile")  # the grid's switches (and threads)
 EXAMPLES = {  # the README's tune examples as its command lines write them: model, --hf-config, --input, --batch
     "cnn": ("resnet18", None, "3x64x64", 32),
     "lm": ("hf:gpt2", {"n_layer": 2, "n_embd": 64, "n_head": 2}, "input_ids=long:32:50257", 4),
@@ -95,6 +97,9 @@ def cases() -> dict[str, Case]:
                    lambda: load_model("hf:gpt2", hf_config={"n_layer": 4, "n_embd": 256, "n_head": 4,
                                                             "n_positions": 128})[0],
                    {"input_ids": ids, "labels": ids}, lambda m, b: m(**b).loss),
+        "lm-readme": Case("lm-readme", "the README's GPT-2 (2 x 64, vocab 50257, seq 32, batch 4)",
+                          lambda: load_model("hf:gpt2", hf_config=EXAMPLES["lm"][1])[0],
+                          {"input_ids": ids[:4, :32], "labels": ids[:4, :32]}, lambda m, b: m(**b).loss),
         "encoder": Case("encoder", "built-in transformer encoder (tokens 128 of 1000, batch 16)",
                         lambda: get_model("transformer"), (toks, torch.randint(0, 2, (16,), generator=g)),
                         lambda m, b: F.cross_entropy(_logits(m(b[0])), b[1])),
@@ -283,8 +288,18 @@ def build_arms(case: Case, model0: Any, picked: dict[str, Any], cores: int, bf16
     arms = [build_arm(case, model0, c, c["threads"], label(c, c["threads"])) for c in grid(case, cores, bf16)]
     kept = [next(a for a in arms if a.name == f"plain @{t}t") for t in sorted({1, cores})]
     threads = int(picked.get("threads") or cores)
+    mine = as_applied(picked)
     return (arms, kept, build_arm(case, model0, kept[-1].cfg, cores, "plain (A/A)"),
-            build_arm(case, model0, picked, threads, "the tune's pick: " + label(picked, threads)))
+            build_arm(case, model0, mine, threads, "the tune's pick: " + label(mine, threads)))
+
+
+def as_applied(picked: dict[str, Any]) -> dict[str, Any]:
+    """The pick as ``Tricks('tricks.toml')`` runs it: a grid switch the file does not write (the tune left it
+    undecided) keeps ``TrainConfig``'s default, as in a user's run (``fused_optimizer``: on)."""
+    from torch_tricks.train.config import TrainConfig
+
+    defaults = TrainConfig()
+    return {**{k: getattr(defaults, k) for k in GRID_KEYS if k not in picked}, **picked}
 
 
 def tune_pick(case: Case, model0: Any, budget: float) -> TuneRun:
@@ -453,7 +468,8 @@ def budget_overall(runs: list[TuneRun], busy: bool) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", choices=["cnn", "lm", "encoder"], default=["cnn", "lm", "encoder"],
+    p.add_argument("--models", nargs="+", choices=["cnn", "lm", "lm-readme", "encoder"],
+                   default=["cnn", "lm", "encoder"],
                    help="the models (with --budgets: the README examples, cnn = ResNet-18, lm = GPT-2)")
     p.add_argument("--budget", type=float, default=120.0, help="seconds of tune per model (default 120)")
     p.add_argument("--first-rounds", type=int, default=4, help="rounds of the halving's first stage (default 4)")

@@ -55,6 +55,14 @@ def test_grid_is_every_combination_that_applies():
     assert {c["threads"] for c in tr.grid(_case(False), 1, bf16=False)} == {1}  # one core: one thread count
 
 
+def test_the_pick_is_built_as_tricks_applies_the_file():
+    """A switch tricks.toml does not write keeps TrainConfig's default in the pick's arm (a user's run)."""
+    assert tr.as_applied({"threads": 1}) == {"precision": "fp32", "fused_optimizer": True, "channels_last": False,
+                                             "compile": False, "threads": 1}
+    written = {"precision": "bf16", "fused_optimizer": False, "compile": True}
+    assert tr.as_applied(written) == {**written, "channels_last": False}
+
+
 def test_label_names_what_is_on():
     assert tr.label({"precision": "fp32", "fused_optimizer": False, "channels_last": False, "threads": 2}, 2) \
         == "plain @2t"

@@ -61,9 +61,11 @@ def test_threads_are_raced_and_the_recommendation_carries_the_count_every_step_r
     cfg = report.recommended_config()
     chosen = report.best_throughput.changes.get("threads")
     expected = chosen if chosen is not None else (1 if report.threads.get("chosen_at_start") else 0)
-    assert cfg["threads"] == expected, (cfg, report.threads, lane.verdict)  # 0: the process's own, as plain ran
+    if any(r is lane for r in report.undecided()) and not report.threads.get("chosen_at_start"):
+        expected = None  # faster, but inside the noise: no call, the key not written (the process's own stays)
+    assert cfg.get("threads") == expected, (cfg, report.threads, lane.verdict)  # 0: the process's own, as plain ran
     report.write(tmp_path)
-    assert tomllib.loads((tmp_path / "tricks.toml").read_text())["train"]["threads"] == expected
+    assert tomllib.loads((tmp_path / "tricks.toml").read_text())["train"].get("threads") == expected
 
 
 def test_threads_given_fix_every_lane_and_are_written(two_threads):

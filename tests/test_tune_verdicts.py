@@ -285,6 +285,12 @@ def test_a_gain_as_large_as_the_noise_gets_no_call_either_way_and_says_what_woul
     assert "fused_optimizer 1.06x" in line and "±8.0%" in line and "neither on nor off" in line
     assert "a quieter machine (other processes used 1.1 cores" in line and "--threads 1" in line
     assert "keep the plain step" not in text.split("no recommendation on ")[1].splitlines()[0]
+    # faster by 3% but inside its own interval too (0.97-1.10x): no call either (off would be a guess as well)
+    fused.ratio, fused.ratio_half_ci = 0.97, 0.07
+    assert report.undecided() == [fused] and "fused_optimizer" not in report.recommended_config()
+    fused.ratio = 0.985  # under the least effect that counts (2%): decided off, as no measurable change
+    assert report.undecided() == [] and report.recommended_config()["fused_optimizer"] is False
+    fused.ratio, fused.ratio_half_ci = 0.94, 0.03
     report.noise = 0.01  # on a quiet machine the noise withholds nothing: no line, nothing left open
     assert report.undecided() == []
     assert all_violations(report) == []

@@ -17,6 +17,7 @@ from torch_tricks.tuning.candidates import Candidate
 from torch_tricks.tuning.measure import (
     Memory,
     Runner,
+    StepAt,
     TooSlow,
     build_runner,
     measure_memory,
@@ -100,6 +101,7 @@ class Builds:
         for _ in range(_THREAD_PROBES):
             for k in (n, 1):
                 times[k].append(_timed_at(base, k))
+        self.thread_times = times
         one, many = _median(times[1]), _median(times[n])
         self.report.threads = {**(self.report.threads or {}), "probe_s": {"1": one, str(n): many}}
         if one >= _THREADS_WIN * many:
@@ -144,10 +146,13 @@ class Builds:
     def _set_up_in_turn(self, res: Result, c: Candidate, setup_end: float, built: int) -> None:
         """One candidate's set-up, after ``built`` others: not measured further when its probe was far slower,
         skipped when the time left would not hold it, failed (with the reason) when it raises."""
-        if c.probe_ratio is not None and c.probe_ratio >= SLOW_FACTOR:
+        if _probed_slow(c):
             res.probe_ratio = c.probe_ratio
             res.status, res.verdict = "measured (probe)", "slower"
-            res.reason = f"{c.probe_what} took {c.probe_ratio:.0f}x fp32 here: not measured further"
+            res.reason = f"{c.probe_what} took {c.probe_ratio:.2g}x fp32 here: not measured further"
+            return
+        if set(c.changes) == {"threads"}:
+            self._threads_lane(res, c)
             return
         # room for its set-up and for the least timing of all built so far (5 rounds and a warm-up)
         timing_need = (_MIN_ROUNDS + 1) * (built + 3) * self.step_s
@@ -163,10 +168,28 @@ class Builds:
         except Exception as exc:
             res.status, res.verdict, res.reason = "failed", "failed", one_line(exc, with_type=True)
 
+    def _threads_lane(self, res: Result, c: Candidate) -> None:
+        """A thread count's lane: the plain runner's own model and optimizer stepped at ``threads`` intra-op
+        threads, no copy built. The count changes neither what is computed nor what is stored, only how it is
+        split; a copy would cost a build (a 1.5 s GPT-2 step: 9 s of a 120 s tune) to measure a drift of
+        summation order. Its memory is the plain step's (said in its row), its first steps those of the probe
+        at the start."""
+        n = int(c.changes["threads"])
+        r = Runner(c.name, StepAt(self.base.step, n), self.batches, first_call_s=self.base.first_call_s)
+        r.step_times = list(getattr(self, "thread_times", {}).get(n, []))
+        res.first_call_s, res.losses = r.first_call_s, list(self.base.losses)
+        base = self.report.baseline
+        res.peak_bytes, res.state_bytes, res.activation_bytes = base.peak_bytes, base.state_bytes, base.activation_bytes
+        res.bytes_per_sample, res.max_batch_guess = base.bytes_per_sample, base.max_batch_guess
+        res.note = _join(res.note, "timed on the plain step's own model at this thread count (no copy: the count "
+                                   "changes how the work is split, not what is computed or stored); memory: the "
+                                   "plain step's")
+        res.status, res.runner = "measured", r
+
     def _setup_need(self, c: Candidate) -> float:
         """Seconds ``c``'s set-up takes, about: a build, and its memory run unless that waits; nothing more for
         one a probe already called far slower."""
-        if c.probe_ratio is not None and c.probe_ratio >= SLOW_FACTOR:
+        if _probed_slow(c) or set(c.changes) == {"threads"}:
             return 0.0
         return self.build_s if self.memory_later and c.goal == "speed" else self.setup_s
 
@@ -240,6 +263,15 @@ class Builds:
     def _memory_run(self, cfg: dict[str, Any], batch: Any, **kw: Any) -> Memory:
         """One memory run of ``cfg`` on ``batch``: a fresh copy's build and its steps, the peak measured."""
         return measure_memory(self.model, cfg, batch, **kw, **self.kw)
+
+
+def _probed_slow(c: Candidate) -> bool:
+    """Its probe (an autocast layer on a CPU) was slower than its limit: reported slower, not built."""
+    return c.probe_ratio is not None and c.probe_ratio >= (c.probe_limit or SLOW_FACTOR)
+
+
+def _join(note: str, more: str) -> str:
+    return f"{note}; {more}" if note else more
 
 
 def _drift_into(res: Result, r: Runner, base: Runner) -> None:

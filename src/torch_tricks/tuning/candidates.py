@@ -31,6 +31,13 @@ from torch_tricks.train.precision import DTYPES, precision_support
 
 __all__ = ["Candidate", "Skipped", "training_candidates"]
 
+# On a CPU, autocast can only win through its matmuls and convolutions (the other operators run as they did, on
+# the low-precision outputs): where a probe layer under autocast is this much slower than in fp32, the precision is
+# emulated and the step cannot be faster. Measured on a 2-core Xeon without AVX512-BF16: the probe 2.2-2.9x (AVX2
+# kernels: 7-15x), and the whole step 0.45x (a 4-layer GPT-2) and ~0.5x (ResNet-18), after a build of 14 s that
+# a 120 s tune could not spare; a CPU with native bf16 (AMX, AVX512-BF16) runs the probe faster than fp32.
+AUTOCAST_SLOW = 1.5
+
 
 @dataclass
 class Candidate:
@@ -44,6 +51,7 @@ class Candidate:
     tricks: tuple[str, ...] = field(default=())  # the registered tricks it switches on
     probe_ratio: float | None = None  # measured while choosing: a probe op's time / the same in fp32
     probe_what: str = ""
+    probe_limit: float | None = None  # from this probe ratio on, not measured further (None: the tune's default)
 
     def __post_init__(self) -> None:
         if not self.tricks:
@@ -193,6 +201,7 @@ def _precision(trick: Trick, model, inputs, device, batch, own_opt) -> list[Cand
             c = Candidate(name, {"precision": p}, "speed", note=note, tricks=(trick.name,))
             if device.type == "cpu":  # a CPU without native fp16/bf16 emulates it, often ~100x slower
                 c.probe_ratio, c.probe_what = _autocast_slowdown(p, model)
+                c.probe_limit = AUTOCAST_SLOW
             out.append(c)
         else:
             out.append(Skipped(name, trick.ids, trick.kind, why))

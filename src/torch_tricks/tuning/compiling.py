@@ -20,7 +20,7 @@ from torch_tricks._io import atomic_path
 from torch_tricks.inspect.peak import cache_path, machine_key
 
 from torch_tricks.errors import one_line
-from torch_tricks.tuning.builds import _drift_into
+from torch_tricks.tuning.builds import _drift_into, _probed_slow
 from torch_tricks.tuning.candidates import Candidate
 from torch_tricks.tuning.measure import build_runner
 from torch_tricks.tuning.racing import _MIN_ROUNDS
@@ -50,7 +50,7 @@ class Compiling:
         # more rounds of a race, a combination's race and the memory tricks; a 1-s step's combination race alone
         # would have kept compile out of a 240 s tune of a 4 x 256 GPT-2, where it was the largest gain, 1.24x)
         first = self._contenders_first(others)[0]
-        n = len(first)
+        n = sum(1 for c in first if not _probed_slow(c))  # a trick its probe called slower gets no lane
         need_rest = sum(self._setup_need(c) for c in first) * 1.3 + self._race_need(n + 2, _MIN_ROUNDS)
         if self.left() < self.compile_need + need_rest:
             # not planned: tried at the end only if the races settle early and leave the time for it

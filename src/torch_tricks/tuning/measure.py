@@ -47,7 +47,7 @@ from torch_tricks.device import synchronize
 from torch_tricks.inspect.memory import LiveTensors
 from torch_tricks.train.loop import TrainStep, micro_batches
 
-__all__ = ["Runner", "Memory", "TooSlow", "build_runner", "probe_seconds", "measure_memory", "paired_ratio",
+__all__ = ["Runner", "StepAt", "Memory", "TooSlow", "build_runner", "probe_seconds", "measure_memory", "paired_ratio",
            "relative_diff"]
 
 
@@ -129,6 +129,21 @@ class Runner:
         self._i += 1
         with switches(self.step.config):
             return self.step(batch)
+
+
+class StepAt:
+    """``step`` at another intra-op thread count (``config.threads``, which :func:`switches` sets around each
+    call): the same model and optimizer, so a thread count is timed as a lane of its own without a copy."""
+
+    def __init__(self, step: TrainStep, threads: int) -> None:
+        self._step = step
+        self.config = step.config.replace(threads=threads)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._step, name)
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        return self._step(batch)
 
 
 class TooSlow(Exception):

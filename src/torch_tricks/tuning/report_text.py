@@ -161,8 +161,8 @@ class ReportText:
         if self.device.startswith("cpu") and not (self.threads or {}).get("given"):
             settle.insert(1 if m.get("shared") else 0, "--threads 1 (one thread waits less for a busy core)")
         return (f"no recommendation on {what}: faster by more than {self.min_effect:.0%}, but the noise of this "
-                f"machine (±{self.noise:.1%}) is as large as the effect, so neither on nor off is written to "
-                f"tricks.toml; what would settle it: {', or '.join(settle)}")
+                f"machine (±{self.noise:.1%}) or its own interval is as large as the effect, so neither on nor off "
+                f"is written to tricks.toml; what would settle it: {', or '.join(settle)}")
 
     def _compile_lines(self) -> list[str]:
         """Each compiled row's first call, and when its compilation pays back."""
