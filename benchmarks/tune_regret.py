@@ -28,6 +28,9 @@ speed trick may be "skipped: over --budget-seconds". ``--budgets 30 60 120``: th
 grid): the README's two tune examples, built as the CLI builds them (``--models`` cnn: ResNet-18, lm: GPT-2),
 tuned at each budget: seconds from the ``tune`` call to the report written against 1.05 x the budget.
 
+``--models lm-readme``: the README's small GPT-2 (2 x 64, sequence 32, batch 4), a causal LM whose step a
+120 s tune can measure compile on here (the 4 x 256 ``lm``'s 1.5-s step and 41-s compile need about 240 s).
+
     python benchmarks/tune_regret.py                         # the three models, 120 s of tune each
     python benchmarks/tune_regret.py --models cnn --budget 30 --rounds 10 [--busy]
     python benchmarks/tune_regret.py --budgets 30 60 120 [--busy]
