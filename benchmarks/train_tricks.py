@@ -3,7 +3,9 @@
 Claim (issue 3): on a deep net (ResNet-50 at batch 8, 224x224) activation checkpointing
 cuts the activation memory by >= 60% at <= 40% extra step time; inplace activations and
 the memory-efficient BN+ReLU cut it measurably with identical gradients; bf16,
-channels_last and torch.compile report whatever their real ratios are on this CPU.
+channels_last and torch.compile report whatever their real ratios are on this CPU, and so does
+fp32 matmul in bf16 (T33, issue 36: its gradient drift beside it) where the CPU has bf16 units
+(AVX512-BF16 or AMX; elsewhere its row says why it does not run).
 
 How to read it: every ratio is trick / plain, measured in this run. Step times come from
 ``compare``, which interleaves the variants round-robin so machine drift hits all alike;
@@ -26,12 +28,13 @@ and other processes may use at most a quarter of a core on average while the ste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -70,11 +73,13 @@ def variants(model_name: str) -> dict[str, Callable[[], tuple[nn.Module, Callabl
         "memory-efficient BN": lambda: (memory_efficient_bn_act(base()), same, "fp32"),
         "inplace + mem-eff BN": lambda: (memory_efficient_bn_act(inplace_activations(base())), same, "fp32"),
         "bf16 autocast": lambda: (base(), same, "bf16"),
+        FP32_BF16: lambda: (base(), same, "fp32"),
         "channels_last": lambda: (channels_last(base()), to_channels_last, "fp32"),
         "torch.compile": lambda: (compile_model(base()), same, "fp32"),
     }
 
 
+FP32_BF16 = "fp32 matmul in bf16"  # T33: fp32 weights and sums, the products of matmuls and convs in bf16 (oneDNN)
 MEMORY_VARIANTS = ("plain fp32", "inplace", "memory-efficient BN", "inplace + mem-eff BN")
 AA = "plain fp32 (A/A)"  # the plain step timed twice: the A/A pair
 ONE_THREAD = "plain fp32, 1 thread"  # the plain step on one thread: the threads check
@@ -131,7 +136,8 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
     """Build every variant of ``model_name``, measure memory, then time all interleaved; print a table."""
     from tqdm import tqdm
 
-    from torch_tricks.train.precision import autocast, check_precision
+    from torch_tricks.train.matmul_mode import check_fp32_matmul
+    from torch_tricks.train.precision import check_precision
 
     x = torch.randn(args.batch, 3, args.size, args.size)
     rows: dict[str, dict[str, Any]] = {}
@@ -142,6 +148,8 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
         try:
             if name == "bf16 autocast":
                 check_precision("bf16", torch.device("cpu"))
+            if name == FP32_BF16:  # where oneDNN has no bf16 units it keeps fp32: the row says so, not a ratio
+                check_fp32_matmul("bf16", "cpu")
             model, transform, precision = build()
             xin = transform(x)
             model.train()
@@ -150,7 +158,7 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
                 return out.float().mean()
 
             wl = Workloads(model, xin, loss_fn=loss_fn, optimizer="sgd")
-            ctx = lambda p=precision: autocast(p, torch.device("cpu"))  # noqa: E731
+            ctx = lambda p=precision, mode=("bf16" if name == FP32_BF16 else ""): _modes(p, mode)  # noqa: E731
 
             def step(wl: Workloads = wl, ctx: Callable = ctx) -> None:
                 with ctx():
@@ -168,8 +176,10 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
             steps[name] = step
             rows[name] = {"activation_bytes": act, "step_peak_bytes": rep.step_tensor_peak_bytes if rep else None,
                           "first_call_s": first}
-            if name in ("plain fp32", "inplace", "memory-efficient BN", "inplace + mem-eff BN", "checkpointing"):
-                grads[name] = _grads(model, xin, loss_fn)
+            if name in ("plain fp32", "inplace", "memory-efficient BN", "inplace + mem-eff BN", "checkpointing",
+                        FP32_BF16):
+                with ctx():
+                    grads[name] = _grads(model, xin, loss_fn)
         except Exception as exc:  # a trick that cannot run here is reported, not fatal
             rows[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
 
@@ -211,7 +221,8 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
         elif name == "bf16 autocast":
             note = "saved set includes autocast's bf16 weight copies"
         elif "max_grad_diff" in r:
-            note = f"max |grad diff| {r['max_grad_diff']:.1e}"
+            note = f"max |grad diff| {r['max_grad_diff']:.1e}" + (" (drift of the bf16 products)" if name == FP32_BF16
+                                                                 else "")
         table_rows.append([
             name, f"{t.median_s * 1e3:.0f} ± {t.iqr_s * 5e2:.0f}", f"{r['time_ratio']:.2f}",
             f"{human_bytes(r['activation_bytes'])} ({r['activation_ratio']:.2f})" if r["activation_ratio"] is not None else "-",
@@ -229,6 +240,16 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
                 table_rows, "lrrrrl"))
     rows["_checks"] = checks  # type: ignore[assignment]  # taken out by main before the JSON
     return rows
+
+
+@contextlib.contextmanager
+def _modes(precision: str, fp32_matmul: str) -> Iterator[None]:
+    """``precision``'s autocast and the fp32 matmul mode (T33; "" the process's own) around a step."""
+    from torch_tricks.train.matmul_mode import fp32_matmul as matmul_mode
+    from torch_tricks.train.precision import autocast
+
+    with autocast(precision, torch.device("cpu")), matmul_mode(fp32_matmul, "cpu"):
+        yield
 
 
 def _grads(model: nn.Module, x: torch.Tensor, loss_fn: Callable) -> list[torch.Tensor]:

@@ -61,7 +61,7 @@ from _trust import UNRELIABLE, LoadMonitor, aa_check, load_check, thread_check, 
 QUIET_TARGET, BUSY_TARGET, BUDGET_SLACK = 1.03, 1.10, 1.05
 KEEP = 3  # the halving stops when at most this many grid arms (the plain ones apart) are left
 EMULATED_BF16 = "bf16 left out of the grid: this CPU emulates it"
-GRID_KEYS = ("precision", "fused_optimizer", "channels_last", "compile")  # the grid's switches (and threads)
+GRID_KEYS = ("precision", "fp32_matmul", "fused_optimizer", "channels_last", "compile")  # the grid's switches (and threads)
 EXAMPLES = {  # the README's tune examples as its command lines write them: model, --hf-config, --input, --batch
     "cnn": ("resnet18", None, "3x64x64", 32),
     "lm": ("hf:gpt2", {"n_layer": 2, "n_embd": 64, "n_head": 2}, "input_ids=long:32:50257", 4),
@@ -151,13 +151,16 @@ class Arm:
         return statistics.median(self.last) if self.last else float("inf")
 
 
-def grid(case: Case, cores: int, bf16: bool) -> list[dict[str, Any]]:
-    """Every combination of the speed switches that apply to ``case`` here (threads under ``"threads"``)."""
-    axes = {"precision": ["fp32", "bf16"] if bf16 else ["fp32"], "fused_optimizer": [False, True],
-            "channels_last": [False, True] if case.image else [False],
+def grid(case: Case, cores: int, bf16: bool, fast_fp32: str | None = None) -> list[dict[str, Any]]:
+    """Every combination of the speed switches that apply to ``case`` here (threads under ``"threads"``);
+    ``fast_fp32``: the fp32 matmul mode this device runs natively (T33), on the fp32 arms only (under bf16
+    autocast the matmuls are bf16 already)."""
+    axes = {"precision": ["fp32", "bf16"] if bf16 else ["fp32"], "fp32_matmul": ["", fast_fp32] if fast_fp32 else [""],
+            "fused_optimizer": [False, True], "channels_last": [False, True] if case.image else [False],
             "threads": sorted({1, cores})}
     keys = list(axes)
-    return [dict(zip(keys, values)) for values in itertools.product(*(axes[k] for k in keys))]
+    combos = [dict(zip(keys, values)) for values in itertools.product(*(axes[k] for k in keys))]
+    return [c for c in combos if not (c["fp32_matmul"] and c["precision"] != "fp32")]
 
 
 def label(cfg: dict[str, Any], threads: int) -> str:
@@ -288,7 +291,12 @@ def run_case(case: Case, args: argparse.Namespace, cores: int, bf16: bool) -> di
 def build_arms(case: Case, model0: Any, picked: dict[str, Any], cores: int, bf16: bool
                ) -> tuple[list[Arm], list[Arm], Arm, Arm]:
     """The grid's arms, its plain arms at 1 and all cores (kept to the end), the A/A arm, the pick's arm."""
-    arms = [build_arm(case, model0, c, c["threads"], label(c, c["threads"])) for c in grid(case, cores, bf16)]
+    import torch
+
+    from torch_tricks.train.matmul_mode import fast_fp32_matmul_mode
+
+    fast = fast_fp32_matmul_mode("cuda" if torch.cuda.is_available() else "cpu")[0]
+    arms = [build_arm(case, model0, c, c["threads"], label(c, c["threads"])) for c in grid(case, cores, bf16, fast)]
     kept = [next(a for a in arms if a.name == f"plain @{t}t") for t in sorted({1, cores})]
     threads = int(picked.get("threads") or cores)
     mine = as_applied(picked)
@@ -380,7 +388,7 @@ def judge(last: list[Arm], aa: Arm, pick: Arm, kept: list[Arm], window: Any, arg
 
 def same_configuration(pick: Arm, arms: list[Arm]) -> Arm | None:
     """The grid arm of exactly the pick's configuration (the grid's switches and threads), if it has one."""
-    axes = {"precision": "fp32", "fused_optimizer": False, "channels_last": False, "compile": False}
+    axes = {"precision": "fp32", "fp32_matmul": "", "fused_optimizer": False, "channels_last": False, "compile": False}
     mine = {k: pick.cfg.get(k, v) for k, v in axes.items()}
     if set(pick.cfg) - set(axes) - {"threads"}:
         return None  # the pick switches on something the grid does not have

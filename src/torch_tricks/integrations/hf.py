@@ -50,6 +50,7 @@ from torch_tricks.integrations.mapping import (
 )
 from torch_tricks.integrations.merge import check_prefer, merge, same
 from torch_tricks.machine import set_threads
+from torch_tricks.train.matmul_mode import set_fp32_matmul
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.ema import EMA
 from torch_tricks.train.offload import check_device as check_offload_device
@@ -299,6 +300,9 @@ def _process_switches(cfg: TrainConfig, model: nn.Module) -> list[str]:
     if cfg.threads:  # checked against this machine's cores here, as Tricks does
         set_threads(cfg.threads)
         applied.append(f"threads={cfg.threads}")
+    if cfg.fp32_matmul:  # for the device the model is on, checked there (tf32 on a CPU: one line)
+        set_fp32_matmul(cfg.fp32_matmul, next(model.parameters(), torch.empty(0)).device)
+        applied.append(f"fp32_matmul={cfg.fp32_matmul}")
     if cfg.cudnn_benchmark:
         cudnn_benchmark(True, fixed_shapes=True)
         applied.append("cudnn_benchmark")

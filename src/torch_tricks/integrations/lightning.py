@@ -55,6 +55,7 @@ from torch_tricks.integrations.mapping import (
 )
 from torch_tricks.integrations.merge import Tuned, check_prefer, merge, same
 from torch_tricks.machine import set_threads
+from torch_tricks.train.matmul_mode import set_fp32_matmul
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.ema import EMA
 from torch_tricks.train.lm_loss import chunk_lm_loss, why_not_chunkable
@@ -210,6 +211,9 @@ class TricksCallback(Callback):
         if cfg.threads:  # after the strategy's own thread setting (setup_environment), checked against the cores
             set_threads(cfg.threads)
             self.applied.append(f"threads={cfg.threads}")
+        if cfg.fp32_matmul:  # for the strategy's device, checked there (tf32 on a CPU: one line)
+            set_fp32_matmul(cfg.fp32_matmul, trainer.strategy.root_device)
+            self.applied.append(f"fp32_matmul={cfg.fp32_matmul}")
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         mine = [o for o in trainer.optimizers if not getattr(o, "_torch_tricks_config", False)]

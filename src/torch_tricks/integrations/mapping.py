@@ -224,6 +224,9 @@ OPTIMIZER_KEYS = frozenset({"lr", "optimizer", "weight_decay", "momentum", "sche
 
 # No trainer has an argument for the intra-op thread count: the process's, set where the callback (or Tricks) starts.
 _THREADS = "intra-op CPU threads, `torch.set_num_threads` (0: the process's own; at most the cores here)"
+# A setting of the process too, for the device it trains on (checked there: tf32 on a CPU is refused in one line).
+_FP32_MATMUL = ("fp32 matmul/conv mode, `torch.backends.{cuda.matmul,cudnn.conv,mkldnn.matmul,mkldnn.conv}"
+                ".fp32_precision` (tf32: CUDA 8.0+; bf16: a CPU with AVX512-BF16 or AMX)")
 
 _PL = "lightning"
 _OPTIMIZERS = "`configure_optimizers`: `return optimizers_from(cfg, self)`"
@@ -294,6 +297,7 @@ _LIGHTNING: dict[str, Place] = {
     "cudnn_benchmark": arg("`benchmark`", lambda c: {"benchmark": c.cudnn_benchmark}),
     "keep_heap": callback("glibc keeps freed memory (CPU)"),
     "threads": callback(_THREADS),
+    "fp32_matmul": callback(_FP32_MATMUL),
     "accumulate": arg("`accumulate_grad_batches`", lambda c: {"accumulate_grad_batches": c.accumulate}),
     "bn_momentum_adjust": callback("BatchNorm momentum for the micro-batches"),
     "checkpointing": callback("activation checkpointing of the repeated blocks, `sqrt` or a name pattern"),
@@ -393,6 +397,7 @@ _ACCELERATE: dict[str, Place] = {
     "cudnn_benchmark": _ac_tricks("torch.backends.cudnn.benchmark"),
     "keep_heap": _ac_tricks("glibc keeps freed memory (CPU)"),
     "threads": _ac_tricks(_THREADS),
+    "fp32_matmul": _ac_tricks(_FP32_MATMUL),
     "accumulate": arg("`gradient_accumulation_steps`, with `accelerator.accumulate(model)` in your loop",
                       lambda c: {"gradient_accumulation_steps": c.accumulate}),
     "bn_momentum_adjust": _ac_tricks("BatchNorm momentum for the micro-batches"),
@@ -545,6 +550,7 @@ _HF: dict[str, Place] = {
               lambda c: Route("arg"))),
     "keep_heap": callback("glibc keeps freed memory (CPU)"),
     "threads": callback(_THREADS),
+    "fp32_matmul": callback(_FP32_MATMUL),
     "accumulate": arg("`gradient_accumulation_steps`", lambda c: {"gradient_accumulation_steps": c.accumulate}),
     "bn_momentum_adjust": callback("BatchNorm momentum for the micro-batches"),
     "checkpointing": arg(

@@ -45,6 +45,7 @@ class TrainConfig:
     fused_optimizer: bool = True  # T7: fused or foreach step where available
     no_decay_norm_bias: bool = True  # T14/T15
     keep_heap: bool = True  # CPU, glibc: freed memory stays in the process (no page faults per step)
+    fp32_matmul: str = ""  # T33: "" (the process's own) | ieee | tf32 (CUDA 8.0+) | bf16 (CPU with AVX512-BF16/AMX)
     threads: int = 0  # intra-op CPU threads (torch.set_num_threads), at most the cores here; 0 = the process's own
     # memory
     accumulate: int = 1  # T11
@@ -121,6 +122,8 @@ class TrainConfig:
             (self.threads >= 0, f"threads must be >= 0 (0 keeps the process's own thread count), not {self.threads}"),
             (self.keep_checkpoints >= 0, "keep_checkpoints must be >= 0 (0 keeps every checkpoint)"),
             (self.precision in ("fp32", "bf16", "fp16"), f"precision must be fp32, bf16 or fp16, not {self.precision!r}"),
+            (self.fp32_matmul in ("", "ieee", "tf32", "bf16"),
+             f"fp32_matmul must be ieee, tf32 or bf16 (or empty: the process's own), not {self.fp32_matmul!r}"),
             (self.schedule in ("constant", "cosine", "linear"), f"schedule must be constant, cosine or linear, not {self.schedule!r}"),
             (0.0 < self.ema_decay < 1.0, "ema_decay must be between 0 and 1"),
             (0.0 <= self.swa_start < 1.0, "swa_start is a fraction of the epochs, in [0, 1)"),

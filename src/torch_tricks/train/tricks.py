@@ -64,6 +64,7 @@ from torch_tricks.batches import to_device as batch_to_device
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError
 from torch_tricks.machine import set_threads
+from torch_tricks.train.matmul_mode import set_fp32_matmul
 from torch_tricks.seed import seed_everything, seeded_generator, worker_init_fn
 from torch_tricks.train.checkpoint import _atomic_torch_save
 from torch_tricks.train.config import TrainConfig, load_config, why_not_in_backward
@@ -438,6 +439,9 @@ class Tricks:
         if cfg.threads:
             set_threads(cfg.threads)
             self.applied.append(f"threads={cfg.threads}")
+        if cfg.fp32_matmul:  # checked against this device here: a file may be written on another machine
+            set_fp32_matmul(cfg.fp32_matmul, self.device)
+            self.applied.append(f"fp32_matmul={cfg.fp32_matmul}")
         if cfg.cudnn_benchmark:
             cudnn_benchmark(True, fixed_shapes=True)
             self.applied.append("cudnn_benchmark")

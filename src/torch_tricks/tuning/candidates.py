@@ -27,6 +27,7 @@ from torch_tricks.registry import Trick, list_tricks, trick_name
 from torch_tricks.seed import CUBLAS_DETERMINISTIC_CONFIGS
 from torch_tricks.train.lm_loss import why_not_chunkable
 from torch_tricks.train.memory import default_blocks, inplace_activations, memory_efficient_bn_act
+from torch_tricks.train.matmul_mode import fast_fp32_matmul_mode
 from torch_tricks.train.precision import DTYPES, precision_support
 
 __all__ = ["Candidate", "Skipped", "training_candidates"]
@@ -236,6 +237,12 @@ def _autocast_slowdown(p: str, model: nn.Module) -> tuple[float, str]:
     return ratio, f"a probe {what} (forward and backward) under {p} autocast"
 
 
+def _fp32_matmul(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+    """The fast fp32 matmul mode this device runs natively (tf32 on CUDA 8.0+, bf16 on a bf16 CPU)."""
+    mode, why = fast_fp32_matmul_mode(device)
+    return Candidate(f"{trick.name}:{mode}", {"fp32_matmul": mode}, "speed", tricks=(trick.name,)) if mode else why
+
+
 def _channels_last(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
     if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         return "the model has no 2-d convolution"
@@ -323,6 +330,7 @@ def _simple(key: str, goal: str) -> Callable[..., Candidate]:
 _MAKERS: dict[str, Callable[..., Candidate | str]] = {
     "mixed_precision": _precision,
     "channels_last": _channels_last,
+    "fp32_matmul": _fp32_matmul,
     "checkpointing": _checkpointing,
     "compile": _compile,
     "fused_optimizer": _fused,

@@ -45,6 +45,7 @@ from torch_tricks.data.prefetch import batch_nbytes
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.device import synchronize
 from torch_tricks.inspect.memory import LiveTensors
+from torch_tricks.train.matmul_mode import fp32_matmul
 from torch_tricks.train.loop import TrainStep, micro_batches
 
 __all__ = ["Runner", "StepAt", "Memory", "TooSlow", "build_runner", "probe_seconds", "measure_memory", "paired_ratio",
@@ -78,12 +79,15 @@ def switches(config: Any) -> Iterator[None]:
     want = int(get("threads", 0) or 0)  # intra-op threads: each lane's own, set around each of its calls
     if want and want != threads:
         torch.set_num_threads(want)
-    try:
-        yield
-    finally:
-        _set_global_state(before)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+    dev = str(get("device", "cpu") or "cpu")
+    # the fp32 matmul mode: each lane's own, the process's back after (a build under Tricks sets it too)
+    with fp32_matmul(str(get("fp32_matmul", "") or ""), "cuda" if dev.startswith("cuda") else "cpu"):
+        try:
+            yield
+        finally:
+            _set_global_state(before)
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
