@@ -164,7 +164,8 @@ class TricksCallback(TrainerCallback):
         self.applied = _check_arguments(self.config, args)
         cfg = self.config
         switches = cfg.replace(checkpointing="" if cfg.checkpointing == "blocks" else cfg.checkpointing)
-        changed, applied = apply_model_switches(model, switches, distributed=_launched(), channels_last_weights=True)
+        changed, applied = apply_model_switches(model, switches, distributed=_launched(), channels_last_weights=True,
+                                                device=args.device)
         if changed is not model:
             raise UserError(f"checkpointing = {cfg.checkpointing!r} wraps the model in a new module, which the "
                             "Trainer would not train: apply it before building the Trainer "

@@ -192,7 +192,7 @@ class TricksCallback(Callback):
             self._seed()
         switches = cfg.replace(chunked_lm_loss=False)
         changed, applied = apply_model_switches(pl_module, switches, distributed=trainer.world_size > 1,
-                                                     channels_last_weights=True)
+                                                     channels_last_weights=True, device=trainer.strategy.root_device)
         if changed is not pl_module:
             raise UserError(f"checkpointing = {cfg.checkpointing!r} wraps the model in a new module, which Lightning "
                             "would not train: use 'blocks' or a name pattern")

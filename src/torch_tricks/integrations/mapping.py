@@ -227,6 +227,9 @@ _THREADS = "intra-op CPU threads, `torch.set_num_threads` (0: the process's own;
 # A setting of the process too, for the device it trains on (checked there: tf32 on a CPU is refused in one line).
 _FP32_MATMUL = ("fp32 matmul/conv mode, `torch.backends.{cuda.matmul,cudnn.conv,mkldnn.matmul,mkldnn.conv}"
                 ".fp32_precision` (tf32: CUDA 8.0+; bf16: a CPU with AVX512-BF16 or AMX)")
+# A transformers model's attn_implementation, switched on the model the trainer was given (from_pretrained's keyword
+# is the other place: the key then stays unwritten).
+_ATTENTION = "the model's `set_attn_implementation` (eager, sdpa, flex_attention, flash_attention_2)"
 
 _PL = "lightning"
 _OPTIMIZERS = "`configure_optimizers`: `return optimizers_from(cfg, self)`"
@@ -298,6 +301,7 @@ _LIGHTNING: dict[str, Place] = {
     "keep_heap": callback("glibc keeps freed memory (CPU)"),
     "threads": callback(_THREADS),
     "fp32_matmul": callback(_FP32_MATMUL),
+    "attention": callback(_ATTENTION),
     "accumulate": arg("`accumulate_grad_batches`", lambda c: {"accumulate_grad_batches": c.accumulate}),
     "bn_momentum_adjust": callback("BatchNorm momentum for the micro-batches"),
     "checkpointing": callback("activation checkpointing of the repeated blocks, `sqrt` or a name pattern"),
@@ -398,6 +402,7 @@ _ACCELERATE: dict[str, Place] = {
     "keep_heap": _ac_tricks("glibc keeps freed memory (CPU)"),
     "threads": _ac_tricks(_THREADS),
     "fp32_matmul": _ac_tricks(_FP32_MATMUL),
+    "attention": _ac_tricks(_ATTENTION),
     "accumulate": arg("`gradient_accumulation_steps`, with `accelerator.accumulate(model)` in your loop",
                       lambda c: {"gradient_accumulation_steps": c.accumulate}),
     "bn_momentum_adjust": _ac_tricks("BatchNorm momentum for the micro-batches"),
@@ -551,6 +556,7 @@ _HF: dict[str, Place] = {
     "keep_heap": callback("glibc keeps freed memory (CPU)"),
     "threads": callback(_THREADS),
     "fp32_matmul": callback(_FP32_MATMUL),
+    "attention": callback(_ATTENTION),
     "accumulate": arg("`gradient_accumulation_steps`", lambda c: {"gradient_accumulation_steps": c.accumulate}),
     "bn_momentum_adjust": callback("BatchNorm momentum for the micro-batches"),
     "checkpointing": arg(

@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 # the modules whose import registers their tricks with torch_tricks.registry
-TRICK_MODULES = ("checkpoint", "distributed", "ema", "in_backward", "lm_loss", "loop", "matmul_mode", "memory", "offload",
+TRICK_MODULES = ("attention", "checkpoint", "distributed", "ema", "in_backward", "lm_loss", "loop", "matmul_mode", "memory", "offload",
                  "optim", "optim_state", "precision", "schedule", "sharding", "speed", "syncbn")
 
 _EXPORTS = {

@@ -40,6 +40,7 @@ class TrainConfig:
     # precision and speed
     precision: str = "fp32"  # T1: fp32 | bf16 | fp16
     channels_last: bool = False
+    attention: str = ""  # T34 (transformers models): "" (the model's own) | eager | sdpa | flex | flash2
     compile: bool = False  # T24
     cudnn_benchmark: bool = False  # T2 (CUDA, fixed shapes only)
     fused_optimizer: bool = True  # T7: fused or foreach step where available
@@ -122,6 +123,8 @@ class TrainConfig:
             (self.threads >= 0, f"threads must be >= 0 (0 keeps the process's own thread count), not {self.threads}"),
             (self.keep_checkpoints >= 0, "keep_checkpoints must be >= 0 (0 keeps every checkpoint)"),
             (self.precision in ("fp32", "bf16", "fp16"), f"precision must be fp32, bf16 or fp16, not {self.precision!r}"),
+            (self.attention in ("", "eager", "sdpa", "flex", "flash2"),
+             f"attention must be eager, sdpa, flex or flash2 (or empty: the model's own), not {self.attention!r}"),
             (self.fp32_matmul in ("", "ieee", "tf32", "bf16"),
              f"fp32_matmul must be ieee, tf32 or bf16 (or empty: the process's own), not {self.fp32_matmul!r}"),
             (self.schedule in ("constant", "cosine", "linear"), f"schedule must be constant, cosine or linear, not {self.schedule!r}"),

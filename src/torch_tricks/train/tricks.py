@@ -64,6 +64,7 @@ from torch_tricks.batches import to_device as batch_to_device
 from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError
 from torch_tricks.machine import set_threads
+from torch_tricks.train.attention import set_attention
 from torch_tricks.train.matmul_mode import set_fp32_matmul
 from torch_tricks.seed import seed_everything, seeded_generator, worker_init_fn
 from torch_tricks.train.checkpoint import _atomic_torch_save
@@ -453,7 +454,8 @@ class Tricks:
             self.applied.append("detect_anomaly")
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
-        model, applied = apply_model_switches(model, self.config, distributed=self.dist is not None)
+        model, applied = apply_model_switches(model, self.config, distributed=self.dist is not None,
+                                              device=self.device)
         self.applied += applied
         model = model.to(self.device)
         if self.config.channels_last:
@@ -690,13 +692,18 @@ class TricksState:
 
 
 def apply_model_switches(model: nn.Module, config: TrainConfig, *, distributed: bool = False,
-                         channels_last_weights: bool = False) -> tuple[nn.Module, list[str]]:
+                         channels_last_weights: bool = False, device: torch.device | str | None = None
+                         ) -> tuple[nn.Module, list[str]]:
     """The model changes of a configuration, in :meth:`Tricks.prepare`'s order: in-place activations,
     memory-efficient BN, activation checkpointing, the chunked LM loss, BN momentum for accumulation, SyncBN
     (``distributed``: under torchrun), and with ``channels_last_weights`` the weights channels_last (``Tricks``
     does that after moving the model). Returns the model (the same object, except where checkpointing by
     ``sqrt`` wraps an nn.Sequential) and the switches applied. Also what the trainer integrations call."""
     applied: list[str] = []
+    if config.attention:  # T34: for the device it will train on (FlexAttention has no backward on a CPU)
+        dev = device if device is not None else next(model.parameters(), torch.empty(0)).device
+        set_attention(model, config.attention, dev)
+        applied.append(f"attention={config.attention}")
     if config.inplace:
         model = inplace_activations(model)
         applied.append("inplace")

@@ -27,6 +27,7 @@ from torch_tricks.registry import Trick, list_tricks, trick_name
 from torch_tricks.seed import CUBLAS_DETERMINISTIC_CONFIGS
 from torch_tricks.train.lm_loss import why_not_chunkable
 from torch_tricks.train.memory import default_blocks, inplace_activations, memory_efficient_bn_act
+from torch_tricks.train.attention import attention_modes, current_attention
 from torch_tricks.train.matmul_mode import fast_fp32_matmul_mode
 from torch_tricks.train.precision import DTYPES, precision_support
 
@@ -243,6 +244,18 @@ def _fp32_matmul(trick: Trick, model, inputs, device, batch, own_opt) -> Candida
     return Candidate(f"{trick.name}:{mode}", {"fp32_matmul": mode}, "speed", tricks=(trick.name,)) if mode else why
 
 
+def _attention(trick: Trick, model, inputs, device, batch, own_opt) -> list[Candidate | Skipped] | str:
+    """Each attention implementation a transformers model can train with here besides its own (T34); the
+    others skipped with the reason (flex on a CPU has no backward, flash2 needs CUDA and flash_attn ...)."""
+    own = current_attention(model)
+    if own is None:
+        return "not a transformers model: its attention has no implementation to switch"
+    ok, refused = attention_modes(model, device)
+    out: list[Candidate | Skipped] = [Candidate(f"{trick.name}:{m}", {"attention": m}, "speed", tricks=(trick.name,),
+                                                note=f"instead of the model's own {own}") for m in ok]
+    return out + [Skipped(f"{trick.name}:{m}", trick.ids, trick.kind, why) for m, why in refused]
+
+
 def _channels_last(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
     if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         return "the model has no 2-d convolution"
@@ -331,6 +344,7 @@ _MAKERS: dict[str, Callable[..., Candidate | str]] = {
     "mixed_precision": _precision,
     "channels_last": _channels_last,
     "fp32_matmul": _fp32_matmul,
+    "attention": _attention,
     "checkpointing": _checkpointing,
     "compile": _compile,
     "fused_optimizer": _fused,
