@@ -23,6 +23,7 @@ and other processes may use at most a quarter of a core on average while the ste
     python benchmarks/train_tricks.py                 # ResNet-50, batch 8, 224x224
     python benchmarks/train_tricks.py --model resnet18 --batch 8 --size 128 --repeats 3
     python benchmarks/train_tricks.py --png train_tricks.png --json train_tricks.json
+    python benchmarks/train_tricks.py --model resnet18 --size 64 --memory-model '' --lm   # + attention (T34)
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-model", default="mobilenet_v2",
                     help="second model for the inplace / memory-efficient BN rows ('' to skip): the ReLU6 "
                          "of MobileNetV2 saves its input, so there is something to save")
+    ap.add_argument("--lm", action="store_true",
+                    help="also the attention implementations (T34) on a GPT-2 (4 x 256, sequence 128, batch 8)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--png", help="write a bar plot here (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -122,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         only = set(variants(args.memory_model)) - set(MEMORY_VARIANTS)
         results[args.memory_model] = run_model(args.memory_model, args, skip | only)
         results[args.memory_model].pop("_checks", None)
+    if args.lm:
+        print()
+        results["gpt2 attention"] = run_attention(args)
     if args.json:
         from torch_tricks._io import atomic_path
 
@@ -239,6 +245,55 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
     print(table(["trick", "step ms", "time ratio", "activations (ratio)", "step peak (ratio)", "note"],
                 table_rows, "lrrrrl"))
     rows["_checks"] = checks  # type: ignore[assignment]  # taken out by main before the JSON
+    return rows
+
+
+LM_CONFIG = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 128,  # dropout off: the losses compare
+             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+def run_attention(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """T34: each attention implementation of a transformers GPT-2 that trains here against its own (sdpa), timed
+    interleaved with an A/A pair; the LM loss of each beside sdpa's (same weights, same batch)."""
+    from torch_tricks.models import load_model
+    from torch_tricks.train.attention import attention_support, set_attention
+
+    ids = torch.randint(0, 50257, (8, 128), generator=torch.Generator().manual_seed(0))
+    rows: dict[str, dict[str, Any]] = {}
+    steps: dict[str, Callable[[], Any]] = {}
+    for mode in ("sdpa", "eager", "flex", "flash2"):
+        torch.manual_seed(0)
+        model, _ = load_model("hf:gpt2", hf_config=LM_CONFIG)
+        ok, why = attention_support(model, mode, "cpu")
+        if not ok:
+            rows[mode] = {"error": why}
+            continue
+        set_attention(model.train(), mode, "cpu")
+        rows[mode] = {"loss": float(model(input_ids=ids, labels=ids).loss.detach())}
+        wl = Workloads(model, ids, loss_fn=lambda out: out.logits.float().mean(), optimizer="sgd")
+        steps[mode] = wl.step
+    steps[AA] = steps["sdpa"]
+    with LoadMonitor() as window:
+        timings = compare(steps, warmup=args.warmup, repeats=args.repeats)
+    checks = [window.check("gpt2 steps"), aa_check(timings["sdpa"].median_s, timings[AA].median_s, what="gpt2 sdpa step")]
+    table_rows = []
+    for mode, r in rows.items():
+        if "error" in r:
+            table_rows.append([f"attention = {mode}", "-", "-", "-", r["error"]])
+            continue
+        t = timings[mode]
+        r.update(step_median_s=t.median_s, time_ratio=t.ratio_to(timings["sdpa"]),
+                 loss_diff=abs(r["loss"] - rows["sdpa"]["loss"]) / abs(rows["sdpa"]["loss"]))
+        table_rows.append([f"attention = {mode}", f"{t.median_s * 1e3:.0f} ± {t.iqr_s * 5e2:.0f}",
+                           f"{r['time_ratio']:.2f}", f"{r['loss_diff']:.1e}", "the model's own" if mode == "sdpa" else ""])
+    t = timings[AA]
+    table_rows.append([AA.replace("plain fp32", "sdpa"), f"{t.median_s * 1e3:.0f} ± {t.iqr_s * 5e2:.0f}",
+                       f"{t.ratio_to(timings['sdpa']):.2f}", "-", "baseline check (issue 16)"])
+    print(f"GPT-2 (4 x 256, vocab 50257, sequence 128, batch 8), CPU ({torch.get_num_threads()} threads), median of "
+          f"{args.repeats} interleaved steps (ms ± IQR/2); loss diff: relative to sdpa's, same weights and batch")
+    print(table(["attention", "step ms", "time ratio", "loss diff", "note"], table_rows, "lrrrl"))
+    for c in checks:
+        print(f"  {'ok  ' if c.ok else 'FAIL'}  {c}")
     return rows
 
 

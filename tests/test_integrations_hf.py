@@ -401,3 +401,22 @@ def test_the_ema_weights_for_evaluation_and_save_model(tmp_path):
     with callback.ema_weights() as m:
         torch.testing.assert_close(m.transformer.wte.weight, callback.ema.module.transformer.wte.weight)
     torch.testing.assert_close(model.transformer.wte.weight, raw["transformer.wte.weight"])  # its own weights back
+
+
+def test_the_attention_and_fp32_matmul_keys_take_effect_in_a_real_trainer(tmp_path):
+    """Issue 36: attention switched on the model the Trainer trains; fp32_matmul set for the run (ieee runs
+    everywhere); tf32 on a CPU refused in one line before training."""
+    cfg = {"attention": "eager", "fp32_matmul": "ieee", "batch_size": 4, "max_steps": 2, "progress": False}
+    model = _gpt2()
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    try:
+        trainer = _trainer(cfg, tmp_path, model)
+        trainer.train()
+        assert model.config._attn_implementation == "eager" and trainer.state.global_step == 2
+        assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+        cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TricksCallback))
+        assert {"attention=eager", "fp32_matmul=ieee"} <= set(cb.applied)
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = torch.backends.mkldnn.conv.fp32_precision = before
+    with pytest.raises(UserError, match="fp32_matmul = tf32: TF32 is a CUDA"):
+        _trainer({"fp32_matmul": "tf32", "max_steps": 1, "progress": False}, tmp_path, _gpt2())

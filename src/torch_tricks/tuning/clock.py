@@ -22,6 +22,10 @@ from torch_tricks.tuning.result import Result
 from torch_tricks.tuning.search_memory import _MEMORY_RUN_MARGIN, _cuts_bytes_per_sample
 
 
+# --fit seq: memory runs kept back for the longest sequence (two rows, three runs each, at about twice the length)
+_SEQ_RUNS_KEPT = 12
+
+
 class Clock:
     """The time left, the phases' seconds, and the pacing rules (what fits in the time left)."""
 
@@ -51,11 +55,15 @@ class Clock:
     def _kept_from_the_race(self, lanes: list[Lane]) -> float:
         """Seconds kept back from the race of the single tricks: compile's, one combination's where two
         contenders could make one, and the memory tricks' together (one memory run: the largest batch's
-        configuration) where two of them cut the bytes per sample."""
+        configuration) where two of them cut the bytes per sample; with ``--fit seq``, the longest sequence's
+        runs too (the answer asked for: a race of two near-equal lanes ran a 40 s tune to its end and left the
+        search no time)."""
         contenders = sum(1 for lane in lanes[2:] if lane.contender)
         base = self.report.baseline
         cutters = [r for r in self.singles_res if base.bytes_per_sample and _cuts_bytes_per_sample(r, base)]
         self.memory_reserve = _MEMORY_RUN_MARGIN * self.memory_s if len(_compatible(cutters)[0]) >= 2 else 0.0
+        if self.fit is not None and self.fit.search_seq:
+            self.memory_reserve += min(_SEQ_RUNS_KEPT * self.memory_s, 0.3 * self.report.budget_s)
         return (self.compile_reserve + (self._combo_need() if contenders >= 2 else 0.0)) + self.memory_reserve
 
     def _too_slow_for_the_budget(self, base: Runner, build_s: float, base_res: Result, cands: list[Candidate]) -> bool:
