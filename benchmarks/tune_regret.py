@@ -6,8 +6,10 @@ the tune runs as a user runs it (``--budget`` s; its seconds from the call to th
 1.05 x the budget) and its ``tricks.toml`` is the pick, as ``Tricks`` applies it (a switch the file leaves
 unwritten, undecided, keeps ``TrainConfig``'s default: ``fused_optimizer`` on). The grid: every combination of the speed switches
 that apply (bf16 only where native: ``torch.cuda.is_bf16_supported()``, or a CPU flag avx512_bf16/amx_bf16,
-since an emulated bf16 cannot win and the tune measures it anyway; fused optimizer; channels_last for a 4-D
-input; threads 1 / all cores on a CPU), each built through ``Tricks`` from one initial model (a copy each).
+since an emulated bf16 cannot win and the tune calls it slower from a probe; fused optimizer; channels_last for a 4-D
+input; threads 1 / all cores on a CPU; fp32 matmuls in the device's native fast mode, T33, on the fp32
+arms; a transformers model's other attention implementations that train here, T34), each built through
+``Tricks`` from one initial model (a copy each).
 
 The race is a successive halving in one process, round-robin, a new random order each round, each step
 timed alone: the grid, the pick and a second plain arm (A/A) get ``--first-rounds`` (4) rounds; the slower
@@ -61,7 +63,7 @@ from _trust import UNRELIABLE, LoadMonitor, aa_check, load_check, thread_check, 
 QUIET_TARGET, BUSY_TARGET, BUDGET_SLACK = 1.03, 1.10, 1.05
 KEEP = 3  # the halving stops when at most this many grid arms (the plain ones apart) are left
 EMULATED_BF16 = "bf16 left out of the grid: this CPU emulates it"
-GRID_KEYS = ("precision", "fp32_matmul", "fused_optimizer", "channels_last", "compile")  # the grid's switches (and threads)
+GRID_KEYS = ("precision", "fp32_matmul", "attention", "fused_optimizer", "channels_last", "compile")  # the grid's switches (and threads)
 EXAMPLES = {  # the README's tune examples as its command lines write them: model, --hf-config, --input, --batch
     "cnn": ("resnet18", None, "3x64x64", 32),
     "lm": ("hf:gpt2", {"n_layer": 2, "n_embd": 64, "n_head": 2}, "input_ids=long:32:50257", 4),
@@ -151,11 +153,14 @@ class Arm:
         return statistics.median(self.last) if self.last else float("inf")
 
 
-def grid(case: Case, cores: int, bf16: bool, fast_fp32: str | None = None) -> list[dict[str, Any]]:
+def grid(case: Case, cores: int, bf16: bool, fast_fp32: str | None = None,
+         attention: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Every combination of the speed switches that apply to ``case`` here (threads under ``"threads"``);
     ``fast_fp32``: the fp32 matmul mode this device runs natively (T33), on the fp32 arms only (under bf16
-    autocast the matmuls are bf16 already)."""
+    autocast the matmuls are bf16 already); ``attention``: the implementations a transformers model can train
+    with here besides its own (T34; "" is its own)."""
     axes = {"precision": ["fp32", "bf16"] if bf16 else ["fp32"], "fp32_matmul": ["", fast_fp32] if fast_fp32 else [""],
+            "attention": ["", *attention],
             "fused_optimizer": [False, True], "channels_last": [False, True] if case.image else [False],
             "threads": sorted({1, cores})}
     keys = list(axes)
@@ -295,8 +300,13 @@ def build_arms(case: Case, model0: Any, picked: dict[str, Any], cores: int, bf16
 
     from torch_tricks.train.matmul_mode import fast_fp32_matmul_mode
 
-    fast = fast_fp32_matmul_mode("cuda" if torch.cuda.is_available() else "cpu")[0]
-    arms = [build_arm(case, model0, c, c["threads"], label(c, c["threads"])) for c in grid(case, cores, bf16, fast)]
+    from torch_tricks.train.attention import attention_modes
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fast = fast_fp32_matmul_mode(device)[0]
+    attention = tuple(attention_modes(model0, device)[0])  # none for a model that is not a transformers one
+    arms = [build_arm(case, model0, c, c["threads"], label(c, c["threads"]))
+            for c in grid(case, cores, bf16, fast, attention)]
     kept = [next(a for a in arms if a.name == f"plain @{t}t") for t in sorted({1, cores})]
     threads = int(picked.get("threads") or cores)
     mine = as_applied(picked)
@@ -388,7 +398,8 @@ def judge(last: list[Arm], aa: Arm, pick: Arm, kept: list[Arm], window: Any, arg
 
 def same_configuration(pick: Arm, arms: list[Arm]) -> Arm | None:
     """The grid arm of exactly the pick's configuration (the grid's switches and threads), if it has one."""
-    axes = {"precision": "fp32", "fp32_matmul": "", "fused_optimizer": False, "channels_last": False, "compile": False}
+    axes = {"precision": "fp32", "fp32_matmul": "", "attention": "", "fused_optimizer": False, "channels_last": False,
+            "compile": False}
     mine = {k: pick.cfg.get(k, v) for k, v in axes.items()}
     if set(pick.cfg) - set(axes) - {"threads"}:
         return None  # the pick switches on something the grid does not have

@@ -57,16 +57,20 @@ def test_grid_is_every_combination_that_applies():
 
 def test_the_pick_is_built_as_tricks_applies_the_file():
     """A switch tricks.toml does not write keeps TrainConfig's default in the pick's arm (a user's run)."""
-    assert tr.as_applied({"threads": 1}) == {"precision": "fp32", "fp32_matmul": "", "fused_optimizer": True,
-                                             "channels_last": False, "compile": False, "threads": 1}
+    assert tr.as_applied({"threads": 1}) == {"precision": "fp32", "fp32_matmul": "", "attention": "",
+                                             "fused_optimizer": True, "channels_last": False, "compile": False,
+                                             "threads": 1}
     written = {"precision": "bf16", "fused_optimizer": False, "compile": True}
-    assert tr.as_applied(written) == {**written, "channels_last": False, "fp32_matmul": ""}
+    assert tr.as_applied(written) == {**written, "channels_last": False, "fp32_matmul": "", "attention": ""}
 
 
 def test_the_fast_fp32_matmul_mode_is_an_axis_of_the_fp32_arms_only():
     arms = tr.grid(_case(False), 2, bf16=True, fast_fp32="bf16")
     assert {(c["precision"], c["fp32_matmul"]) for c in arms} == {("fp32", ""), ("fp32", "bf16"), ("bf16", "")}
     assert len(arms) == 3 * 2 * 2 and tr.label(arms[4], 1) == "fp32_matmul=bf16 @1t"
+    lm = tr.grid(_case(False), 2, bf16=False, attention=("eager",))  # a transformers model: its own and eager
+    assert len(lm) == 2 * 2 * 2 and {c["attention"] for c in lm} == {"", "eager"}
+    assert tr.label(next(c for c in lm if c["attention"]), 1) == "attention=eager @1t"
 
 
 def test_label_names_what_is_on():
