@@ -3,7 +3,8 @@
 Claim (issue 3): on a deep net (ResNet-50 at batch 8, 224x224) activation checkpointing
 cuts the activation memory by >= 60% at <= 40% extra step time; inplace activations and
 the memory-efficient BN+ReLU cut it measurably with identical gradients; bf16,
-channels_last and torch.compile report whatever their real ratios are on this CPU, and so does
+channels_last and torch.compile (its default mode, and max-autotune-no-cudagraphs, T35, with the
+steps after which each first call pays back) report whatever their real ratios are on this CPU, and so does
 fp32 matmul in bf16 (T33, issue 36: its gradient drift beside it) where the CPU has bf16 units
 (AVX512-BF16 or AMX; elsewhere its row says why it does not run).
 
@@ -77,9 +78,11 @@ def variants(model_name: str) -> dict[str, Callable[[], tuple[nn.Module, Callabl
         FP32_BF16: lambda: (base(), same, "fp32"),
         "channels_last": lambda: (channels_last(base()), to_channels_last, "fp32"),
         "torch.compile": lambda: (compile_model(base()), same, "fp32"),
+        COMPILE_MA: lambda: (compile_model(base(), mode="max-autotune-no-cudagraphs"), same, "fp32"),
     }
 
 
+COMPILE_MA = "torch.compile max-autotune-no-cudagraphs"  # T35: inductor's autotuned kernels, no CUDA graphs
 FP32_BF16 = "fp32 matmul in bf16"  # T33: fp32 weights and sums, the products of matmuls and convs in bf16 (oneDNN)
 MEMORY_VARIANTS = ("plain fp32", "inplace", "memory-efficient BN", "inplace + mem-eff BN")
 AA = "plain fp32 (A/A)"  # the plain step timed twice: the A/A pair
@@ -170,13 +173,13 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
                 with ctx():
                     wl.step()
 
-            t0 = time.perf_counter()
-            if name != "torch.compile":
+            if not name.startswith("torch.compile"):
                 with ctx():
                     act = saved_activation_bytes(model, xin, loss_fn=loss_fn)
                 rep = memory_report(model, xin, loss_fn=loss_fn, optimizer="sgd")
             else:
                 act, rep = None, None
+            t0 = time.perf_counter()
             step()  # first call: compiles under torch.compile
             first = time.perf_counter() - t0
             steps[name] = step
@@ -222,8 +225,8 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
         if name in grads and name != "plain fp32":
             r["max_grad_diff"] = max(float((a - b).abs().max()) for a, b in zip(grads[name], grads["plain fp32"]))
         note = ""
-        if name == "torch.compile":
-            note = f"first call (compile) {r['first_call_s']:.1f} s"
+        if name.startswith("torch.compile"):
+            note = _payback_note(r, plain, t.median_s, base_t.median_s)
         elif name == "bf16 autocast":
             note = "saved set includes autocast's bf16 weight copies"
         elif "max_grad_diff" in r:
@@ -246,6 +249,14 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
                 table_rows, "lrrrrl"))
     rows["_checks"] = checks  # type: ignore[assignment]  # taken out by main before the JSON
     return rows
+
+
+def _payback_note(r: dict[str, Any], plain: dict[str, Any], step_s: float, plain_step_s: float) -> str:
+    """A compiled row's first call, and the steps after which its faster step has paid it back (T35)."""
+    extra, saved = r["first_call_s"] - plain["first_call_s"], plain_step_s - step_s
+    r["break_even_steps"] = -(-extra // saved) if saved > 0 else None
+    pays = f"pays back after {r['break_even_steps']:.0f} steps" if saved > 0 else "never pays back (no faster)"
+    return f"first call (compile) {r['first_call_s']:.1f} s: {pays}"
 
 
 LM_CONFIG = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 128,  # dropout off: the losses compare

@@ -12,6 +12,7 @@ import random
 import statistics
 import time
 import tomllib
+from typing import Any
 
 import pytest
 import torch
@@ -630,12 +631,67 @@ def _report_with_compile(run_steps: int, source: str = "assumed") -> tuple[TuneR
     return report, r
 
 
-def _decide_compile(report: TuneReport, r: dict) -> None:
+def _decide_compile(report: TuneReport, r: dict) -> Any:
     """The tuner's own decision on compile, on the given figures (no runner, nothing timed)."""
     job = tuner_mod._Tune.__new__(tuner_mod._Tune)
     job.report, job.limit, job.choice_notes = report, report.memory_limit, []
     job.compile_target, job.compile_base, job.compile_row = r["target"], r["bf16"], r["compile"]
+    job.compile_modes = [(r["mode"], r["mode_target"])] if "mode" in r else []
     job._compile_decide()
+    return job
+
+
+def _with_a_compile_mode(r: dict, vs_default: float, first_call_s: float) -> None:
+    """compile's max-autotune-no-cudagraphs measured on top of bf16 too, raced against the compiled default."""
+    from torch_tricks.tuning.report import Result
+
+    name = "mixed_precision:bf16+compile:max-autotune-no-cudagraphs"
+    r["mode"] = Result("compile:max-autotune-no-cudagraphs", "speed", {"compile": "max-autotune-no-cudagraphs"},
+                       ("T35",), status="measured", verdict="faster", reason=f"measured on top of "
+                       f"mixed_precision:bf16: see {name}")
+    step = 0.375 * vs_default
+    r["mode_target"] = Result(name, "speed", {"precision": "bf16", "compile": "max-autotune-no-cudagraphs"},
+                              ("T1", "T35"), status="measured", verdict="faster", step_s=step, ratio=step,
+                              ratio_half_ci=0.01, vs_current=vs_default, vs_current_half_ci=0.01,
+                              vs_current_name="mixed_precision:bf16+compile", vs_current_step_s=0.375,
+                              first_call_s=first_call_s, loss_drift=0.01, rounds=12)
+
+
+def _report_with_a_compile_mode(run_steps: int, vs_default: float, first_call_s: float = 80.0):
+    report, r = _report_with_compile(run_steps=run_steps)
+    _with_a_compile_mode(r, vs_default, first_call_s)
+    report.results.append(r["mode"])
+    report.combos.append(r["mode_target"])
+    return report, r
+
+
+def test_a_compile_mode_faster_than_the_default_replaces_it_and_is_what_tricks_toml_says(tmp_path):
+    report, r = _report_with_a_compile_mode(run_steps=100_000, vs_default=0.8)
+    _decide_compile(report, r)
+    assert report.best_throughput is r["mode_target"] and r["mode_target"].chosen and not r["target"].chosen
+    assert tomllib.loads(report.tricks_toml())["train"]["compile"] == "max-autotune-no-cudagraphs"
+    # its longer first call is paid back against the default's: 40 s more, 75 ms saved a step
+    pb = report.payback(r["mode_target"])
+    assert pb["ref"] == "mixed_precision:bf16+compile" and pb["steps"] == math.ceil(40.0 / 0.075)
+    report.explain()
+    assert r["mode_target"].decision == "recommended"
+    assert f"break-even after {pb['steps']} steps" in r["mode_target"].why
+
+
+def test_a_compile_mode_inside_the_noise_or_slower_leaves_the_default_and_one_not_paid_back_too():
+    for vs_default in (0.99, 1.2):
+        report, r = _report_with_a_compile_mode(run_steps=100_000, vs_default=vs_default)
+        _decide_compile(report, r)
+        assert report.best_throughput is r["target"] and not r["mode_target"].chosen
+        assert tomllib.loads(report.tricks_toml())["train"]["compile"] is True
+    report, r = _report_with_a_compile_mode(run_steps=300, vs_default=0.8)  # 534 steps to pay back: not in 300
+    _decide_compile(report, r)
+    assert not r["mode_target"].chosen
+    # measured against a default that is not recommended (not paid back in 100 steps): not recommended either
+    report, r = _report_with_a_compile_mode(run_steps=100, vs_default=0.5)
+    job = _decide_compile(report, r)
+    assert report.best_throughput is r["bf16"] and not r["mode_target"].chosen
+    assert any("which is not recommended: not recommended either" in n for n in job.choice_notes)
 
 
 def test_a_faster_compile_not_paid_back_in_the_run_says_its_break_even_step_count(tmp_path):

@@ -25,7 +25,7 @@ DOCUMENTED_IDS = frozenset({
     "D1", "D2", "D3", "D4", "D5", "D6", "D8", "D9", "D10", "D11",
     "I1", "I2", "I3", "I4", "I5", "I6", "I7",
     "T1", "T2", "T5", "T7", "T9", "T10", "T11", "T12", "T14", "T15", "T17", "T18", "T19", "T20",
-    "T21", "T22", "T24", "T26", "T28", "T29", "T30", "T31", "T33", "T34",
+    "T21", "T22", "T24", "T26", "T28", "T29", "T30", "T31", "T33", "T34", "T35", "T37", "T38",
 })
 
 _KINDS = (("train", "Training tricks"), ("data", "Data tricks"), ("deploy", "Deploy steps"))

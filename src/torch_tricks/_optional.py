@@ -16,7 +16,8 @@ from torch_tricks.errors import UserError
 __all__ = ["EXTRAS", "available", "install_hint", "require"]
 
 # the extras declared in pyproject.toml's [project.optional-dependencies]
-EXTRAS = frozenset({"data", "deploy", "digits", "plot", "onnx", "tensorboard", "hf", "lightning", "peers", "dev"})
+EXTRAS = frozenset({"data", "deploy", "digits", "plot", "onnx", "tensorboard", "hf", "lightning", "peers", "float8",
+                    "liger", "dev"})
 
 
 def install_hint(extra: str) -> str:

@@ -191,6 +191,11 @@ def _add_config_flags(sp: argparse.ArgumentParser) -> None:
         if typ is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=f"(default {f.default})")
+        elif f.name == "compile":
+            group.add_argument(flag, dest=f.name, nargs="?", const=True, default=None, metavar="MODE",
+                               help="torch.compile: the default mode when given alone, or reduce-overhead (CUDA), "
+                                    "max-autotune, max-autotune-no-cudagraphs")
+            group.add_argument("--no-compile", dest=f.name, action="store_false", default=None, help="no torch.compile")
         elif f.name == "checkpointing":
             group.add_argument(flag, dest=f.name, nargs="?", const="blocks", default=None,
                                help="checkpoint activations: blocks (default when given), sqrt, or a module-name glob")

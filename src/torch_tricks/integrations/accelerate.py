@@ -44,6 +44,7 @@ from torch_tricks.integrations.mapping import (
     sourced_keywords,
 )
 from torch_tricks.integrations.merge import Tuned, merge
+from torch_tricks.train.compile_modes import check_compile_mode
 from torch_tricks.train.tricks import Tricks
 
 _accelerate = require("accelerate", "hf", "the Accelerate integration")
@@ -80,6 +81,8 @@ def tricks_for(cfg: Any, accelerator: Any = None) -> Tricks:
     routes(config, "accelerate", given=True)  # a value Accelerate cannot serve is refused here, before any training
     if accelerator is None:
         return Tricks(config.replace(**ACCELERATOR_OWNS))
+    if config.compile:  # the Accelerator compiles (its dynamo_plugin): the mode is checked for its device here
+        check_compile_mode(config.compile, accelerator.device)
     tricks = Tricks(config.replace(**ACCELERATOR_OWNS, device=str(accelerator.device)), accelerator=accelerator)
     accelerator.register_for_checkpointing(_TricksState(tricks))
     return tricks

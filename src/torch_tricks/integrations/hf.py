@@ -50,6 +50,8 @@ from torch_tricks.integrations.mapping import (
 )
 from torch_tricks.integrations.merge import check_prefer, merge, same
 from torch_tricks.machine import set_threads
+from torch_tricks.train.compile_modes import check_compile_mode
+from torch_tricks.train.liger import liger_support
 from torch_tricks.train.matmul_mode import set_fp32_matmul
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.ema import EMA
@@ -163,7 +165,13 @@ class TricksCallback(TrainerCallback):
             raise UserError("TricksCallback needs the model: build the Trainer with model=...")
         self.applied = _check_arguments(self.config, args)
         cfg = self.config
-        switches = cfg.replace(checkpointing="" if cfg.checkpointing == "blocks" else cfg.checkpointing)
+        if cfg.compile:  # the Trainer compiles; its device is checked here, before the model changes
+            check_compile_mode(cfg.compile, args.device)
+        if cfg.liger:  # the Trainer applies Liger (use_liger_kernel); the model and device are checked here
+            ok, why = liger_support(model, args.device)
+            if not ok:
+                raise UserError(f"liger: {why}")
+        switches = cfg.replace(checkpointing="" if cfg.checkpointing == "blocks" else cfg.checkpointing, liger=False)
         changed, applied = apply_model_switches(model, switches, distributed=_launched(), channels_last_weights=True,
                                                 device=args.device)
         if changed is not model:

@@ -55,13 +55,14 @@ from torch_tricks.integrations.mapping import (
 )
 from torch_tricks.integrations.merge import Tuned, check_prefer, merge, same
 from torch_tricks.machine import set_threads
+from torch_tricks.train.compile_modes import check_compile_mode, compile_kwargs
 from torch_tricks.train.matmul_mode import set_fp32_matmul
 from torch_tricks.train.config import TrainConfig
 from torch_tricks.train.ema import EMA
 from torch_tricks.train.lm_loss import chunk_lm_loss, why_not_chunkable
 from torch_tricks.train.offload import check_device as check_offload_device
 from torch_tricks.train.offload import offload_activations
-from torch_tricks.train.speed import keep_heap
+from torch_tricks.train.speed import compile_model, keep_heap
 from torch_tricks.train.tricks import (
     TrainingDiverged,
     apply_model_switches,
@@ -188,6 +189,8 @@ class TricksCallback(Callback):
             return
         cfg = self.config
         self.applied = _check_trainer(cfg, trainer)
+        if cfg.compile:  # before the model changes: reduce-overhead on a CPU is one line
+            check_compile_mode(cfg.compile, trainer.strategy.root_device)
         if "seed" in cfg.given:
             self._seed()
         switches = cfg.replace(chunked_lm_loss=False)
@@ -200,10 +203,10 @@ class TricksCallback(Callback):
         if cfg.chunked_lm_loss:
             _chunk_the_lm(pl_module)
             self.applied.append("chunked_lm_loss")
-        if cfg.compile:
+        if cfg.compile:  # compile_model: a bare nn.Sequential child would stay eager under child.compile()
             for child in pl_module.children():
-                child.compile()
-            self.applied.append("compile")
+                compile_model(child, check=False, **compile_kwargs(cfg.compile))
+            self.applied.append("compile" if cfg.compile is True else f"compile={cfg.compile}")
         # setup runs before the strategy moves the module: the device it will train on is the strategy's
         if cfg.keep_heap and trainer.strategy.root_device.type == "cpu":
             if keep_heap():

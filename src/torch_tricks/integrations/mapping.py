@@ -230,6 +230,8 @@ _FP32_MATMUL = ("fp32 matmul/conv mode, `torch.backends.{cuda.matmul,cudnn.conv,
 # A transformers model's attn_implementation, switched on the model the trainer was given (from_pretrained's keyword
 # is the other place: the key then stays unwritten).
 _ATTENTION = "the model's `set_attn_implementation` (eager, sdpa, flex_attention, flash_attention_2)"
+_FLOAT8 = "torchao's `convert_to_float8_training` of the Linear layers float8 takes (CUDA 8.9+)"
+_LIGER = "Liger's `_apply_liger_kernel_to_instance` on the model (CUDA)"
 
 _PL = "lightning"
 _OPTIMIZERS = "`configure_optimizers`: `return optimizers_from(cfg, self)`"
@@ -296,12 +298,14 @@ _LIGHTNING: dict[str, Place] = {
     "precision": arg("`precision` (`bf16-mixed`, `16-mixed`, `32-true`)", lambda c: {"precision": {
         "fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[c.precision]}),
     "channels_last": callback("the model's weights channels_last"),
-    "compile": callback("`torch.compile` of each child module of the LightningModule, in place"),
+    "compile": callback("`torch.compile` (in its mode) of each child module of the LightningModule, in place"),
     "cudnn_benchmark": arg("`benchmark`", lambda c: {"benchmark": c.cudnn_benchmark}),
     "keep_heap": callback("glibc keeps freed memory (CPU)"),
     "threads": callback(_THREADS),
     "fp32_matmul": callback(_FP32_MATMUL),
     "attention": callback(_ATTENTION),
+    "float8": callback(_FLOAT8),
+    "liger": callback(_LIGER),
     "accumulate": arg("`accumulate_grad_batches`", lambda c: {"accumulate_grad_batches": c.accumulate}),
     "bn_momentum_adjust": callback("BatchNorm momentum for the micro-batches"),
     "checkpointing": callback("activation checkpointing of the repeated blocks, `sqrt` or a name pattern"),
@@ -353,6 +357,11 @@ def _ac_tricks(doc: str) -> Place:
     return Place(_TRICKS + doc, lambda c: Route("callback"))
 
 
+def _dynamo_mode(c: TrainConfig) -> dict[str, Any]:
+    """TorchDynamoPlugin's ``mode`` for a compile mode other than the default (T35)."""
+    return {"mode": c.compile} if isinstance(c.compile, str) else {}
+
+
 def _ac_distributed(c: TrainConfig) -> dict[str, Any]:
     no_zero1(c, _AC, "deepspeed_plugin, ZeRO stage 1")
     if c.distributed != "fsdp":
@@ -396,13 +405,15 @@ _ACCELERATE: dict[str, Place] = {
     "precision": arg("`mixed_precision` (`no`, `bf16`, `fp16`)", lambda c: {"mixed_precision": {
         "fp32": "no", "bf16": "bf16", "fp16": "fp16"}[c.precision]}),
     "channels_last": _ac_tricks("the model's weights channels_last (`tricks.to_device` for the inputs)"),
-    "compile": arg("`dynamo_plugin`: `TorchDynamoPlugin(backend=\"inductor\")`", lambda c: {"dynamo_plugin": Make(
-        "accelerate.utils.TorchDynamoPlugin", {"backend": "inductor"})} if c.compile else {}),
+    "compile": arg("`dynamo_plugin`: `TorchDynamoPlugin(backend=\"inductor\", mode=...)`", lambda c: {"dynamo_plugin": Make(
+        "accelerate.utils.TorchDynamoPlugin", {"backend": "inductor", **_dynamo_mode(c)})} if c.compile else {}),
     "cudnn_benchmark": _ac_tricks("torch.backends.cudnn.benchmark"),
     "keep_heap": _ac_tricks("glibc keeps freed memory (CPU)"),
     "threads": _ac_tricks(_THREADS),
     "fp32_matmul": _ac_tricks(_FP32_MATMUL),
     "attention": _ac_tricks(_ATTENTION),
+    "float8": _ac_tricks(_FLOAT8),
+    "liger": _ac_tricks(_LIGER),
     "accumulate": arg("`gradient_accumulation_steps`, with `accelerator.accumulate(model)` in your loop",
                       lambda c: {"gradient_accumulation_steps": c.accumulate}),
     "bn_momentum_adjust": _ac_tricks("BatchNorm momentum for the micro-batches"),
@@ -545,7 +556,8 @@ _HF: dict[str, Place] = {
     "base_batch": arg("`learning_rate`, scaled to the global batch", lambda c: {}),
     "precision": arg("`bf16` / `fp16`", lambda c: {"bf16": c.precision == "bf16", "fp16": c.precision == "fp16"}),
     "channels_last": callback("the model's weights channels_last"),
-    "compile": arg("`torch_compile`", lambda c: {"torch_compile": c.compile}),
+    "compile": arg("`torch_compile` (and `torch_compile_mode`)", lambda c: {
+        "torch_compile": bool(c.compile), **({"torch_compile_mode": c.compile} if isinstance(c.compile, str) else {})}),
     "cudnn_benchmark": callback("torch.backends.cudnn.benchmark"),
     "fused_optimizer": arg("`optim=\"adamw_torch_fused\"`", _hf_optim),
     "no_decay_norm_bias": refuse_unless(
@@ -557,6 +569,8 @@ _HF: dict[str, Place] = {
     "threads": callback(_THREADS),
     "fp32_matmul": callback(_FP32_MATMUL),
     "attention": callback(_ATTENTION),
+    "float8": callback(_FLOAT8),
+    "liger": arg("`use_liger_kernel` (the Trainer applies Liger itself)", lambda c: {"use_liger_kernel": c.liger}),
     "accumulate": arg("`gradient_accumulation_steps`", lambda c: {"gradient_accumulation_steps": c.accumulate}),
     "bn_momentum_adjust": callback("BatchNorm momentum for the micro-batches"),
     "checkpointing": arg(

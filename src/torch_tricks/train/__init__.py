@@ -12,8 +12,9 @@ import importlib
 from typing import Any
 
 # the modules whose import registers their tricks with torch_tricks.registry
-TRICK_MODULES = ("attention", "checkpoint", "distributed", "ema", "in_backward", "lm_loss", "loop", "matmul_mode", "memory", "offload",
-                 "optim", "optim_state", "precision", "schedule", "sharding", "speed", "syncbn")
+TRICK_MODULES = ("attention", "checkpoint", "compile_modes", "distributed", "ema", "float8", "in_backward", "liger",
+                 "lm_loss", "loop", "matmul_mode", "memory", "offload", "optim", "optim_state", "precision", "schedule",
+                 "sharding", "speed", "syncbn")
 
 _EXPORTS = {
     "fit": "loop", "History": "loop", "TrainingDiverged": "tricks", "Tricks": "tricks",

@@ -16,9 +16,11 @@ from typing import Any, Mapping
 
 from torch_tricks.errors import UserError, one_line
 
-__all__ = ["TrainConfig", "load_config", "DISTRIBUTED_MODES", "why_not_in_backward"]
+__all__ = ["TrainConfig", "load_config", "DISTRIBUTED_MODES", "COMPILE_MODES", "why_not_in_backward"]
 
 DISTRIBUTED_MODES = ("auto", "ddp", "zero1", "fsdp", "off")  # TrainConfig.distributed (T18)
+# torch.compile's modes (T35; train.compile_modes says where each runs); here torch-free, for validate()
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -41,12 +43,14 @@ class TrainConfig:
     precision: str = "fp32"  # T1: fp32 | bf16 | fp16
     channels_last: bool = False
     attention: str = ""  # T34 (transformers models): "" (the model's own) | eager | sdpa | flex | flash2
-    compile: bool = False  # T24
+    compile: bool | str = False  # T24; T35: true (the default mode) | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     cudnn_benchmark: bool = False  # T2 (CUDA, fixed shapes only)
     fused_optimizer: bool = True  # T7: fused or foreach step where available
     no_decay_norm_bias: bool = True  # T14/T15
     keep_heap: bool = True  # CPU, glibc: freed memory stays in the process (no page faults per step)
     fp32_matmul: str = ""  # T33: "" (the process's own) | ieee | tf32 (CUDA 8.0+) | bf16 (CPU with AVX512-BF16/AMX)
+    float8: bool = False  # T37: float8 matmuls in the Linear layers (torchao; CUDA capability 8.9+)
+    liger: bool = False  # T38: Liger's fused kernels for a transformers LM (CUDA)
     threads: int = 0  # intra-op CPU threads (torch.set_num_threads), at most the cores here; 0 = the process's own
     # memory
     accumulate: int = 1  # T11
@@ -125,6 +129,8 @@ class TrainConfig:
             (self.precision in ("fp32", "bf16", "fp16"), f"precision must be fp32, bf16 or fp16, not {self.precision!r}"),
             (self.attention in ("", "eager", "sdpa", "flex", "flash2"),
              f"attention must be eager, sdpa, flex or flash2 (or empty: the model's own), not {self.attention!r}"),
+            (self.compile in (False, True) or self.compile in COMPILE_MODES[1:],
+             f"compile must be true, false or a mode ({', '.join(COMPILE_MODES[1:])}), not {self.compile!r}"),
             (self.fp32_matmul in ("", "ieee", "tf32", "bf16"),
              f"fp32_matmul must be ieee, tf32 or bf16 (or empty: the process's own), not {self.fp32_matmul!r}"),
             (self.schedule in ("constant", "cosine", "linear"), f"schedule must be constant, cosine or linear, not {self.schedule!r}"),
@@ -213,12 +219,12 @@ def _coerce(changes: Mapping[str, Any]) -> dict[str, Any]:
         if key not in _FIELDS:
             raise _unknown_option(key)
         typ = hints[key]
-        convert = _CONVERTERS.get(typ)
+        convert = _KEY_CONVERTERS.get(key) or _CONVERTERS.get(typ)
         if convert is not None:
             try:
                 value = convert(value)
             except (TypeError, ValueError):
-                raise UserError(f"option {key!r} must be {typ.__name__}, got {value!r}") from None
+                raise UserError(f"option {key!r} must be {getattr(typ, '__name__', typ)}, got {value!r}") from None
         out[key] = value
     return out
 
@@ -253,7 +259,20 @@ def _to_str(value: Any) -> str:
     return "blocks" if value is True else str(value)
 
 
+def _to_compile(value: Any) -> bool | str:
+    """``compile``: a bool (also from the words :func:`_to_bool` takes; "default" is true), else a mode's name,
+    checked by :meth:`TrainConfig.validate`."""
+    if value == "default":
+        return True
+    if value is None or value == "":
+        return False
+    if isinstance(value, str) and value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        return value
+    return _to_bool(value)
+
+
 _CONVERTERS: dict[Any, Any] = {bool: _to_bool, int: _to_int, float: float, str: _to_str}
+_KEY_CONVERTERS: dict[str, Any] = {"compile": _to_compile}
 
 
 def why_not_in_backward(*, accumulate: int, grad_clip: float, precision: str, distributed: bool) -> str:

@@ -65,6 +65,9 @@ from torch_tricks.device import resolve as resolve_device
 from torch_tricks.errors import UserError
 from torch_tricks.machine import set_threads
 from torch_tricks.train.attention import set_attention
+from torch_tricks.train.compile_modes import check_compile_mode, compile_kwargs
+from torch_tricks.train.float8 import float8_available, float8_linears, float8_training
+from torch_tricks.train.liger import apply_liger, liger_support
 from torch_tricks.train.matmul_mode import set_fp32_matmul
 from torch_tricks.seed import seed_everything, seeded_generator, worker_init_fn
 from torch_tricks.train.checkpoint import _atomic_torch_save
@@ -413,6 +416,8 @@ class Tricks:
         cfg = self.config
         self._init_process()
         check_precision(cfg.precision, self.device)
+        if cfg.compile:  # before anything is applied: reduce-overhead on a CPU is one line
+            check_compile_mode(cfg.compile, self.device)
         if cfg.offload_activations:
             check_offload_device(self.device)
             self.applied.append("offload_activations")
@@ -490,8 +495,8 @@ class Tricks:
             model = self._ddp = wrap_ddp(model, self.dist)
             self.applied.append("ddp")
         if self.config.compile:
-            model = compile_model(model)
-            self.applied.append("compile")
+            model = compile_model(model, **compile_kwargs(self.config.compile))
+            self.applied.append("compile" if self.config.compile is True else f"compile={self.config.compile}")
         return model
 
     def _build_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
@@ -700,10 +705,12 @@ def apply_model_switches(model: nn.Module, config: TrainConfig, *, distributed: 
     does that after moving the model). Returns the model (the same object, except where checkpointing by
     ``sqrt`` wraps an nn.Sequential) and the switches applied. Also what the trainer integrations call."""
     applied: list[str] = []
+    dev = torch.device(device) if device is not None else next(model.parameters(), torch.empty(0)).device
+    _check_kernel_switches(model, config, dev)  # before any change: float8 or Liger on a CPU is one line
     if config.attention:  # T34: for the device it will train on (FlexAttention has no backward on a CPU)
-        dev = device if device is not None else next(model.parameters(), torch.empty(0)).device
         set_attention(model, config.attention, dev)
         applied.append(f"attention={config.attention}")
+    applied += _apply_kernel_switches(model, config, dev)
     if config.inplace:
         model = inplace_activations(model)
         applied.append("inplace")
@@ -726,6 +733,33 @@ def apply_model_switches(model: nn.Module, config: TrainConfig, *, distributed: 
         model = channels_last(model)
         applied.append("channels_last")
     return model, applied
+
+
+def _apply_kernel_switches(model: nn.Module, config: TrainConfig, device: torch.device) -> list[str]:
+    """Liger (T38: patches the model's own forward functions, before anything wraps them), then float8 (T37: swaps
+    Linear modules, their parameters kept, before checkpointing or compile)."""
+    applied = []
+    if config.liger:
+        apply_liger(model, device)
+        applied.append("liger")
+    if config.float8:
+        _, n, total = float8_training(model, device)
+        applied.append(f"float8 ({n} of {total} Linear layers)")
+    return applied
+
+
+def _check_kernel_switches(model: nn.Module, config: TrainConfig, device: torch.device) -> None:
+    """float8 (T37) and Liger (T38) checked for this model and device, before the model changes."""
+    if config.float8:
+        ok, why = float8_available(device)
+        if ok and not float8_linears(model)[0]:
+            ok, why = False, "none of the model's Linear layers has both dimensions divisible by 16"
+        if not ok:
+            raise UserError(f"float8: {why}")
+    if config.liger:
+        ok, why = liger_support(model, device)
+        if not ok:
+            raise UserError(f"liger: {why}")
 
 
 def config_optimizer(model: nn.Module, config: TrainConfig, *, world_size: int = 1

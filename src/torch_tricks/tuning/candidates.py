@@ -28,6 +28,9 @@ from torch_tricks.seed import CUBLAS_DETERMINISTIC_CONFIGS
 from torch_tricks.train.lm_loss import why_not_chunkable
 from torch_tricks.train.memory import default_blocks, inplace_activations, memory_efficient_bn_act
 from torch_tricks.train.attention import attention_modes, current_attention
+from torch_tricks.train.compile_modes import compile_modes
+from torch_tricks.train.float8 import float8_linears
+from torch_tricks.train.liger import liger_support
 from torch_tricks.train.matmul_mode import fast_fp32_matmul_mode
 from torch_tricks.train.precision import DTYPES, precision_support
 
@@ -150,6 +153,8 @@ def _left_out(trick: Trick, skip: set[str]) -> str:
     it may be): the caller left it out, a data or deploy trick, a change to the model itself, or no switch."""
     if trick.name in skip:
         return "left out by the caller (skip)"
+    if trick.name == "compile_mode" and "compile" in skip:
+        return "left out with compile by the caller (skip)"
     if trick.kind != "train":
         where = "--data" if trick.kind == "data" else "--deploy"
         return (f"a {trick.kind} trick: measured with {where}" if trick.name in _MEASURED_ELSEWHERE
@@ -276,6 +281,28 @@ def _compile(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate |
     return Candidate(trick.name, {"compile": True}, "speed")
 
 
+def _compile_mode(trick: Trick, model, inputs, device, batch, own_opt) -> list[Candidate | Skipped] | str:
+    """compile's other modes that run here (T35), measured in compile's phase beside its default mode; the
+    others skipped with the reason (reduce-overhead is CUDA graphs: CUDA only)."""
+    ok, refused = compile_modes(device)
+    out: list[Candidate | Skipped] = [Candidate(f"compile:{m}", {"compile": m}, "speed", trick.ids, tricks=(trick.name,))
+                                      for m in ok]
+    return out + [Skipped(f"compile:{m}", trick.ids, trick.kind, why) for m, why in refused]
+
+
+def _float8(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+    """The Linear layers float8 takes (both dimensions multiples of 16), counted in the row's note (T37)."""
+    names, total = float8_linears(model)
+    if not names:
+        return f"none of the model's {total} Linear layers has both dimensions divisible by 16"
+    return Candidate(trick.name, {"float8": True}, "speed", note=f"{len(names)} of {total} Linear layers in float8")
+
+
+def _liger(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
+    ok, why = liger_support(model, device)
+    return Candidate(trick.name, {"liger": True}, "speed") if ok else why
+
+
 def _fused(trick: Trick, model, inputs, device, batch, own_opt) -> Candidate | str:
     if own_opt:
         return "you pass your own optimizer: build it with fused=True / foreach=True yourself"
@@ -347,6 +374,9 @@ _MAKERS: dict[str, Callable[..., Candidate | str]] = {
     "attention": _attention,
     "checkpointing": _checkpointing,
     "compile": _compile,
+    "compile_mode": _compile_mode,
+    "float8": _float8,
+    "liger": _liger,
     "fused_optimizer": _fused,
     "inplace_activations": _inplace,
     "memory_efficient_bn": _mem_bn,

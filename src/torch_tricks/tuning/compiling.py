@@ -31,19 +31,23 @@ class Compiling:
     """compile's plan (``compile_planned``, ``compile_reserve``, ``compile_est``, ``compile_need``), its row, what
     it was measured as and on top of (``compile_row``, ``compile_target``, ``compile_base``), and its decision."""
 
-    def _plan_compile(self, cands: list[Candidate]) -> tuple[Result | None, list[Candidate]]:
-        """(compile's row or None, the other candidates, speed first): compile is planned, with the time it
-        needs kept back, only if the budget holds it after the others; else it is tried at the end if the
-        races settle early (:meth:`_compile_phase`)."""
-        compile_cand = next((c for c in cands if c.changes.get("compile")), None)
+    def _plan_compile(self, cands: list[Candidate]) -> tuple[list[Result], list[Candidate]]:
+        """(compile's rows: its default mode's first, then its other modes'; the other candidates, speed first):
+        compile is planned, with the time it needs kept back, only if the budget holds it after the others; else
+        it is tried at the end if the races settle early (:meth:`_compile_phase`). Its other modes (T35) are
+        not planned: each is tried after the default mode while the time left holds it."""
+        compile_cand = next((c for c in cands if c.changes.get("compile") is True), None)
+        modes = [c for c in cands if isinstance(c.changes.get("compile"), str)]
         order = {"speed": 0, "memory": 1, "cost": 2}  # what a short budget leaves out last
-        others = sorted((c for c in cands if c is not compile_cand), key=lambda c: order.get(c.goal, 3))
+        others = sorted((c for c in cands if not c.changes.get("compile")), key=lambda c: order.get(c.goal, 3))
         self.compile_reserve = 0.0
         self.compile_planned = False
+        self.compile_modes = []
         if compile_cand is None:
-            return None, others
+            return [], others
         compile_res = Result(compile_cand.name, compile_cand.goal, compile_cand.changes, compile_cand.ids,
                              note=compile_cand.note)
+        mode_rows = [Result(c.name, c.goal, c.changes, c.ids, note=c.note) for c in modes]
         est = self.compile_est = _compile_estimate(self.model, self.step_s, self._foreign_share())
         self.compile_need = est + self._race_need(3, _MIN_ROUNDS + 1)  # its compilation, then a short race
         # the speed tricks before it: their set-up and the least race (compile is a speed trick: it comes before
@@ -62,10 +66,12 @@ class Compiling:
         else:
             self.compile_planned = True
             self.compile_reserve = self.compile_need
-        return compile_res, others
+        return [compile_res, *mode_rows], others
 
-    def _compile_phase(self, compile_res: Result) -> None:
-        """6. compile, on top of the best configuration so far, if the time left holds it (else skipped, why)."""
+    def _compile_phase(self, rows: list[Result]) -> None:
+        """6. compile, on top of the best configuration so far, if the time left holds it (else skipped, why);
+        then its other modes, each while the time left holds it."""
+        compile_res = rows[0]
         t_compile = time.perf_counter()
         budget_left = self.left()
         # again, with the machine's load as measured so far: a compilation cannot be cut short once started
@@ -77,6 +83,7 @@ class Compiling:
         if room:
             self.phase("compile")
             self._try_compile(compile_res)
+            self._try_modes(rows[1:])
         elif self.compile_planned:
             compile_res.status, compile_res.verdict = "skipped", "skipped"
             compile_res.reason = (f"over --budget-seconds: compiling takes about {self.compile_est:.0f} s here "
@@ -84,6 +91,10 @@ class Compiling:
         else:
             compile_res.status, compile_res.verdict = "skipped", "skipped"
             compile_res.reason = self.compile_skip_reason
+        for row in rows[1:]:
+            if row.status == "pending":
+                row.status, row.verdict = "skipped", "skipped"
+                row.reason = f"measured beside compile's default mode, which was not measured ({compile_res.reason})"
         self.phase_s["compile"] = time.perf_counter() - t_compile
         self.compile_reserve = 0.0
         self.bar.update(1)
@@ -129,6 +140,53 @@ class Compiling:
             res.reason = f"measured on top of {best.name}: see {target.name}"
         self._compile_decide()
 
+    def _try_modes(self, rows: list[Result]) -> None:
+        """compile's other modes (T35), each compiled on top of what the default mode was and raced against the
+        compiled default, while the time left holds its compilation (estimated at twice the default's first call:
+        autotuning benchmarks kernels) and its race besides what the memory tricks need after it."""
+        default = self.compile_target
+        for row in rows:
+            if default is None or default.status != "measured":
+                why = default.reason if default is not None and default.reason else "it was not measured"
+                row.status, row.verdict, row.reason = "skipped", "skipped", (
+                    f"measured against compile's default mode, which was not measured: {why}")
+                continue
+            need = 2.0 * (default.first_call_s or self.compile_est) + self._race_need(3, _MIN_ROUNDS + 1)
+            room = self.left() - self.memory_reserve - self.later_need
+            if room < need:
+                row.status, row.verdict, row.reason = "skipped", "skipped", (
+                    f"over --budget-seconds: compiling it and its race take about {need:.0f} s here, "
+                    f"{max(room, 0):.0f} s were left after compile's default mode: raise it to about "
+                    f"{math.ceil(self.report.budget_s + need - room):.0f} to measure it")
+                continue
+            self.phase(row.name)
+            self._try_mode(row, default)
+        self._compile_decide()
+
+    def _try_mode(self, row: Result, default: Result) -> None:
+        """One compile mode on top of the configuration the default mode extended, raced against the default."""
+        base = self.compile_base
+        on_best = base is not self.report.baseline
+        target = row
+        if on_best:
+            target = Result(f"{base.name}+{row.name}", "speed", {**base.changes, **row.changes},
+                            tuple(sorted(set(base.ids) | set(row.ids))))
+        try:
+            r = build_runner(target.name, self.model, {**self.base_cfg, **target.changes}, self.batches, probe=False,
+                             **self.kw)
+            _drift_into(target, r, self.base)
+            target.runner = r
+            self._race_side_by_side(target, default, self.train_end, share=0.5)
+            target.note = (f"first call {target.first_call_s:.1f} s (compilation), not in the step time; "
+                           "memory not measured under compile")
+        except Exception as exc:
+            target.status, target.verdict, target.reason = "failed", "failed", one_line(exc, with_type=True)
+        if on_best:
+            self.report.combos.append(target)
+            row.status, row.verdict = target.status, target.verdict
+            row.reason = f"measured on top of {base.name}: see {target.name}"
+        self.compile_modes.append((row, target))
+
     def _compile_decide(self) -> None:
         """Recommend the compiled configuration if it beats the one it was compiled on top of beyond the margin."""
         report = self.report
@@ -148,6 +206,31 @@ class Compiling:
             best.chosen = False
             target.chosen = True
             report.best_throughput = target
+        self._mode_decide()
+
+    def _mode_decide(self) -> None:
+        """A compile mode replaces the default mode where the default is recommended and the mode is faster than
+        it beyond the margin, with its longer first call paid back within the run (the fastest such mode)."""
+        default = self.compile_target
+        winners = []
+        for row, target in self.compile_modes:
+            if target.status != "measured":
+                continue
+            if row is not target:
+                row.status, row.verdict = target.status, target.verdict
+            beyond = self._margin(target.vs_current_half_ci)
+            if not (target.vs_current is not None and target.vs_current < 1 - beyond and self._faster(target)):
+                continue
+            if not default.chosen:
+                self.choice_notes.append(f"{target.name} is faster than {default.name}, which is not recommended: "
+                                         "not recommended either")
+            elif self.report.amortised(target) is not False:
+                winners.append(target)
+        if winners:
+            fastest = min(winners, key=lambda t: t.vs_current)
+            default.chosen = False
+            fastest.chosen = True
+            self.report.best_throughput = fastest
 
     def _compile_wins(self, target: Result) -> bool:
         """The compiled configuration is faster than what it extends beyond the margin, the plain step fits

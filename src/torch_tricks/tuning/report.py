@@ -35,8 +35,8 @@ from torch_tricks.tuning.result import Result
 __all__ = ["Result", "TuneReport"]
 
 # The config keys the tuner decides; tricks.toml states those of the tricks it measured (issue 34: no others).
-TUNED_KEYS = ("precision", "fp32_matmul", "attention", "channels_last", "checkpointing", "compile", "fused_optimizer", "inplace",
-              "memory_efficient_bn", "accumulate", "cudnn_benchmark", "ema", "deterministic", "chunked_lm_loss",
+TUNED_KEYS = ("precision", "fp32_matmul", "attention", "float8", "liger", "channels_last", "checkpointing", "compile",
+              "fused_optimizer", "inplace", "memory_efficient_bn", "accumulate", "cudnn_benchmark", "ema", "deterministic", "chunked_lm_loss",
               "optimizer_in_backward", "offload_activations", "threads")
 
 

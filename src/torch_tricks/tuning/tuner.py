@@ -378,6 +378,8 @@ class _Tune(Clock, Builds, Contenders, Races, Decisions, Combining, UnderLimit, 
         self.compile_target: Result | None = None  # what compile was measured as (on top of compile_base)
         self.compile_base: Result | None = None
         self.compile_row: Result | None = None
+        self.compile_modes: list[tuple[Result, Result]] = []  # (a compile mode's row, what it was measured as)
+        self.later_need = 0.0  # the memory and cost tricks' least set-up, after compile
         self.compile_skip_reason = ""
         self.memory_s = 0.0  # what plain's memory run at the example batch took (the largest-batch search's unit)
         self.memory_reserve = 0.0  # kept back from the race and the combinations for the memory tricks together
@@ -395,15 +397,16 @@ class _Tune(Clock, Builds, Contenders, Races, Decisions, Combining, UnderLimit, 
         if not self._baselines(cands):
             return
         self._reserve_efficiency()
-        compile_res, others = self._plan_compile(cands)
+        compile_rows, others = self._plan_compile(cands)
         first, later = self._contenders_first(others)
+        self.later_need = sum(self._setup_need(c) for c in later)
         results = self._set_up_candidates(first)
         later_res = [Result(c.name, c.goal, c.changes, c.ids, note=c.note) for c in later]
-        self.report.results = results + later_res + ([compile_res] if compile_res is not None else [])
+        self.report.results = results + later_res + compile_rows
         self._race_singles(results)
         self._combinations()
-        if compile_res is not None:
-            self._compile_phase(compile_res)
+        if compile_rows:
+            self._compile_phase(compile_rows)
         self._later_phase(later, later_res)
         self._largest_batch_phase()
         self._more_rounds_phase()
