@@ -89,6 +89,7 @@ class TuneReport(Explain, Payback, ReportText, ReportDistributed, ReportFiles, R
     model_record: dict[str, Any] | None = None  # what the tune ran on (tricks.toml's [model]; see tuning.record)
     machine: dict[str, Any] | None = None  # other processes' use of the machine during the tune (the first line)
     threads: dict[str, Any] | None = None  # the intra-op threads the lanes ran at, and whether the caller gave them
+    throughput_batch: dict[str, Any] | None = None  # T36: samples a second at larger micro-batches (tuning.throughput_batch)
 
     # -- the recommended configuration ------------------------------------------------------
     def recommended_config(self, which: str = "throughput") -> dict[str, Any]:
@@ -111,6 +112,8 @@ class TuneReport(Explain, Payback, ReportText, ReportDistributed, ReportFiles, R
             cfg["threads"] = self.threads["threads"]
         if not self.own_optimizer and (self.optimizer != TrainConfig.optimizer or cfg.get("optimizer_state")):
             cfg["optimizer"] = self.optimizer
+        if which == "throughput":  # T36: a larger micro-batch that keeps the effective batch, measured faster
+            cfg.update(self._throughput_accumulate())
         batch = self._tuned_batch(which, best)
         mode = self.distributed_choice() if which == "throughput" else None
         if mode is not None:  # fit's batch_size is per rank: the ranks together take the tuned global batch
@@ -119,6 +122,19 @@ class TuneReport(Explain, Payback, ReportText, ReportDistributed, ReportFiles, R
         if loader_batch != self.batch:
             cfg["batch_size"] = loader_batch
         return cfg
+
+    def _throughput_accumulate(self) -> dict[str, Any]:
+        """``accumulate`` of the larger micro-batch the throughput-batch phase chose and may write (the effective
+        batch kept), else nothing."""
+        tb = self.throughput_batch or {}
+        return {"accumulate": tb["choice"]["accumulate"]} if tb.get("written") and tb.get("choice") else {}
+
+    def _throughput_batch_comment(self) -> list[str]:
+        """tricks.toml's comment on the batch of the most samples a second where it is not written."""
+        tb = self.throughput_batch or {}
+        if tb.get("status") != "measured" or tb.get("written"):
+            return []
+        return ["# throughput batch (T36): " + _one_line(tb.get("reason", ""))]
 
     def _decided_keys(self) -> set[str]:
         """The keys of the speed tricks measured, chosen or not: the tune's answer to "is it faster here" stands
@@ -199,7 +215,7 @@ class TuneReport(Explain, Payback, ReportText, ReportDistributed, ReportFiles, R
                  f"# switched on: {', '.join(on) if on else 'nothing'}; [train] holds only the keys the tune "
                  "decided (a trainer keeps its own value of any other)",
                  *self._distributed_header(which),
-                 *(self._toml_reasons() if which == "throughput" else []),
+                 *(self._toml_reasons() + self._throughput_batch_comment() if which == "throughput" else []),
                  *("# " + line if line else "#" for line in HOW_TO_APPLY.splitlines()),
                  "[train]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in cfg.items()]

@@ -57,7 +57,7 @@ class ReportFiles:
             "fits_with": self.fits_with,
             **self._recommendations(),
             "notes": self.notes, "data": self.data, "deploy": self.deploy,
-            "efficiency": self.efficiency, "mfu": {k: r["mfu"] for k, r in (self.efficiency or {}).get("rows", {}).items()},
+            "efficiency": self.efficiency, "throughput_batch": self.throughput_batch, "mfu": {k: r["mfu"] for k, r in (self.efficiency or {}).get("rows", {}).items()},
             "distributed": _finite(self.distributed),
             "run_steps": self.run_steps, "run_steps_source": self.run_steps_source,
             "model_record": self.model_record,

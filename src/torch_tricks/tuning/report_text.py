@@ -88,7 +88,8 @@ class ReportText:
         self.explain()
         lines += self._compile_lines() + self._faster_not_recommended_lines() + self._run_length_lines()
         lines += self._efficiency_lines()
-        lines += self._memory_lines() + [f"note: {n}" for n in self.notes] + self.distributed_lines()
+        lines += self._memory_lines() + self._throughput_batch_lines() + [f"note: {n}" for n in self.notes]
+        lines += self.distributed_lines()
         lines += self._data_lines() + self._deploy_lines()
         return lines + [self._tricks_toml_line(), self._time_line()]
 
@@ -207,6 +208,18 @@ class ReportText:
         if self.baseline is not None and self.baseline.max_seq is not None:
             lines.append(self._longest_seq_line())
         return lines
+
+    def _throughput_batch_lines(self) -> list[str]:
+        """T36: samples a second at the larger micro-batches timed, against the batch tuned, and the choice."""
+        tb = self.throughput_batch
+        if not tb:
+            return []
+        if tb.get("status") != "measured":
+            return [f"throughput batch: {tb.get('status')}: {tb.get('reason', '')}"]
+        sizes = "; ".join(_size_text(r) for r in tb["rows"])
+        on = f" ({tb['note']})" if tb.get("note") else ""
+        return [f"throughput batch (samples a second of {tb['measured_on']}{on}): {sizes}",
+                f"throughput batch: {tb.get('reason', '')}"]
 
     def _longest_seq_line(self) -> str:
         """--fit seq: plain's longest sequence and the recommendation's, both run, and their ratio."""
@@ -344,3 +357,11 @@ def _deploy_size(s: dict[str, Any]) -> list[str]:
         return [f"size {s['size_bytes'] / s['original_size_bytes']:.2f}x"]
     return []
 
+
+def _size_text(r: dict[str, Any]) -> str:
+    """One size of the throughput-batch phase: micro-batch x accumulation, samples a second, against the tuned."""
+    what = f"{r['micro_batch']}" + (f" x {r['accumulate']}" if r.get("accumulate", 1) > 1 else "")
+    if "error" in r:
+        return f"{what}: {r['error']}"
+    vs = f", {r['samples_vs_tuned']:.2f}x ±{r['half_ci']:.2f}" if "samples_vs_tuned" in r else " (tuned)"
+    return f"{what}: {r['samples_per_s']:,.0f} samples/s{vs}"

@@ -94,6 +94,7 @@ from torch_tricks.tuning.racing import Races
 from torch_tricks.tuning.report import TUNED_KEYS, TuneReport
 from torch_tricks.tuning.result import Result
 from torch_tricks.tuning.search_memory import MemorySearch
+from torch_tricks.tuning.throughput_batch import ThroughputBatch
 from torch_tricks.tuning.under_limit import UnderLimit
 
 if TYPE_CHECKING:
@@ -340,7 +341,8 @@ class _RankChannel:
 
 
 
-class _Tune(Clock, Builds, Contenders, Races, Decisions, Combining, UnderLimit, MemorySearch, Compiling, OtherPhases):
+class _Tune(Clock, Builds, Contenders, Races, Decisions, Combining, UnderLimit, MemorySearch, Compiling, ThroughputBatch,
+            OtherPhases):
     """One tune's state: the runners, the deadlines of its phases, the report it fills.
 
     Its parts, each in its module, work on this state: :class:`~.clock.Clock` (the budget and its pacing),
@@ -409,6 +411,7 @@ class _Tune(Clock, Builds, Contenders, Races, Decisions, Combining, UnderLimit, 
             self._compile_phase(compile_rows)
         self._later_phase(later, later_res)
         self._largest_batch_phase()
+        self._throughput_batch_phase()
         self._more_rounds_phase()
         results = self.report.results
         self._close_training(results)
