@@ -74,15 +74,10 @@ class ThroughputBatch:
 
     def _sizes_that_fit(self, ref: Result, n0: int, acc: int, until: float) -> list[tuple[int, int, int]]:
         """[(micro-batch, accumulate, batch)] larger than the tuned micro-batch, each run under the limit."""
-        micro = max(n0 // acc, 1)
-        if acc > 1:  # fewer accumulation steps, the same effective batch
-            tries = [(n0 // k, k, n0) for k in range(acc - 1, 0, -1) if n0 % k == 0][:_SIZES]
-        else:
-            tries = [(micro * f, 1, n0 * f) for f in (2, 4)]
         cfg = {**self.base_cfg, **ref.changes}
-        per_sample_s = (self.memory_s or ref.step_s or 0.0) / max(micro, 1)
+        per_sample_s = (self.memory_s or ref.step_s or 0.0) / max(n0 // acc, 1)
         fits: list[tuple[int, int, int]] = []
-        for m, k, b in tries:
+        for m, k, b in _size_tries(n0, acc):
             if ref.max_batch is not None and m > ref.max_batch and acc == 1:
                 break  # the largest-batch search ran it and it did not fit
             if time.perf_counter() + 2 * per_sample_s * m > until:
@@ -142,6 +137,15 @@ class ThroughputBatch:
                 "reason": f"batch {best['batch']}: {gain}; it is a {factor}x larger effective batch, which changes "
                           f"the training: scale the lr {factor}x with it (linear rule, T21: scale_lr = true, "
                           f"base_batch = {n0}) or keep {n0}; not written to [train] (the batch is yours to change)"}
+
+
+def _size_tries(n0: int, acc: int) -> list[tuple[int, int, int]]:
+    """[(micro-batch, accumulate, batch)] to try: fewer accumulation steps of the same effective batch where it
+    accumulates, else the batch x2 and x4."""
+    if acc > 1:
+        return [(n0 // k, k, n0) for k in range(acc - 1, 0, -1) if n0 % k == 0][:_SIZES]
+    micro = max(n0 // acc, 1)
+    return [(micro * f, 1, n0 * f) for f in (2, 4)][:_SIZES]
 
 
 def _row(m: int, k: int, b: int, times: list[float], base: list[float], n0: int | None = None) -> dict[str, Any]:
