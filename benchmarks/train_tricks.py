@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="second model for the inplace / memory-efficient BN rows ('' to skip): the ReLU6 "
                          "of MobileNetV2 saves its input, so there is something to save")
     ap.add_argument("--lm", action="store_true",
-                    help="also the attention implementations (T34) on a GPT-2 (4 x 256, sequence 128, batch 8)")
+                    help="also the attention implementations (T34) and compile's modes (T35) on a GPT-2 (4 x 256, "
+                         "sequence 128, batch 8)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--png", help="write a bar plot here (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -263,25 +264,42 @@ LM_CONFIG = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 128,  # dr
              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
+LM_COMPILE = {"sdpa + compile": {}, "sdpa + compile max-autotune-no-cudagraphs": {"mode": "max-autotune-no-cudagraphs"}}
+
+
+def _compiles() -> tuple[bool, str]:
+    from torch_tricks.train.speed import compile_available
+
+    return compile_available("cpu")
+
+
 def run_attention(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """T34: each attention implementation of a transformers GPT-2 that trains here against its own (sdpa), timed
-    interleaved with an A/A pair; the LM loss of each beside sdpa's (same weights, same batch)."""
+    """T34: each attention implementation of a transformers GPT-2 that trains here against its own (sdpa), and
+    T35: the model's own compiled in the default mode and in max-autotune-no-cudagraphs, timed interleaved with an
+    A/A pair; the LM loss of each beside sdpa's (same weights, after the same first step)."""
     from torch_tricks.models import load_model
     from torch_tricks.train.attention import attention_support, set_attention
+    from torch_tricks.train.speed import compile_model
 
     ids = torch.randint(0, 50257, (8, 128), generator=torch.Generator().manual_seed(0))
     rows: dict[str, dict[str, Any]] = {}
     steps: dict[str, Callable[[], Any]] = {}
-    for mode in ("sdpa", "eager", "flex", "flash2"):
+    for mode in ("sdpa", "eager", "flex", "flash2", *LM_COMPILE):
         torch.manual_seed(0)
         model, _ = load_model("hf:gpt2", hf_config=LM_CONFIG)
-        ok, why = attention_support(model, mode, "cpu")
+        ok, why = attention_support(model, mode, "cpu") if mode not in LM_COMPILE else _compiles()
         if not ok:
             rows[mode] = {"error": why}
             continue
-        set_attention(model.train(), mode, "cpu")
-        rows[mode] = {"loss": float(model(input_ids=ids, labels=ids).loss.detach())}
+        set_attention(model.train(), "sdpa" if mode in LM_COMPILE else mode, "cpu")
+        if mode in LM_COMPILE:  # T35: the model's own attention, compiled in this mode
+            compile_model(model, **LM_COMPILE[mode])
         wl = Workloads(model, ids, loss_fn=lambda out: out.logits.float().mean(), optimizer="sgd")
+        t0 = time.perf_counter()
+        wl.step()  # the first call (a compiled one compiles)
+        rows[mode] = {"first_call_s": time.perf_counter() - t0}
+        with torch.no_grad():
+            rows[mode]["loss"] = float(model(input_ids=ids, labels=ids).loss)
         steps[mode] = wl.step
     steps[AA] = steps["sdpa"]
     with LoadMonitor() as window:
@@ -295,14 +313,17 @@ def run_attention(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         t = timings[mode]
         r.update(step_median_s=t.median_s, time_ratio=t.ratio_to(timings["sdpa"]),
                  loss_diff=abs(r["loss"] - rows["sdpa"]["loss"]) / abs(rows["sdpa"]["loss"]))
-        table_rows.append([f"attention = {mode}", f"{t.median_s * 1e3:.0f} ± {t.iqr_s * 5e2:.0f}",
-                           f"{r['time_ratio']:.2f}", f"{r['loss_diff']:.1e}", "the model's own" if mode == "sdpa" else ""])
+        note = ("the model's own" if mode == "sdpa" else
+                _payback_note(r, rows["sdpa"], t.median_s, timings["sdpa"].median_s) if mode in LM_COMPILE else "")
+        table_rows.append([mode if mode in LM_COMPILE else f"attention = {mode}",
+                           f"{t.median_s * 1e3:.0f} ± {t.iqr_s * 5e2:.0f}", f"{r['time_ratio']:.2f}",
+                           f"{r['loss_diff']:.1e}", note])
     t = timings[AA]
     table_rows.append([AA.replace("plain fp32", "sdpa"), f"{t.median_s * 1e3:.0f} ± {t.iqr_s * 5e2:.0f}",
                        f"{t.ratio_to(timings['sdpa']):.2f}", "-", "baseline check (issue 16)"])
     print(f"GPT-2 (4 x 256, vocab 50257, sequence 128, batch 8), CPU ({torch.get_num_threads()} threads), median of "
-          f"{args.repeats} interleaved steps (ms ± IQR/2); loss diff: relative to sdpa's, same weights and batch")
-    print(table(["attention", "step ms", "time ratio", "loss diff", "note"], table_rows, "lrrrl"))
+          f"{args.repeats} interleaved steps (ms ± IQR/2); loss diff: relative to sdpa's, after the same first step, same batch")
+    print(table(["attention / compile", "step ms", "time ratio", "loss diff", "note"], table_rows, "lrrrl"))
     for c in checks:
         print(f"  {'ok  ' if c.ok else 'FAIL'}  {c}")
     return rows
