@@ -6,7 +6,8 @@ the memory-efficient BN+ReLU cut it measurably with identical gradients; bf16,
 channels_last and torch.compile (its default mode, and max-autotune-no-cudagraphs, T35, with the
 steps after which each first call pays back) report whatever their real ratios are on this CPU, and so does
 fp32 matmul in bf16 (T33, issue 36: its gradient drift beside it) where the CPU has bf16 units
-(AVX512-BF16 or AMX; elsewhere its row says why it does not run).
+(AVX512-BF16 or AMX; elsewhere its row says why it does not run); "batch x2" is the plain step at twice the
+batch, with its samples a second against plain's (T36).
 
 How to read it: every ratio is trick / plain, measured in this run. Step times come from
 ``compare``, which interleaves the variants round-robin so machine drift hits all alike;
@@ -79,9 +80,11 @@ def variants(model_name: str) -> dict[str, Callable[[], tuple[nn.Module, Callabl
         "channels_last": lambda: (channels_last(base()), to_channels_last, "fp32"),
         "torch.compile": lambda: (compile_model(base()), same, "fp32"),
         COMPILE_MA: lambda: (compile_model(base(), mode="max-autotune-no-cudagraphs"), same, "fp32"),
+        BATCH_X2: lambda: (base(), lambda x: torch.cat([x, x]), "fp32"),
     }
 
 
+BATCH_X2 = "batch x2"  # T36: the same step at twice the batch; its samples a second against plain's
 COMPILE_MA = "torch.compile max-autotune-no-cudagraphs"  # T35: inductor's autotuned kernels, no CUDA graphs
 FP32_BF16 = "fp32 matmul in bf16"  # T33: fp32 weights and sums, the products of matmuls and convs in bf16 (oneDNN)
 MEMORY_VARIANTS = ("plain fp32", "inplace", "memory-efficient BN", "inplace + mem-eff BN")
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.lm:
         print()
         results["gpt2 attention"] = run_attention(args)
+        print()
+        results["transformer sdpa kernels"] = run_sdpa_kernels(args)
     if args.json:
         from torch_tricks._io import atomic_path
 
@@ -228,6 +233,9 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
         note = ""
         if name.startswith("torch.compile"):
             note = _payback_note(r, plain, t.median_s, base_t.median_s)
+        elif name == BATCH_X2:
+            r["samples_ratio"] = 2 / r["time_ratio"]
+            note = f"{r['samples_ratio']:.2f}x plain's samples a second (T36; the memory is twice the batch's)"
         elif name == "bf16 autocast":
             note = "saved set includes autocast's bf16 weight copies"
         elif "max_grad_diff" in r:
@@ -324,6 +332,56 @@ def run_attention(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     print(f"GPT-2 (4 x 256, vocab 50257, sequence 128, batch 8), CPU ({torch.get_num_threads()} threads), median of "
           f"{args.repeats} interleaved steps (ms ± IQR/2); loss diff: relative to sdpa's, after the same first step, same batch")
     print(table(["attention / compile", "step ms", "time ratio", "loss diff", "note"], table_rows, "lrrrl"))
+    for c in checks:
+        print(f"  {'ok  ' if c.ok else 'FAIL'}  {c}")
+    return rows
+
+
+SDPA_DROPOUT = 0.0  # the encoder's own 0.1 rules out the CPU's flash kernel (no dropout there): the kernels compare
+
+
+def run_sdpa_kernels(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """T34 for a model that calls SDPA itself (the package's transformer encoder): SDPA held to each kernel that
+    runs here against its own choice, timed interleaved with an A/A pair; the loss of each beside the default's."""
+    from torch_tricks.train.sdpa_backend import SDPA_BACKENDS, hold_sdpa_backend, sdpa_backend_support
+
+    ids = torch.randint(0, 1000, (16, 128), generator=torch.Generator().manual_seed(0))
+    rows: dict[str, dict[str, Any]] = {}
+    steps: dict[str, Callable[[], Any]] = {}
+    for mode in ("default", *SDPA_BACKENDS):
+        ok, why = sdpa_backend_support(mode, "cpu", SDPA_DROPOUT) if mode != "default" else (True, "")
+        if not ok:
+            rows[mode] = {"error": why}
+            continue
+        torch.manual_seed(0)
+        model = get_model("transformer", dropout=SDPA_DROPOUT).train()
+        if mode != "default":
+            hold_sdpa_backend(model, mode)
+        with torch.no_grad():
+            rows[mode] = {"loss": float(model(ids).float().logsumexp(-1).mean())}
+        steps[mode] = Workloads(model, ids, loss_fn=lambda out: out.float().mean(), optimizer="sgd").step
+    steps[AA] = steps["default"]
+    with LoadMonitor() as window:
+        timings = compare(steps, warmup=args.warmup, repeats=args.repeats)
+    checks = [window.check("transformer steps"),
+              aa_check(timings["default"].median_s, timings[AA].median_s, what="transformer default SDPA step")]
+    table_rows = []
+    for mode, r in rows.items():
+        if "error" in r:
+            table_rows.append([f"attention = {mode}", "-", "-", "-", r["error"]])
+            continue
+        t = timings[mode]
+        r.update(step_median_s=t.median_s, time_ratio=t.ratio_to(timings["default"]),
+                 loss_diff=abs(r["loss"] - rows["default"]["loss"]) / abs(rows["default"]["loss"]))
+        table_rows.append([f"attention = {mode}" if mode != "default" else "SDPA's own choice",
+                           f"{t.median_s * 1e3:.0f} ± {t.iqr_s * 5e2:.0f}", f"{r['time_ratio']:.2f}",
+                           f"{r['loss_diff']:.1e}", ""])
+    t = timings[AA]
+    table_rows.append(["SDPA's own choice (A/A)", f"{t.median_s * 1e3:.0f} ± {t.iqr_s * 5e2:.0f}",
+                       f"{t.ratio_to(timings['default']):.2f}", "-", "baseline check (issue 16)"])
+    print(f"transformer (4-layer encoder, d_model 128, dropout {SDPA_DROPOUT:g}, sequence 128, batch 16), CPU ({torch.get_num_threads()} "
+          f"threads), median of {args.repeats} interleaved steps (ms ± IQR/2); loss diff: relative to SDPA's own")
+    print(table(["SDPA kernel", "step ms", "time ratio", "loss diff", "note"], table_rows, "lrrrl"))
     for c in checks:
         print(f"  {'ok  ' if c.ok else 'FAIL'}  {c}")
     return rows

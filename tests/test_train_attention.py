@@ -71,13 +71,13 @@ def test_eager_and_sdpa_train_to_the_same_losses_within_the_drift_tolerance():
 
 
 def test_bad_values_are_one_line_errors(capsys):
-    with pytest.raises(UserError, match="attention must be eager, sdpa, flex or flash2"):
+    with pytest.raises(UserError, match="attention must be eager, sdpa, flex, flash2 or one SDPA kernel"):
         TrainConfig(attention="fast").validate()
     with pytest.raises(UserError, match=r"^attention = flex: FlexAttention has no backward on a CPU"):
         Tricks({"attention": "flex", "device": "cpu", "progress": False}).prepare(_llama())
     from torch_tricks.cli import main
 
-    for value, needle in (("fast", "attention must be eager, sdpa, flex or flash2"),
+    for value, needle in (("fast", "attention must be eager, sdpa, flex, flash2 or one SDPA kernel"),
                           ("sdpa", "is not a transformers model")):
         code = main(["train", "--model", "mlp", "--data", "digits", "--epochs", "1", "--device", "cpu",
                      "--attention", value, "--no-progress"])

@@ -21,6 +21,8 @@ __all__ = ["TrainConfig", "load_config", "DISTRIBUTED_MODES", "COMPILE_MODES", "
 DISTRIBUTED_MODES = ("auto", "ddp", "zero1", "fsdp", "off")  # TrainConfig.distributed (T18)
 # torch.compile's modes (T35; train.compile_modes says where each runs); here torch-free, for validate()
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# attention (T34): a transformers implementation, or one SDPA kernel (train.attention, train.sdpa_backend)
+ATTENTION_VALUES = ("", "eager", "sdpa", "flex", "flash2", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
 
 
 @dataclass
@@ -42,7 +44,7 @@ class TrainConfig:
     # precision and speed
     precision: str = "fp32"  # T1: fp32 | bf16 | fp16
     channels_last: bool = False
-    attention: str = ""  # T34 (transformers models): "" (the model's own) | eager | sdpa | flex | flash2
+    attention: str = ""  # T34: "" (the model's own) | eager | sdpa | flex | flash2 (transformers) | sdpa-math | sdpa-flash ...
     compile: bool | str = False  # T24; T35: true (the default mode) | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     cudnn_benchmark: bool = False  # T2 (CUDA, fixed shapes only)
     fused_optimizer: bool = True  # T7: fused or foreach step where available
@@ -127,8 +129,12 @@ class TrainConfig:
             (self.threads >= 0, f"threads must be >= 0 (0 keeps the process's own thread count), not {self.threads}"),
             (self.keep_checkpoints >= 0, "keep_checkpoints must be >= 0 (0 keeps every checkpoint)"),
             (self.precision in ("fp32", "bf16", "fp16"), f"precision must be fp32, bf16 or fp16, not {self.precision!r}"),
-            (self.attention in ("", "eager", "sdpa", "flex", "flash2"),
-             f"attention must be eager, sdpa, flex or flash2 (or empty: the model's own), not {self.attention!r}"),
+            (self.attention in ATTENTION_VALUES,
+             f"attention must be eager, sdpa, flex, flash2 or one SDPA kernel (sdpa-math, sdpa-flash, sdpa-efficient, "
+             f"sdpa-cudnn), or empty (the model's own), not {self.attention!r}"),
+            (not (self.attention.startswith("sdpa-") and self.compile),
+             f"attention = {self.attention} holds SDPA to one kernel around the eager forward; under compile inductor "
+             "lowers attention itself: switch one of them off"),
             (self.compile in (False, True) or self.compile in COMPILE_MODES[1:],
              f"compile must be true, false or a mode ({', '.join(COMPILE_MODES[1:])}), not {self.compile!r}"),
             (self.fp32_matmul in ("", "ieee", "tf32", "bf16"),

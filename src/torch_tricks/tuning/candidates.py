@@ -28,6 +28,7 @@ from torch_tricks.seed import CUBLAS_DETERMINISTIC_CONFIGS
 from torch_tricks.train.lm_loss import why_not_chunkable
 from torch_tricks.train.memory import default_blocks, inplace_activations, memory_efficient_bn_act
 from torch_tricks.train.attention import attention_modes, current_attention
+from torch_tricks.train.sdpa_backend import calls_sdpa
 from torch_tricks.train.compile_modes import compile_modes
 from torch_tricks.train.float8 import float8_linears
 from torch_tricks.train.liger import liger_support
@@ -253,11 +254,13 @@ def _attention(trick: Trick, model, inputs, device, batch, own_opt) -> list[Cand
     """Each attention implementation a transformers model can train with here besides its own (T34); the
     others skipped with the reason (flex on a CPU has no backward, flash2 needs CUDA and flash_attn ...)."""
     own = current_attention(model)
-    if own is None:
-        return "not a transformers model: its attention has no implementation to switch"
+    if own is None and not calls_sdpa(model):
+        return ("not a transformers model, and none of its modules calls SDPA (nn.MultiheadAttention, "
+                "scaled_dot_product_attention): its attention has no implementation or kernel to switch")
     ok, refused = attention_modes(model, device)
+    instead = f"instead of the model's own {own}" if own else "SDPA held to this kernel, instead of its own choice"
     out: list[Candidate | Skipped] = [Candidate(f"{trick.name}:{m}", {"attention": m}, "speed", tricks=(trick.name,),
-                                                note=f"instead of the model's own {own}") for m in ok]
+                                                note=instead) for m in ok]
     return out + [Skipped(f"{trick.name}:{m}", trick.ids, trick.kind, why) for m, why in refused]
 
 
