@@ -235,7 +235,7 @@ def run_model(model_name: str, args: argparse.Namespace, skip: set[str]) -> dict
             note = _payback_note(r, plain, t.median_s, base_t.median_s)
         elif name == BATCH_X2:
             r["samples_ratio"] = 2 / r["time_ratio"]
-            note = f"{r['samples_ratio']:.2f}x plain's samples a second (T36; the memory is twice the batch's)"
+            note = f"{r['samples_ratio']:.2f}x plain's samples a second (T36)"
         elif name == "bf16 autocast":
             note = "saved set includes autocast's bf16 weight copies"
         elif "max_grad_diff" in r:
