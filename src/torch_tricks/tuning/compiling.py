@@ -161,7 +161,7 @@ class Compiling:
                 continue
             self.phase(row.name)
             self._try_mode(row, default)
-        self._compile_decide()
+        self._mode_decide()  # the default's own decision stands (taken again with it after more rounds)
 
     def _try_mode(self, row: Result, default: Result) -> None:
         """One compile mode on top of the configuration the default mode extended, raced against the default."""

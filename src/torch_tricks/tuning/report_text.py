@@ -217,7 +217,7 @@ class ReportText:
         if tb.get("status") != "measured":
             return [f"throughput batch: {tb.get('status')}: {tb.get('reason', '')}"]
         sizes = "; ".join(_size_text(r) for r in tb["rows"])
-        on = f" ({tb['note']})" if tb.get("note") else ""
+        on = f", {tb['note']}" if tb.get("note") else ""
         return [f"throughput batch (samples a second of {tb['measured_on']}{on}): {sizes}",
                 f"throughput batch: {tb.get('reason', '')}"]
 

@@ -69,7 +69,7 @@ class ThroughputBatch:
         best = self.report.best_throughput or self.report.baseline
         if best is not None and best.changes.get("compile"):
             base = self.compile_base or self.report.baseline
-            return base, f"timed as {base.name}, without compile (a new batch size compiles again)"
+            return base, "without compile: a new batch size compiles again"
         return best, ""
 
     def _sizes_that_fit(self, ref: Result, n0: int, acc: int, until: float) -> list[tuple[int, int, int]]:
