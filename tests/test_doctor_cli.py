@@ -72,7 +72,7 @@ def test_list_prints_every_rule_static_and_runtime(capsys):
 def test_explain_gives_the_explanation_fix_source_and_how_to_silence(capsys):
     code, out, _ = run(capsys, "doctor", "--explain", "tt101")  # ids are case-insensitive
     assert code == 0
-    assert out.startswith("TT101 module-in-plain-container (static, error)")
+    assert out.startswith("TT101 module-in-plain-container (static, error, default tier)")
     assert "nn.ModuleList" in out and "Fix:" in out and "Source:" in out
     assert "# noqa: TT101" in out and "[tool.torch-tricks.doctor]" in out
     assert "seeds/" not in out  # internal source notes stay in rule.source, not in what users read
@@ -87,7 +87,7 @@ def test_explain_gives_the_explanation_fix_source_and_how_to_silence(capsys):
 
 
 def test_text_output_is_one_ruff_style_line_per_finding(capsys):
-    code, out, err = run(capsys, "doctor", MIXED_POS)
+    code, out, err = run(capsys, "doctor", MIXED_POS, "--select", "hygiene")  # its markers are of both tiers
     lines = out.splitlines()
     assert lines and all(_LINE.match(line) for line in lines), lines
     parsed = [_LINE.match(line) for line in lines]
@@ -119,7 +119,7 @@ def test_a_folder_is_walked(capsys):
 ])
 def test_exit_code_is_1_at_or_above_fail_on_else_0(capsys, tmp_path, source, fail_on, expected):
     path = write(tmp_path, "m.py", source)
-    code, out, _ = run(capsys, "doctor", path, *(["--fail-on", fail_on] if fail_on else []))
+    code, out, _ = run(capsys, "doctor", path, "--select", "hygiene", *(["--fail-on", fail_on] if fail_on else []))
     assert code == expected
     clean = source.endswith("torch.zeros(2)\n")
     assert (out == "") == clean  # findings are printed whatever the threshold
@@ -187,10 +187,12 @@ def test_noqa_silences_the_named_rule_on_its_line_only(capsys, tmp_path):
 def test_select_and_ignore_flags(capsys, tmp_path):
     path = write(tmp_path, "m.py", ERROR + "state = torch.load('f.pt')\n")  # TT113, TT110, TT111
     rules = lambda out: sorted(m["rule"] for m in map(_LINE.match, out.splitlines()))  # noqa: E731
-    assert rules(run(capsys, "doctor", path)[1]) == ["TT110", "TT111", "TT113"]
-    assert rules(run(capsys, "doctor", path, "--select", "TT11")[1]) == ["TT110", "TT111", "TT113"]
-    assert rules(run(capsys, "doctor", path, "--select", "TT110,TT111")[1]) == ["TT110", "TT111"]
-    code, out, _ = run(capsys, "doctor", path, "--ignore", "TT113", "--ignore", "TT111")
+    # TT110 and TT111 are hygiene rules and nothing shows this load matters: by default TT113 alone
+    assert rules(run(capsys, "doctor", path)[1]) == ["TT113"]
+    assert rules(run(capsys, "doctor", path, "--select", "TT11")[1]) == ["TT113"]
+    assert rules(run(capsys, "doctor", path, "--select", "TT11,hygiene")[1]) == ["TT110", "TT111", "TT113"]
+    assert rules(run(capsys, "doctor", path, "--select", "TT110,TT111")[1]) == ["TT110", "TT111"]  # by id: in full
+    code, out, _ = run(capsys, "doctor", path, "--select", "hygiene", "--ignore", "TT113", "--ignore", "TT111")
     assert rules(out) == ["TT110"] and code == 0  # only an info finding is left
     assert run(capsys, "doctor", path, "--select", "TT2")[:2] == (0, "")  # runtime rules only: nothing static
 
@@ -209,7 +211,7 @@ def test_pyproject_table_selects_ignores_excludes_and_sets_fail_on(capsys, tmp_p
     src = _project(tmp_path, 'ignore = ["TT113", "TT11"]\nexclude = ["generated"]\nfail-on = "error"')
     code, out, err = run(capsys, "doctor", src)
     assert (code, out) == (0, "") and "in 1 file(s)" in err  # everything ignored, generated/ excluded
-    src = _project(tmp_path, 'select = ["TT11"]\nignore = ["TT113", "TT118"]\nfail-on = "error"')
+    src = _project(tmp_path, 'select = ["TT11", "hygiene"]\nignore = ["TT113", "TT118"]\nfail-on = "error"')
     code, out, _ = run(capsys, "doctor", src)
     found = sorted((Path(m["path"]).name, m["rule"]) for m in map(_LINE.match, out.splitlines()))
     assert found == [("train.py", "TT110"), ("train.py", "TT111")]
@@ -247,7 +249,8 @@ def test_json_output(capsys, tmp_path):
 
 def test_sarif_output_validates_against_the_schema(capsys, tmp_path):
     write(tmp_path, "broken.py", "def f(:\n")
-    code, out, _ = run(capsys, "doctor", MIXED_POS, CORPUS / "TT104", tmp_path, "--format", "sarif")
+    code, out, _ = run(capsys, "doctor", MIXED_POS, CORPUS / "TT104", tmp_path, "--format", "sarif", "--select",
+                       "hygiene")
     log = json.loads(out)
     validate_sarif(log)
     assert code == 1

@@ -36,7 +36,7 @@ def expected(path: Path) -> set[tuple[str, int]]:
 
 @pytest.mark.parametrize("path", _FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_corpus_file_gives_exactly_its_markers(path):
-    found = {(f.rule, f.line) for f in lint_source(path.read_text(encoding="utf-8"), str(path))}
+    found = {(f.rule, f.line) for f in lint_source(path.read_text(encoding="utf-8"), str(path), select=["hygiene"])}
     want = expected(path)
     if path.name.startswith("neg_"):
         assert not want, "negative files carry no markers"
@@ -100,21 +100,21 @@ def _rules(findings):
 
 
 def test_noqa_bare_silences_everything_on_its_line():
-    found = _rules(lint_source(_TWO.format("", "  # noqa")))
+    found = _rules(lint_source(_TWO.format("", "  # noqa"), select=["hygiene"]))
     assert found == [("TT113", 3)]
 
 
 def test_noqa_with_codes_silences_only_those():
-    found = _rules(lint_source(_TWO.format("  # noqa: TT113", "  # noqa: TT110")))
+    found = _rules(lint_source(_TWO.format("  # noqa: TT113", "  # noqa: TT110"), select=["hygiene"]))
     assert found == [("TT111", 4)]
-    found = _rules(lint_source(_TWO.format("", "  # NOQA:TT110,TT111")))
+    found = _rules(lint_source(_TWO.format("", "  # NOQA:TT110,TT111"), select=["hygiene"]))
     assert found == [("TT113", 3)]
-    found = _rules(lint_source(_TWO.format("", "  # noqa: TT110 TT111")))
+    found = _rules(lint_source(_TWO.format("", "  # noqa: TT110 TT111"), select=["hygiene"]))
     assert found == [("TT113", 3)]
 
 
 def test_noqa_for_other_tools_or_inside_strings_does_not_count():
-    found = _rules(lint_source(_TWO.format("  # noqa: E501", "")))
+    found = _rules(lint_source(_TWO.format("  # noqa: E501", ""), select=["hygiene"]))
     assert ("TT113", 3) in found
     src = "import torch\nx = torch.randn(3)\nx.cuda(); s = '# noqa'\n"
     assert _rules(lint_source(src)) == [("TT113", 3)]
@@ -122,10 +122,13 @@ def test_noqa_for_other_tools_or_inside_strings_does_not_count():
 
 def test_select_and_ignore_take_ids_and_prefixes():
     src = _TWO.format("", "")
-    assert {f.rule for f in lint_source(src)} == {"TT110", "TT111", "TT113"}
-    assert {f.rule for f in lint_source(src, select=["TT11"])} == {"TT110", "TT111", "TT113"}
-    assert {f.rule for f in lint_source(src, select=["tt110"])} == {"TT110"}
-    assert {f.rule for f in lint_source(src, ignore=["TT110", "TT113"])} == {"TT111"}
+    # TT110 and TT111 are hygiene rules, and nothing shows these loads matter: by default only TT113
+    assert {f.rule for f in lint_source(src)} == {"TT113"}
+    assert {f.rule for f in lint_source(src, select=["TT11"])} == {"TT113"}  # a prefix: the default set's
+    assert {f.rule for f in lint_source(src, select=["tt110"])} == {"TT110"}  # an id: asked for, in full
+    assert {f.rule for f in lint_source(src, select=["hygiene"])} == {"TT110", "TT111", "TT113"}
+    assert {f.rule for f in lint_source(src, select=["TT11", "HYGIENE"])} == {"TT110", "TT111", "TT113"}
+    assert {f.rule for f in lint_source(src, select=["hygiene"], ignore=["TT110", "TT113"])} == {"TT111"}
     assert lint_source(src, select=["TT1"], ignore=["TT1"]) == []
 
 
@@ -206,13 +209,14 @@ def _project(tmp_path, table: str) -> Path:
 
 
 def test_config_select_ignore_fail_on_exclude(tmp_path):
-    pkg = _project(tmp_path, 'select = ["TT11"]\nignore = ["TT111"]\nfail-on = "error"\nexclude = ["gen"]')
+    pkg = _project(tmp_path, 'select = ["TT11", "hygiene"]\nignore = ["TT111"]\nfail-on = "error"\nexclude = ["gen"]')
     config = load_config(pkg / "a.py")
-    assert config == DoctorConfig(select=("TT11",), ignore=("TT111",), fail_on="error", exclude=("gen",),
+    assert config == DoctorConfig(select=("TT11", "HYGIENE"), ignore=("TT111",), fail_on="error", exclude=("gen",),
                                   path=tmp_path / "pyproject.toml")
     result = lint_paths([pkg], config=config)
     assert result.files == 1
-    assert sorted(f.rule for f in result.findings) == ["TT110", "TT113"]
+    assert sorted(f.rule for f in result.findings) == ["TT110", "TT113"]  # TT110: the hygiene tier, asked for
+    assert sorted(f.rule for f in lint_paths([pkg], select=["TT11"], config=config).findings) == ["TT113"]
     assert exit_code(result.findings, config.fail_on) == 1  # TT113 is an error
     # arguments given to lint_paths replace the config's lists
     assert {f.rule for f in lint_paths([pkg], select=["TT110"], config=config).findings} == {"TT110"}

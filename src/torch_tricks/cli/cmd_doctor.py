@@ -28,7 +28,8 @@ def add_commands(sub: Any) -> None:
     sp.add_argument("--list", action="store_true", help="list every rule (static TT1xx, runtime TT2xx) and exit")
     sp.add_argument("--explain", metavar="ID", help="explain one rule: why it is a pitfall, the fix, its source")
     sp.add_argument("--select", action="append", metavar="IDS",
-                    help="only these rules: ids or prefixes, comma-separated (e.g. TT1,TT207); replaces the config's")
+                    help="only these rules: ids or prefixes, comma-separated (e.g. TT1,TT207); hygiene adds that tier in "
+                         "full (a rule named by id is reported in full too); replaces the config's")
     sp.add_argument("--ignore", action="append", metavar="IDS",
                     help="leave out these rules (ids or prefixes); replaces the config's")
     sp.add_argument("--fail-on", choices=["info", "warning", "error"],
@@ -141,17 +142,17 @@ def _rules_table(rules: list[Any]) -> str:
     from torch_tricks._format import table
     from torch_tricks.doctor.fix import FIXABLE
 
-    return table(["id", "kind", "severity", "fix", "name", "message"],
-                 [[r.id, r.kind, r.severity, "yes" if r.id in FIXABLE else "", r.name, r.message] for r in rules],
-                 "llllll")
+    return table(["id", "kind", "severity", "tier", "fix", "name", "message"],
+                 [[r.id, r.kind, r.severity, r.tier, "yes" if r.id in FIXABLE else "", r.name, r.message] for r in rules],
+                 "lllllll")
 
 
 def _rule_dict(rule: Any) -> dict[str, Any]:
     from torch_tricks.doctor.fix import FIXABLE
 
-    return {"id": rule.id, "name": rule.name, "kind": rule.kind, "severity": rule.severity,
-            "message": rule.message, "explanation": rule.explanation, "source": rule.source,
-            "fixable": rule.id in FIXABLE}
+    return {"id": rule.id, "name": rule.name, "kind": rule.kind, "severity": rule.severity, "tier": rule.tier,
+            "tier_why": rule.tier_why, "message": rule.message, "explanation": rule.explanation,
+            "source": rule.source, "fixable": rule.id in FIXABLE}
 
 
 def _rule_source(rule: Any) -> str:
@@ -177,9 +178,17 @@ def _explain_text(rule: Any) -> str:
     import textwrap
 
     silence = _silence_text(rule)
-    return "\n".join([f"{rule.id} {rule.name} ({rule.kind}, {rule.severity})", "", rule.message, "",
-                      textwrap.fill(rule.explanation, 88), "", textwrap.fill(_rule_source(rule), 88), "",
-                      textwrap.fill(silence[0].upper() + silence[1:], 88)])
+    return "\n".join([f"{rule.id} {rule.name} ({rule.kind}, {rule.severity}, {rule.tier} tier)", "", rule.message, "",
+                      textwrap.fill(rule.explanation, 88), "", textwrap.fill(_tier_text(rule), 88), "",
+                      textwrap.fill(_rule_source(rule), 88), "", textwrap.fill(silence[0].upper() + silence[1:], 88)])
+
+
+def _tier_text(rule: Any) -> str:
+    """Which tier the rule is in, and why (a hygiene rule: where it still reports by default)."""
+    if rule.tier == "hygiene":
+        return (f"Tier: hygiene. {rule.tier_why[0].upper()}{rule.tier_why[1:]}. Every finding: --select hygiene (or "
+                f"--select {rule.id}), or select = [\"hygiene\"] under [tool.torch-tricks.doctor].")
+    return "Tier: default. Each finding is a bug or a clear slow-down where it fires."
 
 
 def _silence_text(rule: Any) -> str:
@@ -276,13 +285,15 @@ def _lint(args: argparse.Namespace, groups: dict[Any, Any], select: Any, ignore:
     """Every group linted under its own settings: findings, unreadable files, counts, the exit code."""
     from torch_tricks.doctor.static import lint_paths
 
-    out: dict[str, Any] = {"findings": [], "unreadable": [], "files": 0, "seconds": 0.0, "exit_code": 0}
+    out: dict[str, Any] = {"findings": [], "unreadable": [], "files": 0, "seconds": 0.0, "exit_code": 0,
+                           "hygiene_left_out": 0}
     for config, paths in groups.values():
         result = lint_paths(paths, select=select, ignore=ignore, config=config)
         out["findings"] += result.findings
         out["unreadable"] += result.errors
         out["files"] += result.files
         out["seconds"] += result.seconds
+        out["hygiene_left_out"] += result.hygiene_left_out
         out["exit_code"] = max(out["exit_code"], _group_exit_code(result, args.fail_on or config.fail_on))
     out["fail_on"] = sorted({args.fail_on or c.fail_on for c, _ in groups.values()})
     return out
@@ -318,8 +329,11 @@ def _print_lint_text(findings: list[Any], unreadable: list[tuple[str, str]], lin
         print(line)
     for path, reason in unreadable:
         print(f"{path}: not linted: {reason}", file=sys.stderr)
+    left = lint.get("hygiene_left_out", 0)
     print(f"{findings_count(findings)} in {lint['files']} file(s), {lint['seconds']:.2f} s"
-          + (f"; {len(unreadable)} file(s) could not be read or parsed" if unreadable else ""), file=sys.stderr)
+          + (f"; {len(unreadable)} file(s) could not be read or parsed" if unreadable else "")
+          + (f"; {left} more of the hygiene tier, not shown to matter here (--select hygiene shows them)"
+             if left else ""), file=sys.stderr)
 
 
 def _lint_json(lint: dict[str, Any], groups: dict[Any, Any]) -> dict[str, Any]:
@@ -328,7 +342,7 @@ def _lint_json(lint: dict[str, Any], groups: dict[Any, Any]) -> dict[str, Any]:
             "unreadable": [{"path": p, "reason": r} for p, r in lint["unreadable"]],
             "seconds": round(lint["seconds"], 3), "fail_on": fail_on[0] if len(fail_on) == 1 else fail_on,
             "config": [str(c.path) for c, _ in groups.values() if c.path is not None],
-            "exit_code": lint["exit_code"]}
+            "hygiene_left_out": lint["hygiene_left_out"], "exit_code": lint["exit_code"]}
 
 
 def _fixes_count(n: int) -> str:

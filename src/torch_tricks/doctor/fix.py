@@ -73,6 +73,7 @@ from typing import Callable, Iterable
 from torch_tricks.doctor import Finding
 from torch_tricks.doctor.analysis import FileAnalysis, called_method, dotted
 from torch_tricks.doctor.rules.serialization import MODULE, OBJECT, WEIGHTS, Checkpoint, loaded_checkpoint
+from torch_tricks.doctor.registry import HYGIENE
 from torch_tricks.doctor.static import DoctorConfig, lint_paths, lint_source
 
 __all__ = ["FIXABLE", "Edit", "Unfixed", "FixResult", "FileFix", "FixError", "fix_source", "fix_paths"]
@@ -171,17 +172,24 @@ def fix_source(source: str, path: str = "<string>", select: Iterable[str] | None
         return result
     if re.search(r"\r(?!\n)", source):  # old-Mac line ends: ast and tokenize would count lines differently
         result.unfixed = [Unfixed(f, "the file has lone \\r line endings")
-                          for f in lint_source(source, path, select=rules, ignore=ignore)]
+                          for f in _fixable_findings(source, path, select, ignore, rules)]
         return result
-    _fix_in_rounds(result, path, rules, ignore)
+    _fix_in_rounds(result, path, (select, ignore, rules))
     return result
 
 
-def _fix_in_rounds(result: FixResult, path: str, rules: list[str], ignore) -> None:
+def _fixable_findings(source: str, path: str, select, ignore, rules: list[str]) -> list[Finding]:
+    """The findings the lint reports with ``select``/``ignore`` (a hygiene rule's default ones only, unless asked
+    for), of the fixable ``rules``: --fix fixes what the lint shows."""
+    return [f for f in lint_source(source, path, select=select, ignore=ignore) if f.rule in rules]
+
+
+def _fix_in_rounds(result: FixResult, path: str, chosen_rules: tuple) -> None:
     """Fill ``result``: lint, fix what does not overlap, and again, until nothing is left to fix."""
+    select, ignore, rules = chosen_rules
     current, to_original = result.source, (lambda n: n)
     for _round in range(_MAX_ROUNDS + 1):
-        findings = lint_source(current, path, select=rules, ignore=ignore)
+        findings = _fixable_findings(current, path, select, ignore, rules)
         if not findings:
             break
         doc = _Doc(current, _parse(current, path))
@@ -230,29 +238,30 @@ def fix_paths(paths: Iterable[str | Path], select: Iterable[str] | None = None,
     select = config.select if select is None else select
     ignore = config.ignore if ignore is None else ignore
     rules = _fixable(select, ignore)
-    linted = lint_paths(paths, select=rules, ignore=ignore, config=config)
-    return _fix_linted(linted, rules, ignore, write)
+    linted = lint_paths(paths, select=select, ignore=ignore, config=config)
+    linted.findings = [f for f in linted.findings if f.rule in rules]
+    return _fix_linted(linted, select, ignore, write)
 
 
 # --------------------------------------------------------------------------- files
 
 
-def _fix_linted(linted, rules: list[str], ignore, write: bool) -> list[FileFix]:
+def _fix_linted(linted, select, ignore, write: bool) -> list[FileFix]:
     """A :class:`FileFix` for each file of the lint ``linted`` that has findings or could not be read, by path."""
     out: dict[str, FileFix] = {}
     for name, reason in linted.errors:
         out[name] = FileFix(path=name, error=reason, unreadable=True)
     for name in dict.fromkeys(f.path for f in linted.findings):
-        out[name] = _fix_file(name, rules, ignore, write)
+        out[name] = _fix_file(name, select, ignore, write)
     return [out[k] for k in sorted(out)]
 
 
-def _fix_file(name: str, rules: list[str], ignore, write: bool) -> FileFix:
+def _fix_file(name: str, select, ignore, write: bool) -> FileFix:
     ff = FileFix(path=name)
     try:
         data = Path(name).read_bytes()
         source, encoding = _decode(data)
-        result = fix_source(source, name, select=rules, ignore=ignore)
+        result = fix_source(source, name, select=select, ignore=ignore)
     except (OSError, UnicodeError) as exc:
         ff.error, ff.unreadable = f"cannot read: {_strerror(exc)}", True
         return ff
@@ -340,7 +349,8 @@ def _codes(select) -> list[str] | None:
     """The codes of ``select`` (a list, or one code as a string), upper-cased; None for every rule."""
     if isinstance(select, str):
         select = [select]
-    return None if select is None else [s.strip().upper() for s in select]
+    codes = None if select is None else [s.strip().upper() for s in select if s.strip().upper() != HYGIENE]
+    return codes or None  # only "hygiene": every rule (the tier is the lint's to apply)
 
 
 def _parse(source: str, path: str) -> ast.Module:

@@ -18,10 +18,16 @@ from typing import Any, ClassVar, Iterable, Iterator
 
 from torch_tricks.errors import UserError
 
-__all__ = ["Rule", "Finding", "SEVERITIES", "StaticRule", "static_rule", "static_checks", "register_rule", "get_rule",
+__all__ = ["Rule", "Finding", "SEVERITIES", "TIERS", "HYGIENE", "StaticRule", "static_rule", "static_checks", "register_rule", "get_rule",
            "list_rules", "check_rule_codes", "severity_rank", "findings_count"]
 
 SEVERITIES = ("info", "warning", "error")  # ascending
+# Two tiers, like ruff's default set and its opt-in rules. "default": a finding is a bug or a clear slow-down where
+# it fires. "hygiene": right in general, often harmless where it fires (a state_dict load that works under either
+# weights_only default); such a rule reports by default only the findings its ``matters`` shows to matter there,
+# and all of them with ``--select hygiene`` (or its id) or ``select = ["hygiene"]`` in pyproject.toml.
+TIERS = ("default", "hygiene")
+HYGIENE = "HYGIENE"  # the select code that asks for the hygiene tier in full
 
 
 def severity_rank(severity: str) -> int:
@@ -43,6 +49,8 @@ class Rule:
     severity: str  # "info" | "warning" | "error"
     source: str  # catalogue id and seed passage: "X3; seeds/003 Pytorch 使用陷阱"
     kind: str = "static"  # "static" | "runtime"
+    tier: str = "default"  # "default": each finding a bug or a clear slow-down | "hygiene": see TIERS
+    tier_why: str = ""  # hygiene: where one of its findings is still reported by default, and why the rest are not
 
 
 @dataclass
@@ -128,6 +136,8 @@ def check_rule_codes(codes: Iterable[str], where: str = "the rule list") -> tupl
 
 def _checked_code(code: str, where: str) -> str:
     c = code.strip().upper()
+    if c == HYGIENE:
+        return c
     if not c or not any(rid.startswith(c) for rid in _RULES):
         raise UserError(f"unknown doctor rule {code!r} in {where}: use ids such as TT101 or a "
                         f"prefix such as TT1 (`torch-tricks doctor --list` shows them)")
@@ -147,11 +157,17 @@ class StaticRule:
     source: ClassVar[str]
     message: ClassVar[str]
     explanation: ClassVar[str]
+    tier: ClassVar[str] = "default"
+    tier_why: ClassVar[str] = ""
 
     def check(self, f: Any) -> Iterator[tuple[Any, str]]:
         """Yield ``(ast node, message)`` for each occurrence in ``f``, a
         :class:`torch_tricks.doctor.analysis.FileAnalysis`."""
         raise NotImplementedError
+
+    def matters(self, f: Any, node: Any) -> bool:
+        """A hygiene rule's finding at ``node`` that is shown to matter there, so it is reported by default."""
+        return False
 
 
 _STATIC: dict[str, StaticRule] = {}
@@ -159,8 +175,10 @@ _STATIC: dict[str, StaticRule] = {}
 
 def static_rule(cls: type[StaticRule]) -> type[StaticRule]:
     """Class decorator: register ``cls`` (its :class:`Rule` and one instance as its checker)."""
+    if cls.tier not in TIERS or (cls.tier == "hygiene") != bool(cls.tier_why):
+        raise ValueError(f"rule {cls.id}: tier must be one of {TIERS}, a hygiene rule saying why (tier_why)")
     register_rule(Rule(id=cls.id, name=cls.name, message=cls.message, explanation=cls.explanation,
-                       severity=cls.severity, source=cls.source, kind="static"))
+                       severity=cls.severity, source=cls.source, kind="static", tier=cls.tier, tier_why=cls.tier_why))
     _STATIC[cls.id] = cls()
     return cls
 

@@ -40,8 +40,8 @@ from typing import Callable, Iterable
 from torch_tricks.doctor import rules as _rules  # noqa: F401  (importing it registers every rule)
 from torch_tricks.doctor.analysis import FileAnalysis
 from torch_tricks.doctor.config import DoctorConfig, load_config
-from torch_tricks.doctor.registry import (Finding, Rule, check_rule_codes, get_rule, list_rules, severity_rank,
-                                          static_checks)
+from torch_tricks.doctor.registry import (HYGIENE, Finding, Rule, check_rule_codes, get_rule, list_rules,
+                                          severity_rank, static_checks)
 from torch_tricks.doctor.sarif import to_sarif
 from torch_tricks.errors import UserError, one_line
 
@@ -60,6 +60,7 @@ class LintResult:
     files: int = 0
     errors: list[tuple[str, str]] = field(default_factory=list)  # (path, one-line reason)
     seconds: float = 0.0
+    hygiene_left_out: int = 0  # findings of hygiene rules not shown to matter (all shown with --select hygiene)
 
 
 def lint_source(source: str, path: str = "<string>", select: Iterable[str] | None = None,
@@ -70,8 +71,7 @@ def lint_source(source: str, path: str = "<string>", select: Iterable[str] | Non
     finding's line silences it, ``# noqa: TT101,TT105`` only those rules. Source that
     does not parse raises :class:`SyntaxError` (:func:`lint_paths` reports it per file).
     """
-    enabled = _enabled(select, ignore)
-    return _lint_tree(_parse(source, path), source, path, enabled)
+    return _lint_tree(_parse(source, path), source, path, _selection(select, ignore))[0]
 
 
 def lint_paths(paths: Iterable[str | Path], select: Iterable[str] | None = None,
@@ -87,7 +87,7 @@ def lint_paths(paths: Iterable[str | Path], select: Iterable[str] | None = None,
     """
     started = time.perf_counter()
     config = config or DoctorConfig()
-    enabled = _enabled_by(config, select, ignore)
+    enabled = _selection_by(config, select, ignore)
     files = _collect(paths, config)
     result = LintResult(files=len(files))
     for done, file in enumerate(files, 1):
@@ -126,7 +126,7 @@ def static_rules() -> list[Rule]:
 # --------------------------------------------------------------------------- driving
 
 
-def _lint_file(file: Path, enabled: list[str], result: LintResult) -> None:
+def _lint_file(file: Path, enabled: "_Selection", result: LintResult) -> None:
     """Add the findings of ``file`` to ``result``, or why it could not be read or analysed."""
     name = str(file)
     try:
@@ -136,7 +136,9 @@ def _lint_file(file: Path, enabled: list[str], result: LintResult) -> None:
         result.errors.append((name, _reason(exc)))
         return
     try:
-        result.findings.extend(_lint_tree(tree, source, name, enabled))
+        findings, left_out = _lint_tree(tree, source, name, enabled)
+        result.findings.extend(findings)
+        result.hygiene_left_out += left_out
     except RecursionError:
         result.errors.append((name, "nested too deeply to analyse"))
     except Exception as exc:  # a bug in a checker: keep the traceback, say which file
@@ -145,21 +147,36 @@ def _lint_file(file: Path, enabled: list[str], result: LintResult) -> None:
         raise
 
 
-def _enabled_by(config: DoctorConfig, select, ignore) -> list[str]:
+@dataclass(frozen=True)
+class _Selection:
+    """The static rules to run, and the hygiene rules among them reported in full (the others of that tier
+    report only the findings their ``matters`` shows to matter)."""
+
+    enabled: tuple[str, ...]
+    full: frozenset[str]
+
+
+def _selection_by(config: DoctorConfig, select, ignore) -> _Selection:
     """The rules to run: ``select``/``ignore`` given to a call replace the config's."""
-    return _enabled(config.select if select is None else select, config.ignore if ignore is None else ignore)
+    return _selection(config.select if select is None else select, config.ignore if ignore is None else ignore)
 
 
-def _enabled(select, ignore) -> list[str]:
-    keep = _rule_filter(select, ignore)
-    return [rid for rid in sorted(static_checks()) if keep(rid)]
+def _selection(select, ignore) -> _Selection:
+    """``select`` (ids, prefixes, and ``hygiene``: that tier in full) and ``ignore`` as the rules to run: a rule
+    named by its id is reported in full; a prefix, or no select, takes a hygiene rule's default findings only."""
+    sel = None if select is None else check_rule_codes(select, "select")
+    keep = _rule_filter(sel, ignore)
+    enabled = tuple(rid for rid in sorted(static_checks()) if keep(rid))
+    hygiene = sel is not None and HYGIENE in sel
+    full = frozenset(rid for rid in enabled if get_rule(rid).tier == "hygiene" and (hygiene or rid in (sel or ())))
+    return _Selection(enabled, full)
 
 
 def _rule_filter(select, ignore) -> Callable[[str], bool]:
-    """Whether a rule id is kept by ``select`` (ids or prefixes; None keeps all) and not dropped by
-    ``ignore``; both are checked first (an unknown code is a :class:`UserError`)."""
-    sel = None if select is None else check_rule_codes(select, "select")
-    ign = check_rule_codes(ignore or (), "ignore")
+    """Whether a rule id is kept by ``select`` (ids or prefixes; None, or only ``hygiene``, keeps all) and not
+    dropped by ``ignore``; both are checked first (an unknown code is a :class:`UserError`)."""
+    sel = None if select is None else tuple(c for c in check_rule_codes(select, "select") if c != HYGIENE) or None
+    ign = tuple(c for c in check_rule_codes(ignore or (), "ignore") if c != HYGIENE)
 
     def keep(rid: str) -> bool:
         return (sel is None or rid.startswith(sel)) and not rid.startswith(ign)
@@ -172,29 +189,36 @@ def _parse(source: str, path: str) -> ast.Module:
         return ast.parse(source, filename=path)
 
 
-def _lint_tree(tree: ast.Module, source: str, path: str, enabled: list[str]) -> list[Finding]:
+def _lint_tree(tree: ast.Module, source: str, path: str, enabled: _Selection) -> tuple[list[Finding], int]:
+    """The findings, and how many findings of hygiene rules were left out (not shown to matter)."""
     file = FileAnalysis(tree, source)
-    found = _check(file, enabled)
+    file.path = path  # a rule's tier may depend on what the file is (test code)
+    found, left_out = _check(file, enabled)
     # Comments are tokenized only when a reported line mentions noqa: most files never pay.
     noqa = _noqa_lines(source) if any("noqa" in file.line(line).lower() for _, line, _, _ in found) else {}
     findings = [Finding(rule=rid, message=message, path=path, line=line, col=col, severity=get_rule(rid).severity)
                 for rid, line, col, message in found if not _silenced(rid, line, noqa)]
     findings.sort(key=_order)
-    return findings
+    return findings, left_out
 
 
-def _check(file: FileAnalysis, enabled: list[str]) -> list[tuple[str, int, int, str]]:
+def _check(file: FileAnalysis, enabled: _Selection) -> tuple[list[tuple[str, int, int, str]], int]:
     """``(rule, line, column, message)`` of each finding of the ``enabled`` rules, the first one
-    only where a rule reports one place twice."""
+    only where a rule reports one place twice; a hygiene rule not asked for in full, only where it matters."""
     checks = static_checks()
-    found, seen = [], set()
-    for rid in enabled:
-        for node, message in checks[rid].check(file):
+    found, seen, left_out = [], set(), 0
+    for rid in enabled.enabled:
+        rule = checks[rid]
+        in_part = rule.tier == "hygiene" and rid not in enabled.full
+        for node, message in rule.check(file):
+            if in_part and not rule.matters(file, node):
+                left_out += 1
+                continue
             line, col = node.lineno, file.column(node)
             if (rid, line, col) not in seen:
                 seen.add((rid, line, col))
                 found.append((rid, line, col, message))
-    return found
+    return found, left_out
 
 
 def _silenced(rid: str, line: int, noqa: dict[int, frozenset[str] | None]) -> bool:

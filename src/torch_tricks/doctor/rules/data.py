@@ -57,6 +57,10 @@ class LoaderWithoutPinMemory(StaticRule):
                    "x.to(device, non_blocking=True). Leave it off when the host is short of RAM (pinned memory "
                    "cannot be swapped).")
 
+    tier = "hygiene"
+    tier_why = ("pinned batches save a staging copy per batch, which matters only where the copy is a visible share "
+                "of the step (large inputs, short steps); the file does not show that: with --select hygiene only")
+
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for call, loops in dataloaders(f):
             if not _pin_memory_settled(f, call) and any(moves_batch_to_cuda(f, loop) for loop in loops):
@@ -87,10 +91,54 @@ class LoaderWithoutWorkers(StaticRule):
                    "(torch-tricks' loader tuner measures the best k). Keep 0 for data already in memory, or to "
                    "debug.")
 
+    tier = "hygiene"
+    tier_why = ("on data already in memory (tensors, a tokenized datasets.Dataset) workers only add start-up and "
+                "copies: reported by default only where the file shows per-item work, a dataset of this file whose "
+                "__getitem__ opens, reads, decodes or transforms, or a torchvision image dataset")
+
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for call, loops in dataloaders(f):
             if not _workers_settled(f, call) and _has_backward(loops):
                 yield call, self.message
+
+    def matters(self, f: FileAnalysis, node: ast.AST) -> bool:
+        return isinstance(node, ast.Call) and _per_item_work(f, node)
+
+
+_PER_ITEM_CALLS = frozenset("open imread imdecode read decode load loads transform transforms augment resize "
+                            "convert".split())
+
+
+def _per_item_work(f: FileAnalysis, call: ast.Call) -> bool:
+    """The loader's dataset reads or decodes each item: a torchvision dataset (PIL decoding, transforms per
+    item), or a class of this file whose ``__getitem__`` calls open / read / decode / a transform."""
+    for expr in _dataset_exprs(f, call):
+        for n in ast.walk(expr):
+            if not isinstance(n, ast.Call):
+                continue
+            q = f.qualname(n.func) or ""
+            if q.startswith("torchvision.datasets."):
+                return True
+            name = n.func.id if isinstance(n.func, ast.Name) else None
+            if name is not None and _getitem_works(f, name):
+                return True
+    return False
+
+
+def _getitem_works(f: FileAnalysis, cls_name: str) -> bool:
+    """The class ``cls_name`` of this file has a ``__getitem__`` that calls one of :data:`_PER_ITEM_CALLS`."""
+    for cls in f.nodes[ast.ClassDef]:
+        if cls.name != cls_name:
+            continue
+        for item in cls.body:
+            if isinstance(item, ast.FunctionDef) and item.name == "__getitem__":
+                return any(isinstance(c, ast.Call) and _callee(c) in _PER_ITEM_CALLS for c in ast.walk(item))
+    return False
+
+
+def _callee(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
 
 
 def _workers_settled(f: FileAnalysis, call: ast.Call) -> bool:

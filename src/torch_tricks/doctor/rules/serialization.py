@@ -9,7 +9,8 @@ import ast
 from dataclasses import dataclass
 from typing import Iterator
 
-from torch_tricks.doctor.analysis import MODULE_ONLY_METHODS, FileAnalysis, called_method, end, is_name, kwarg, pos
+from torch_tricks.doctor.analysis import (MODULE_ONLY_METHODS, FileAnalysis, called_method, end, is_name, kwarg, pos,
+                                          root_name)
 from torch_tricks.doctor.registry import StaticRule, static_rule
 
 
@@ -34,10 +35,73 @@ class TorchLoadWithoutMapLocation(StaticRule):
                    "extra processes seen in nvidia-smi). Fix: torch.load(f, map_location='cpu') and then "
                    "load_state_dict / .to(device), or map_location=f'cuda:{local_rank}'.")
 
+    tier = "hygiene"
+    tier_why = ("most loads are of files written from CPU tensors or reloaded by the same run on the same device "
+                "(13 of 18 findings on the real-code set were such): reported by default only where the file saves "
+                "the weights of a model it moves to an accelerator, not moved back to the CPU, so a CPU-only "
+                "machine (or another rank's GPU) would have to load GPU tensors")
+
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for call in _calls_of(f, "torch.load"):
             if _device_mapping_matters(f, call):
                 yield call, self.message
+
+    def matters(self, f: FileAnalysis, node: ast.AST) -> bool:
+        return isinstance(node, ast.Call) and _loads_weights(f, node) and _saves_device_weights(f)
+
+
+def _loads_weights(f: FileAnalysis, call: ast.Call) -> bool:
+    """The load is of a model's weights, as far as the file shows: a state_dict (handed to load_state_dict, or
+    saved as one), a whole module (saved as one, or used as one), not some other cached object."""
+    return loaded_checkpoint(f, call).holds in (WEIGHTS, MODULE) or _loaded_module(f, call)
+
+
+def _saves_device_weights(f: FileAnalysis) -> bool:
+    """The file ``torch.save``s a module or its ``state_dict()`` that it moves to an accelerator (``.cuda()``,
+    ``.to(<cuda device>)``) and never to the CPU: its checkpoints hold GPU tensors."""
+    on_device = _moved_to_accelerator(f) - _moved_to_cpu(f)
+    for save in _calls_of(f, "torch.save"):
+        obj = kwarg(save, "obj", 0)
+        if obj is None or any(called_method(n) == "cpu" for n in ast.walk(obj)):
+            continue
+        if {n.id for n in ast.walk(obj) if isinstance(n, ast.Name)} & on_device:
+            return True
+    return False
+
+
+def _moved_to_accelerator(f: FileAnalysis) -> set[str]:
+    """The names the file moves to an accelerator: ``x.cuda()``, ``x.to(dev)``, ``net = Net().to(dev)``."""
+    moved: set[str | None] = set()
+    for c in f.nodes[ast.Call]:
+        if called_method(c) in ("cuda", "to") and _to_accelerator(f, c):
+            moved.add(root_name(c.func.value))
+            assign = f.parent.get(c)
+            if isinstance(assign, ast.Assign):
+                moved |= {t.id for t in assign.targets if isinstance(t, ast.Name)}
+    moved.discard(None)
+    return moved  # type: ignore[return-value]
+
+
+def _moved_to_cpu(f: FileAnalysis) -> set[str]:
+    """The names the file moves back to the CPU (``x.cpu()``, ``x.to("cpu")``)."""
+    return {root_name(c.func.value) for c in f.nodes[ast.Call]
+            if called_method(c) == "cpu" or (called_method(c) == "to" and _names_cpu(c))} - {None}
+
+
+def _to_accelerator(f: FileAnalysis, call: ast.Call) -> bool:
+    """``x.cuda()``, or ``x.to(d)`` with ``d`` a CUDA device or a device variable of a file that uses CUDA."""
+    if called_method(call) == "cuda":
+        return True
+    dev = kwarg(call, "device", 0)
+    if isinstance(dev, ast.Constant):
+        return isinstance(dev.value, str) and dev.value.startswith("cuda")
+    return dev is not None and (f.mentions_cuda or any((f.qualname(n) or "").startswith("torch.accelerator.")
+                                                       for n in f.nodes[ast.Attribute]))
+
+
+def _names_cpu(call: ast.Call) -> bool:
+    dev = kwarg(call, "device", 0)
+    return isinstance(dev, ast.Constant) and dev.value == "cpu"
 
 
 def _device_mapping_matters(f: FileAnalysis, call: ast.Call) -> bool:
@@ -105,11 +169,34 @@ class TorchLoadWithoutWeightsOnly(StaticRule):
                    "fallback of a load that passes weights_only (an except after it, the other branch of a version "
                    "check).")
 
+    tier = "hygiene"
+    tier_why = ("most loads are of state_dicts and tensors, which load the same under either default (20 of 37 "
+                "findings on the real-code set): reported by default only where the file shows the load is of a "
+                "whole pickled module (saved as one in the file, or used as a module after the load), which fails "
+                "under torch >= 2.6's default")
+
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         allowlist = _adds_safe_globals(f)
         for call in _calls_of(f, "torch.load"):
             if kwarg(call, "weights_only") is None and not allowlist and not _weights_only_meant(f, call):
                 yield call, weights_only_message(loaded_checkpoint(f, call))
+
+    def matters(self, f: FileAnalysis, node: ast.AST) -> bool:
+        return isinstance(node, ast.Call) and (loaded_checkpoint(f, node).holds == MODULE or _loaded_module(f, node))
+
+
+def _loaded_module(f: FileAnalysis, call: ast.Call) -> bool:
+    """What ``call`` loads is then used as an ``nn.Module``: called, or one of its module-only methods."""
+    name = _assigned_name(f, call)
+    if name is None:
+        return False
+    for c in f.calls_in(f.function_scope(call)):
+        if pos(c) <= pos(call):
+            continue
+        if (isinstance(c.func, ast.Name) and c.func.id == name) or (
+                called_method(c) in MODULE_ONLY_METHODS and is_name(c.func.value, name)):
+            return True
+    return False
 
 
 def _adds_safe_globals(f: FileAnalysis) -> bool:
