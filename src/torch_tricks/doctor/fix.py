@@ -239,7 +239,8 @@ def fix_paths(paths: Iterable[str | Path], select: Iterable[str] | None = None,
     ignore = config.ignore if ignore is None else ignore
     rules = _fixable(select, ignore)
     linted = lint_paths(paths, select=select, ignore=ignore, config=config)
-    linted.findings = [f for f in linted.findings if f.rule in rules]
+    # a notebook's findings are reported, not rewritten: its cells live in JSON, which the fixes do not edit
+    linted.findings = [f for f in linted.findings if f.rule in rules and not f.path.endswith(".ipynb")]
     return _fix_linted(linted, select, ignore, write)
 
 

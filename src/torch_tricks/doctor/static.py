@@ -40,6 +40,7 @@ from typing import Callable, Iterable
 from torch_tricks.doctor import rules as _rules  # noqa: F401  (importing it registers every rule)
 from torch_tricks.doctor.analysis import FileAnalysis
 from torch_tricks.doctor.config import DoctorConfig, load_config
+from torch_tricks.doctor.notebook import NotebookSource, notebook_source
 from torch_tricks.doctor.registry import (HYGIENE, Finding, Rule, check_rule_codes, get_rule, list_rules,
                                           severity_rank, static_checks)
 from torch_tricks.doctor.sarif import to_sarif
@@ -101,7 +102,12 @@ def lint_paths(paths: Iterable[str | Path], select: Iterable[str] | None = None,
 
 def format_text(findings: Iterable[Finding]) -> list[str]:
     """One ``path:line:col: TT101 message`` line per finding (flake8 style, 1-based column)."""
-    return [f"{f.path or '-'}:{f.line}:{f.col}: {f.rule} {f.message}" for f in findings]
+    return [f"{f.path or '-'}:{_cell_prefix(f)}{f.line}:{f.col}: {f.rule} {f.message}" for f in findings]
+
+
+def _cell_prefix(f: Finding) -> str:
+    """``cell 3:`` for a finding in a notebook cell (ruff's notation), else nothing."""
+    return f"cell {f.extra['cell']}:" if f.extra.get("cell") else ""
 
 
 def exit_code(findings: Iterable[Finding], fail_on: str = "warning") -> int:
@@ -129,14 +135,20 @@ def static_rules() -> list[Rule]:
 def _lint_file(file: Path, enabled: "_Selection", result: LintResult) -> None:
     """Add the findings of ``file`` to ``result``, or why it could not be read or analysed."""
     name = str(file)
+    notebook = None
     try:
         source = _read(file)
+        if file.suffix == ".ipynb":  # the code cells as one module; each finding put back in its cell
+            notebook = notebook_source(source)
+            source = notebook.source
         tree = _parse(source, name)
     except (OSError, UnicodeDecodeError, SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         result.errors.append((name, _reason(exc)))
         return
     try:
         findings, left_out = _lint_tree(tree, source, name, enabled)
+        if notebook is not None:
+            findings = [_in_cell(f, notebook) for f in findings]
         result.findings.extend(findings)
         result.hygiene_left_out += left_out
     except RecursionError:
@@ -145,6 +157,14 @@ def _lint_file(file: Path, enabled: "_Selection", result: LintResult) -> None:
         if hasattr(exc, "add_note"):
             exc.add_note(f"torch-tricks doctor crashed while linting {name}")
         raise
+
+
+def _in_cell(f: Finding, notebook: NotebookSource) -> Finding:
+    """``f`` with its line that of its notebook cell, the cell number in ``extra["cell"]``."""
+    cell, line = notebook.place(f.line)
+    f.line = line
+    f.extra = {**f.extra, "cell": cell}
+    return f
 
 
 @dataclass(frozen=True)
@@ -227,7 +247,7 @@ def _silenced(rid: str, line: int, noqa: dict[int, frozenset[str] | None]) -> bo
 
 
 def _order(f: Finding):
-    return (f.path, f.line, f.col, f.rule)
+    return (f.path, f.extra.get("cell", 0), f.line, f.col, f.rule)
 
 
 _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Za-z]+[0-9]+(?:[\s,]+[A-Za-z]+[0-9]+)*))?", re.IGNORECASE)
@@ -270,7 +290,7 @@ def _collect(paths: Iterable[str | Path], config: DoctorConfig) -> list[Path]:
     for p in paths:
         path = Path(p)
         if not path.exists():
-            raise UserError(f"{p}: no such file or folder: give existing .py files or folders to lint")
+            raise UserError(f"{p}: no such file or folder: give existing .py or .ipynb files or folders to lint")
         if path.is_file():
             files.append(path)
         else:
@@ -289,7 +309,7 @@ def _walk(folder: Path, config: DoctorConfig) -> list[Path]:
 
 
 def _lintable(path: Path, config: DoctorConfig) -> bool:
-    return path.name.endswith(".py") and not _excluded(path, config)
+    return path.name.endswith((".py", ".ipynb")) and not _excluded(path, config)
 
 
 def _skipped_dir(path: Path, config: DoctorConfig) -> bool:
