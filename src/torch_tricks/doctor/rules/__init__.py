@@ -4,12 +4,13 @@ Static families (read with :mod:`ast`, no torch): :mod:`.modules` (how a model i
 :mod:`.losses`, :mod:`.serialization` (saving and loading), :mod:`.devices` (devices and timing),
 :mod:`.determinism`, :mod:`.data` (feeding the loop), :mod:`.loop` (the training loop),
 :mod:`.steps` (the optimizer step: zero_grad, clipping, per-step syncs), :mod:`.export`
-(tracing and exporting a model).
+(tracing and exporting a model), :mod:`.arguments` (constructor arguments in the wrong place),
+:mod:`.accumulation` (gradient accumulation).
 :mod:`.runtime` declares the ``TT2xx`` rules that :mod:`torch_tricks.doctor.runtime` finds by
 running a model; it is declared apart so that listing them needs no torch.
 """
 
-from torch_tricks.doctor.rules import (data, determinism, devices, export, loop, losses,  # noqa: F401
-                                       modules, runtime, serialization, steps)
+from torch_tricks.doctor.rules import (accumulation, arguments, data, determinism, devices,  # noqa: F401
+                                       export, loop, losses, modules, runtime, serialization, steps)
 
 __all__: list[str] = []  # nothing to import from here: the families register their rules in the registry
