@@ -99,7 +99,7 @@ IMG = lambda n=8: torch.randn(n, 3, 8, 8)  # noqa: E731
 
 def test_rules_are_registered_with_sources_and_fixes():
     ids = [r.id for r in runtime.RULES]
-    assert ids == [f"TT2{i:02d}" for i in range(1, 15)]
+    assert ids == [f"TT2{i:02d}" for i in range(1, 17)]
     for r in runtime.RULES:
         assert r.kind == "runtime"
         assert re.match(r"^[A-Z]\d*", r.source) and "seeds/" in r.source, r.id

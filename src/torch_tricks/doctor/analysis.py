@@ -1136,10 +1136,31 @@ def _assignment_targets(stmt: ast.AST | None) -> list[ast.AST]:
 
 def _iterates(f: FileAnalysis, loop: ast.AST, call: ast.Call, names: set) -> bool:
     """``loop`` iterates the loader ``call`` builds: the call itself, a value known to be that
-    loader, or a variable / attribute of one of ``names``."""
-    it = unwrap_iterable(f, loop.iter)
-    k = f.kind(it)
-    return it is call or (_category(k) == "loader" and k.ref is call) or dotted(it) in names
+    loader, or a variable / attribute of one of ``names``; also through ``zip``, ``itertools.cycle`` /
+    ``islice`` / ``chain`` / ``zip_longest`` (two loaders read in step are each iterated)."""
+    for it in _iterables(f, loop.iter):
+        k = f.kind(it)
+        if it is call or (_category(k) == "loader" and k.ref is call) or dotted(it) in names:
+            return True
+    return False
+
+
+_COMBINERS = frozenset({"zip", "itertools.cycle", "itertools.islice", "itertools.chain", "itertools.zip_longest"})
+
+
+def _iterables(f: FileAnalysis, it: ast.AST) -> list[ast.AST]:
+    """The iterables a loop's iterable reads, through enumerate/tqdm/iter and the combiners of
+    :data:`_COMBINERS` (bounded: four levels)."""
+    out, todo = [], [(it, 0)]
+    while todo:
+        node, depth = todo.pop()
+        node = unwrap_iterable(f, node)
+        name = f.qualname(node.func) if isinstance(node, ast.Call) else None
+        if isinstance(node, ast.Call) and depth < 4 and (name in _COMBINERS or _called_function(node) == "zip"):
+            todo.extend((a, depth + 1) for a in node.args if not isinstance(a, ast.Starred))
+        else:
+            out.append(node)
+    return out
 
 
 def moves_batch_to_cuda(f: FileAnalysis, loop: ast.AST) -> bool:

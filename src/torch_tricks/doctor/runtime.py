@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch_tricks.batches import map_tensors
 from torch_tricks.device import module_device
 from torch_tricks.device import resolve as resolve_device
+from torch_tricks.doctor.runtime_frozen import frozen_in_train, params_twice
 from torch_tricks.doctor.registry import Finding, Rule, findings_count, severity_rank
 from torch_tricks.doctor.rules.runtime import (  # noqa: F401  (declared apart: no torch needed to list them)
     MIN_BN_BATCH, UNUSED_PARAMS, DECAY_ON_NO_DECAY, UNREGISTERED, BN_SMALL_BATCH, INPLACE, DIMS, LOSS_PAIRING,
@@ -217,6 +218,7 @@ class _Checker:
         self.findings += _mode_mismatches(self.model)
         self.findings += _decay_on_no_decay(self.model, self.optimizer)
         self.findings += _coupled_l2(self.optimizer)
+        self.findings += params_twice(self.model, self.optimizer) + frozen_in_train(self.model)
         with torch.inference_mode(False), torch.enable_grad(), _forked_rng(self.device), _parked_grads(self.model):
             self._make_copies()
             if self._first_step():

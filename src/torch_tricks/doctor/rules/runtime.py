@@ -183,8 +183,35 @@ TARGET_BROADCAST = _rule(
     "element); seeds/004 模型设计 激活函数和损失函数 (输出层与损失函数需要配套)",
 )
 
+PARAMS_TWICE = _rule(
+    "TT215", "parameters-in-optimizer-twice", "error",
+    "the same parameters are in the optimizer more than once: each step updates them twice",
+    "A module shared by two sub-models (an encoder in both the generator and the reconstructor) is passed "
+    "twice when both sub-models' parameters() go to one optimizer: the group then holds the same tensor twice, "
+    "and every step applies its update twice (twice the learning rate for those weights, and Adam's moments "
+    "updated twice). torch only warns ('optimizer contains a parameter group with duplicate parameters'). "
+    "Fix: deduplicate, e.g. list({id(p): p for p in params}.values()), or build the optimizer over the module "
+    "that holds both.",
+    "X (the optimizer's parameters); T14; seeds/003 Pytorch 使用陷阱 4 (what goes to the Optimizer: "
+    "暂时不需要更新的权值,一定不要传递给Optimizer)",
+)
+
+FROZEN_IN_TRAIN = _rule(
+    "TT216", "frozen-module-in-train-mode", "warning",
+    "a frozen submodule (no parameter requires grad) is in train mode: its BatchNorm statistics keep changing",
+    "Freezing a backbone (requires_grad=False) stops its weights, not its BatchNorm running statistics: in "
+    "train mode each forward normalises with the batch's statistics and moves the running ones toward the new "
+    "data, so the 'frozen' features drift away from those it was trained with (and a perceptual-loss "
+    "network's features change while it is used as a fixed metric). Fix: call .eval() on the frozen part "
+    "after every model.train() (or override train() to keep it in eval). Dropout in a frozen part is not "
+    "reported: keeping it on while adapters train (LoRA) is a choice.",
+    "X (frozen modules); T10; seeds/001 基本操作 check list (用 eval() 和 with torch.no_grad(): a module's "
+    "mode is set by eval(), not by freezing)",
+)
+
 #: Every runtime rule, by id.
 RULES: tuple[Rule, ...] = (
     UNUSED_PARAMS, DECAY_ON_NO_DECAY, UNREGISTERED, BN_SMALL_BATCH, INPLACE, DIMS, LOSS_PAIRING,
     MODE_MISMATCH, RANDOM_IN_EVAL, NON_FINITE, MEMORY_GROWTH, COUPLED_L2, NOT_OPTIMIZED, TARGET_BROADCAST,
+    PARAMS_TWICE, FROZEN_IN_TRAIN,
 )
