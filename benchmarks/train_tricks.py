@@ -309,18 +309,13 @@ def run_attention(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         with torch.no_grad():
             rows[mode]["loss"] = float(model(input_ids=ids, labels=ids).loss)
         steps[mode] = wl.step
-    steps[AA] = steps["sdpa"]
-    with LoadMonitor() as window:
-        timings = compare(steps, warmup=args.warmup, repeats=args.repeats)
-    checks = [window.check("gpt2 steps"), aa_check(timings["sdpa"].median_s, timings[AA].median_s, what="gpt2 sdpa step")]
+    timings, checks, measured = _against_own(steps, rows, "sdpa", "gpt2", args)
     table_rows = []
     for mode, r in rows.items():
-        if "error" in r:
+        if mode not in measured:
             table_rows.append([f"attention = {mode}", "-", "-", "-", r["error"]])
             continue
         t = timings[mode]
-        r.update(step_median_s=t.median_s, time_ratio=t.ratio_to(timings["sdpa"]),
-                 loss_diff=abs(r["loss"] - rows["sdpa"]["loss"]) / abs(rows["sdpa"]["loss"]))
         note = ("the model's own" if mode == "sdpa" else
                 _payback_note(r, rows["sdpa"], t.median_s, timings["sdpa"].median_s) if mode in LM_COMPILE else "")
         table_rows.append([mode if mode in LM_COMPILE else f"attention = {mode}",
@@ -360,19 +355,13 @@ def run_sdpa_kernels(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         with torch.no_grad():
             rows[mode] = {"loss": float(model(ids).float().logsumexp(-1).mean())}
         steps[mode] = Workloads(model, ids, loss_fn=lambda out: out.float().mean(), optimizer="sgd").step
-    steps[AA] = steps["default"]
-    with LoadMonitor() as window:
-        timings = compare(steps, warmup=args.warmup, repeats=args.repeats)
-    checks = [window.check("transformer steps"),
-              aa_check(timings["default"].median_s, timings[AA].median_s, what="transformer default SDPA step")]
+    timings, checks, measured = _against_own(steps, rows, "default", "transformer", args)
     table_rows = []
     for mode, r in rows.items():
-        if "error" in r:
+        if mode not in measured:
             table_rows.append([f"attention = {mode}", "-", "-", "-", r["error"]])
             continue
         t = timings[mode]
-        r.update(step_median_s=t.median_s, time_ratio=t.ratio_to(timings["default"]),
-                 loss_diff=abs(r["loss"] - rows["default"]["loss"]) / abs(rows["default"]["loss"]))
         table_rows.append([f"attention = {mode}" if mode != "default" else "SDPA's own choice",
                            f"{t.median_s * 1e3:.0f} ± {t.iqr_s * 5e2:.0f}", f"{r['time_ratio']:.2f}",
                            f"{r['loss_diff']:.1e}", ""])
@@ -385,6 +374,24 @@ def run_sdpa_kernels(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     for c in checks:
         print(f"  {'ok  ' if c.ok else 'FAIL'}  {c}")
     return rows
+
+
+def _against_own(steps: dict[str, Callable[[], Any]], rows: dict[str, dict[str, Any]], own: str, what: str,
+                 args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], set[str]]:
+    """The variants' steps timed interleaved with an A/A pair of ``own`` (the model's own setting), under the load
+    monitor; each measured row gets its step time, time ratio and loss difference to ``own``'s. Returns the
+    timings, the trust checks, and the rows measured."""
+    steps[AA] = steps[own]
+    with LoadMonitor() as window:
+        timings = compare(steps, warmup=args.warmup, repeats=args.repeats)
+    checks = [window.check(f"{what} steps"), aa_check(timings[own].median_s, timings[AA].median_s,
+                                                       what=f"{what} {own} step")]
+    measured = {mode for mode, r in rows.items() if "error" not in r}
+    for mode in measured:
+        r, t = rows[mode], timings[mode]
+        r.update(step_median_s=t.median_s, time_ratio=t.ratio_to(timings[own]),
+                 loss_diff=abs(r["loss"] - rows[own]["loss"]) / abs(rows[own]["loss"]))
+    return timings, checks, measured
 
 
 @contextlib.contextmanager
