@@ -47,13 +47,19 @@ def frozen_in_train(model: nn.Module) -> list[Finding]:
     for name, module in model.named_modules():
         if not name or any(name.startswith(r + ".") for r in reported):
             continue
-        if module.training and _frozen(module):
-            layers = [n for n, m in module.named_modules(prefix=name)
-                      if isinstance(m, _STATEFUL) and m.training and m.track_running_stats]
-            if layers:
-                reported.append(name)
-                out.append(_finding(name, layers))
+        layers = _drifting_norms(name, module)
+        if layers:
+            reported.append(name)
+            out.append(_finding(name, layers))
     return out
+
+
+def _drifting_norms(name: str, module: nn.Module) -> list[str]:
+    """The BatchNorm layers under ``module`` whose running statistics move, if it is frozen and in train mode."""
+    if not (module.training and _frozen(module)):
+        return []
+    return [n for n, m in module.named_modules(prefix=name)
+            if isinstance(m, _STATEFUL) and m.training and m.track_running_stats]
 
 
 def _frozen(module: nn.Module) -> bool:

@@ -35,15 +35,21 @@ class LossNeverBackpropagated(StaticRule):
 
     def check(self, f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
         for loop in (n for t in LOOPS for n in f.nodes[t]):
-            body = list(walk_local(loop, into_loops=False))
-            if not any(is_backward(n) for n in body):
-                continue
-            read = {n.id for n in walk_local(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-            for node in body:
-                name = _loss_assigned(f, node)
-                if name is not None and name not in read and not _read_after_loop(f, loop, name):
-                    yield node, (f"`{name}` is computed as a loss in the training loop and never read again: it does "
-                                 f"not reach backward(), so it trains nothing; add it to the loss that does")
+            for node, name in _dead_losses(f, loop):
+                yield node, (f"`{name}` is computed as a loss in the training loop and never read again: it does "
+                             f"not reach backward(), so it trains nothing; add it to the loss that does")
+
+
+def _dead_losses(f: FileAnalysis, loop: ast.AST) -> Iterator[tuple[ast.AST, str]]:
+    """(assignment, name) of each loss assigned in ``loop`` (one that runs a backward) and never read."""
+    body = list(walk_local(loop, into_loops=False))
+    if not any(is_backward(n) for n in body):
+        return
+    read = {n.id for n in walk_local(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    for node in body:
+        name = _loss_assigned(f, node)
+        if name is not None and name not in read and not _read_after_loop(f, loop, name):
+            yield node, name
 
 
 def _loss_assigned(f: FileAnalysis, node: ast.AST) -> str | None:

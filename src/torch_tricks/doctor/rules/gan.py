@@ -77,9 +77,12 @@ def _steps_d_next(f: FileAnalysis, body: list[ast.AST], call: ast.Call, d: str) 
     backward = next((n for n in after if is_backward(n)), None)
     if backward is None:
         return False
-    step = next((n for n in after if end(n) > end(backward) and isinstance(n.func, ast.Attribute)
-                 and n.func.attr == "step" and optimizer_step(f, n)), None)
+    step = next((n for n in after if end(n) > end(backward) and _is_step(f, n)), None)
     return step is not None and _optimizes(f, step.func.value) == d
+
+
+def _is_step(f: FileAnalysis, n: ast.Call) -> bool:
+    return isinstance(n.func, ast.Attribute) and n.func.attr == "step" and optimizer_step(f, n)
 
 
 def _optimizes(f: FileAnalysis, opt: ast.AST) -> str | None:
