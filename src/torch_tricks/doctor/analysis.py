@@ -186,6 +186,20 @@ def has_star_args(call: ast.Call) -> bool:
     return any(kw.arg is None for kw in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args)
 
 
+def _put_last(node: ast.AST, name: str) -> ast.AST | None:
+    """The element ``node`` puts last into the list ``name``: ``name.append(x)``, ``name += [.., x]``,
+    ``name = [.., x]``; None for any other node."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append"
+            and is_name(node.func.value, name) and len(node.args) == 1):
+        return node.args[0]
+    target = node.target if isinstance(node, ast.AugAssign) else (
+        node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+    value = node.value if isinstance(node, (ast.AugAssign, ast.Assign)) else None
+    if is_name(target, name) and isinstance(value, ast.List) and value.elts:
+        return value.elts[-1]
+    return None
+
+
 def number(node: ast.AST | None) -> float | None:
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return node.value
@@ -819,11 +833,28 @@ class FileAnalysis:
         return None
 
     def _last_layer_activation(self, k: Kind) -> str | None:
-        """The output activation of the last layer of the ``nn.Sequential(...)`` of kind ``k``."""
-        last = self.kind(k.ref.args[-1])
+        """The output activation of the last layer of the ``nn.Sequential(...)`` of kind ``k``; for
+        ``nn.Sequential(*layers)``, the layer last put in ``layers`` before it (appended, maybe under an ``if``)."""
+        arg = k.ref.args[-1]
+        if isinstance(arg, ast.Starred):
+            arg = self._last_listed(arg.value, k.ref)
+        last = self.kind(arg) if arg is not None else None
         if _category(last) == "module" and last is not k:
             return self.output_activation(last)
         return None
+
+    def _last_listed(self, name: ast.AST, before: ast.AST) -> ast.AST | None:
+        """The element last put into the list variable ``name`` before ``before``, in the same frame:
+        ``name.append(x)``, ``name += [x]``, ``name = [..., x]``; None where the file does not show it."""
+        if not isinstance(name, ast.Name):
+            return None
+        scope = self.function_scope(before)
+        last: tuple[tuple[int, int], ast.AST] | None = None
+        for node in walk_local(scope):
+            item = _put_last(node, name.id)
+            if item is not None and pos(node) < pos(before) and (last is None or pos(node) > last[0]):
+                last = (pos(node), item)
+        return last[1] if last is not None else None
 
     def forward_activation(self, cls) -> str | None:
         if not isinstance(cls, ast.ClassDef):
