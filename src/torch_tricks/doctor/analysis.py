@@ -865,12 +865,21 @@ class FileAnalysis:
             self.memo[key] = _sole_activation(self._returned_activations(cls))
         return self.memo[key]
 
-    def _returned_activations(self, cls: ast.ClassDef) -> set[str | None]:
-        """The activation (None for none or not a tensor) of each value the class's ``forward`` returns."""
-        forward = self.method(cls, "forward")
-        if forward is None:
+    def _returned_activations(self, cls: ast.ClassDef, name: str = "forward", depth: int = 0) -> set[str | None]:
+        """The activation (None for none or not a tensor) of each value the class's ``forward`` returns; a
+        ``return self.helper(x)`` of a method of the class counts the helper's returns (three calls deep)."""
+        method = self.method(cls, name)
+        if method is None:
             return set()
-        return {_activation(self.kind(node.value)) for node in walk_local(forward) if isinstance(node, ast.Return)}
+        out: set[str | None] = set()
+        for node in walk_local(method):
+            if isinstance(node, ast.Return):
+                helper = _self_method_call(node.value)
+                if helper is not None and depth < 3 and self.method(cls, helper) is not None:
+                    out |= self._returned_activations(cls, helper, depth + 1)
+                else:
+                    out.add(_activation(self.kind(node.value)))
+        return out
 
     def method(self, cls: ast.ClassDef, name: str, seen=None):
         own = _own_method(cls, name)
@@ -1424,6 +1433,13 @@ def _is_local_instance(k: Kind | None) -> bool:
     """``k`` is an instance of a class of this file: ``self``, or a local module."""
     cat = _category(k)
     return cat == "self" or (cat == "module" and k.detail == "local")
+
+
+def _self_method_call(node: ast.AST | None) -> str | None:
+    """``name`` of ``self.name(...)``; None for anything else."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_name(node.func.value, "self")):
+        return node.func.attr
+    return None
 
 
 def _activation(k: Kind | None) -> str | None:
