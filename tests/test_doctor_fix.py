@@ -19,8 +19,9 @@ import torch
 
 from torch_tricks.cli import main
 from torch_tricks.doctor import get_rule
-from torch_tricks.doctor import fix as fixmod
 from torch_tricks.doctor.fix import FIXABLE, FixError, fix_paths, fix_source
+from torch_tricks.doctor.fix import files as fix_files
+from torch_tricks.doctor.fix import torch_load as fix_load
 from torch_tricks.doctor.static import lint_source
 
 CORPUS = Path(__file__).parent / "doctor_corpus"
@@ -313,7 +314,7 @@ def test_a_failed_replace_leaves_the_original_and_no_temporary_file(tmp_path, mo
 
     def refuse(src, dst):
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(fixmod.os, "replace", refuse)
+    monkeypatch.setattr(fix_files.os, "replace", refuse)
     (fixed,) = fix_paths([path], select=["hygiene"])
     assert not fixed.written and fixed.error.startswith("not written: ") and fixed.diff
     assert path.read_bytes() == original
@@ -334,9 +335,10 @@ def test_a_file_that_does_not_parse_is_untouched_and_reported(tmp_path):
 @pytest.mark.parametrize("bug", ["does not parse", "not the intended code"])
 def test_a_fix_that_goes_wrong_raises_and_writes_nothing(tmp_path, monkeypatch, bug):
     if bug == "does not parse":
-        monkeypatch.setattr(fixmod, "_insertion", lambda doc, call, text: (doc.end(call) - 1, doc.end(call) - 1, ", ("))
+        monkeypatch.setattr(fix_load, "_insertion",
+                            lambda doc, call, text: (doc.end(call) - 1, doc.end(call) - 1, ", ("))
     else:
-        monkeypatch.setattr(fixmod, "_value", lambda text: ast.Constant("gpu"))
+        monkeypatch.setattr(fix_load, "_value", lambda text: ast.Constant("gpu"))
     src = "import torch\nstate = torch.load(p)\n"
     with pytest.raises(FixError, match="torch-tricks bug"):
         fix_source(src, select=["hygiene"])
@@ -352,7 +354,7 @@ def test_cli_fix_reports_a_file_it_could_not_write_and_fails(capsys, tmp_path, m
 
     def refuse(src, dst):
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(fixmod.os, "replace", refuse)
+    monkeypatch.setattr(fix_files.os, "replace", refuse)
     code, out, err = run(capsys, "doctor", "--select", "hygiene", "--fix", path)
     assert code == 1 and f"{path}: not fixed: not written: Permission denied" in err
     assert "0 fixes applied to 0 file(s)" in err and ": TT110 " in out

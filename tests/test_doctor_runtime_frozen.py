@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from torch_tricks.doctor.runtime import check_model
-from torch_tricks.doctor.runtime_frozen import frozen_in_train, params_twice
+from torch_tricks.doctor.runtime.frozen import frozen_in_train, params_twice
 
 
 def _shared() -> tuple[nn.Module, nn.Module, nn.Module]:

@@ -38,14 +38,14 @@ class FrozenInTrainMode(StaticRule):
         # by the last part of the name: `backbone` frozen, then `model.backbone.eval()`
         evaluated = {(dotted(c.func.value) or "").rsplit(".", 1)[-1] for c in f.nodes[ast.Call]
                      if called_method(c) == "eval"}
-        for node, name in _freezings(f):
+        for node, name in freezings(f):
             if name.rsplit(".", 1)[-1] in evaluated or not _has_batchnorm(f, name):
                 continue
             yield node, (f"`{name}` is frozen (requires_grad = False) but never put in eval(): while the model "
                          f"trains, its BatchNorm statistics keep changing; call {name}.eval() after model.train()")
 
 
-def _freezings(f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
+def freezings(f: FileAnalysis) -> Iterator[tuple[ast.AST, str]]:
     """(statement, module) for ``for p in m.parameters(): p.requires_grad = False`` and ``m.requires_grad_(False)``."""
     for loop in f.nodes[ast.For]:
         it = loop.iter

@@ -2,7 +2,7 @@
 parameters given to the optimizer twice (TT215), and a frozen submodule left in train mode (TT216).
 
 Both read the objects as they are (no step needed): the optimizer's groups, and each submodule's parameters,
-mode and layers. Kept apart from :mod:`torch_tricks.doctor.runtime`, which runs the step.
+mode and layers. Kept apart from :mod:`.checker`, which runs the step.
 """
 
 from __future__ import annotations
