@@ -22,7 +22,14 @@ def add_commands(sub: Any) -> None:
     sp.add_argument("--data", metavar="NAME|TOKENS",
                     help="a built-in data set (digits, the default for small_cnn), or token data for a causal LM: a "
                          "1-D token file, FILE.bin of uint16 ids as nanoGPT writes them (FILE.bin:uint32 for uint32), "
-                         "or FILE.npy")
+                         "or FILE.npy; or a token set of rows of different lengths: a data set saved with datasets' "
+                         "save_to_disk (a folder; FOLDER:SPLIT picks a split, default train), FILE.jsonl or "
+                         "FILE.parquet, with an input_ids column or a text column and --tokenizer")
+    sp.add_argument("--tokenizer", metavar="PATH",
+                    help="a local tokenizer folder (save_pretrained's) that turns a token set's text column into ids")
+    sp.add_argument("--truncate", action="store_true",
+                    help="cut a token set's rows longer than the model's positions to them (counted; without it "
+                         "such rows are refused)")
     sp.add_argument("--seq", type=int, metavar="N",
                     help="sequence length of token data (default: the tuned input's, in the [model] table, else the "
                          "model's positions)")
@@ -96,7 +103,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = _train_config(args, run.batch)
     seed_everything(config.seed)  # the initial weights too come from the seed
     model = _build(run, args.config)
-    train_set, val_set = _train_data(run, model, args.seq)
+    train_set, val_set = _train_data(run, model, args)
     loss = args.loss or run.loss
     history = fit(model, train_set, val_set, config=config, loss_fn=get_loss(loss) if loss else None)
     main_rank = is_main_process()
@@ -205,6 +212,8 @@ def _add_config_flags(sp: argparse.ArgumentParser) -> None:
 
 # -- train: which model, on which data -------------------------------------------------------------
 
+_SETS = "or a token set of rows: a data set saved with save_to_disk (a folder), FILE.jsonl or FILE.parquet"
+
 @dataclass
 class _Run:
     """What ``train`` trains: the model reference and its overrides, its input specs where known, the data."""
@@ -247,7 +256,7 @@ def _recorded_data(spec: str, inputs: list[str] | None, config: str) -> str:
         raise UserError(f"{config}'s [model] {spec} records no input, so no data set can be chosen for it: give "
                         f"--data (digits, or {FORM})")
     if kind == "tokens":
-        raise UserError(f"{config}'s model {spec} trains on token data: give --data TOKENS, {FORM}")
+        raise UserError(f"{config}'s model {spec} trains on token data: give --data TOKENS, {FORM}; {_SETS}")
     _check_digits_fit(spec, inputs, kind)
     return "digits"
 
@@ -282,26 +291,58 @@ def _build(run: _Run, config: str | None) -> Any:
         raise UserError(f"{config}'s [model] {run.model} cannot be built here: {exc} (or give --model)") from None
 
 
-def _train_data(run: _Run, model: Any, seq: int | None) -> tuple[Any, Any]:
-    """``(train, val)`` of ``run.data``: a token file (no validation split) or a built-in data set."""
+def _train_data(run: _Run, model: Any, args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(train, val)`` of ``run.data``: a token set or a token file (no validation split), or a built-in data set."""
+    from torch_tricks.data.digits import DATASETS
+    from torch_tricks.data.token_sets import is_token_set
     from torch_tricks.data.tokens import is_token_file
 
+    if run.data not in DATASETS and is_token_set(run.data):  # a folder named like a built-in set is still the set
+        return _token_set(run, model, args), None
+    if args.tokenizer is not None or args.truncate:
+        flag = "--tokenizer" if args.tokenizer is not None else "--truncate"
+        raise UserError(f"{flag} is for a token set (--data FOLDER, FILE.jsonl or FILE.parquet); --data {run.data} "
+                        f"is not one: leave {flag} out")
     if is_token_file(run.data):
-        return _token_data(run, model, seq), None
-    if seq is not None:
+        return _token_data(run, model, args.seq), None
+    if args.seq is not None:
         raise UserError(f"--seq sets the sequence length of token data (--data FILE.bin or FILE.npy); {run.data} "
                         "is a built-in data set: leave --seq out")
     return _builtin_data(run, model)
 
 
-def _token_data(run: _Run, model: Any, seq: int | None) -> Any:
-    from torch_tricks.data.tokens import TokenDataset
-    from torch_tricks.inspect.inputs import is_causal_lm
+def _token_set(run: _Run, model: Any, args: argparse.Namespace) -> Any:
+    """Rows of different lengths, each at most the model's positions; what was read is said on stderr."""
+    import sys
+
+    from torch_tricks.data.token_sets import load_token_rows
+    from torch_tricks.train.distributed import is_main_process
     from torch_tricks.tuning.fit import max_positions
+
+    _need_causal_lm(run, model)
+    if args.seq is not None:
+        raise UserError(f"--seq sets the window length of a 1-D token file; the rows of {run.data} keep their own "
+                        "lengths (up to the model's positions, --truncate cuts longer ones): leave --seq out")
+    rows = load_token_rows(run.data, tokenizer=args.tokenizer, max_positions=max_positions(model),
+                           truncate=args.truncate, vocab_size=_vocab_size(model))
+    if is_main_process():
+        print(f"train: {rows.summary()}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _need_causal_lm(run: _Run, model: Any) -> None:
+    from torch_tricks.inspect.inputs import is_causal_lm
 
     if not is_causal_lm(model):
         raise UserError(f"--data {run.data} is token data, for a transformers causal LM (e.g. --model hf:gpt2); "
                         f"{run.model} ({type(model).__name__}) is not one")
+
+
+def _token_data(run: _Run, model: Any, seq: int | None) -> Any:
+    from torch_tricks.data.tokens import TokenDataset
+    from torch_tricks.tuning.fit import max_positions
+
+    _need_causal_lm(run, model)
     positions = max_positions(model)
     if seq is None:
         seq = _recorded_seq(run.inputs) or positions
@@ -337,13 +378,14 @@ def _builtin_data(run: _Run, model: Any) -> tuple[Any, Any]:
     from torch_tricks.models import list_models, model_spec
 
     if run.data not in DATASETS:
-        raise UserError(f"unknown --data {run.data!r}: a built-in data set ({', '.join(DATASETS)}), or {FORM}")
+        raise UserError(f"unknown --data {run.data!r}: a built-in data set ({', '.join(DATASETS)}), or {FORM}; "
+                        f"{_SETS}")
     default = model_spec(run.model).default_input if run.model in list_models() else None
     specs = run.inputs or ([default] if default else None)
     kind = _input_kind(specs)
     if is_causal_lm(model) or kind == "tokens":
         given = f"--data {run.data} holds images, and " if run.data_given else ""
-        raise UserError(f"{given}{run.model} trains on token ids: give --data TOKENS, {FORM}")
+        raise UserError(f"{given}{run.model} trains on token ids: give --data TOKENS, {FORM}; {_SETS}")
     if run.recorded:  # a model of the user's choice (--model) meets the data as before: its forward says it
         _check_digits_fit(run.model, specs, kind)
     return load_dataset(run.data)

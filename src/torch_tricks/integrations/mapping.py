@@ -97,8 +97,8 @@ def sourced_keywords(config: TrainConfig, target: str) -> dict[str, tuple[Any, s
     """:func:`keywords` with, for each keyword, the configuration key that set it (what a conflict names)."""
     out: dict[str, tuple[Any, str]] = {}
     for key, route in routes(config, target, given=True).items():
-        if route.how != "arg":
-            continue
+        if route.how == "callback":
+            continue  # an arg's keywords, or those a code line comes with (group_by_length beside its collator)
         for k, v in route.kwargs.items():
             joined = isinstance(v, list) and k in out
             out[k] = (out[k][0] + v, out[k][1] + ", " + key) if joined else (v, out[k][1] if k in out else key)
@@ -233,6 +233,29 @@ _ATTENTION = "the model's `set_attn_implementation` (eager, sdpa, flex_attention
 _FLOAT8 = "torchao's `convert_to_float8_training` of the Linear layers float8 takes (CUDA 8.9+)"
 _LIGER = "Liger's `_apply_liger_kernel_to_instance` on the model (CUDA)"
 
+_TOKENS_IMPORT = "# from torch_tricks.data.token_batches import max_positions, packing_keywords, token_loader"
+
+
+def _token_loader_line(c: TrainConfig) -> str:
+    """The DataLoader line of an own loop (Lightning's, Accelerate's) over token rows batched as token_batches says."""
+    return (f"token_loader(dataset, batch_size={c.batch_size}, mode={c.token_batches!r}, "
+            f"row_len=max_positions(model), keywords=packing_keywords(model))  {_TOKENS_IMPORT}")
+
+
+_TOKEN_LOADER = Place("your DataLoader over token rows: `token_loader(..., mode=token_batches)` (T39-T41)",
+                      lambda c: Route("code", line=_token_loader_line(c)))
+
+
+def _hf_token_batches(c: TrainConfig) -> Route:
+    """The Trainer's ``data_collator`` for token_batches (and ``group_by_length`` for grouped)."""
+    imp = "# from torch_tricks.data.token_batches import max_positions, pack_collate, packing_keywords, pad_collate"
+    collate = {"padded": "pad_collate()", "grouped": "pad_collate()",
+               "packed": "pack_collate(max_positions(model), keywords=packing_keywords(model))",
+               "max": "pad_collate(pad_to=max_positions(model))"}[c.token_batches]
+    kwargs = {"group_by_length": True} if c.token_batches == "grouped" else {}
+    return Route("code", kwargs, line=f"Trainer(..., data_collator={collate})  {imp}")
+
+
 _PL = "lightning"
 _OPTIMIZERS = "`configure_optimizers`: `return optimizers_from(cfg, self)`"
 
@@ -290,6 +313,7 @@ _LIGHTNING: dict[str, Place] = {
     "max_steps": arg("`max_steps` (0: -1)", lambda c: {"max_steps": c.max_steps or -1}),
     "batch_size": Place("your DataLoader's `batch_size`",
                         lambda c: Route("code", line=f"DataLoader(dataset, batch_size={c.batch_size}, shuffle=True)")),
+    "token_batches": _TOKEN_LOADER,
     "lr": Place(_OPTIMIZERS, _pl_code("def configure_optimizers(self):\n    return optimizers_from(cfg, self)  "
                                       "# from torch_tricks.integrations.lightning import optimizers_from")),
     **{k: Place(_OPTIMIZERS, lambda c: Route("arg")) for k in (
@@ -397,6 +421,7 @@ _ACCELERATE: dict[str, Place] = {
                        _ac_code(lambda c: f"if tricks.step_count >= {c.max_steps}: break", lambda c: c.max_steps > 0)),
     "batch_size": Place("your DataLoader's `batch_size`",
                         _ac_code(lambda c: f"DataLoader(dataset, batch_size={c.batch_size}, shuffle=True)")),
+    "token_batches": _TOKEN_LOADER,
     **{k: _ac_tricks("the optimizer it builds (no-decay groups, fused step, low-precision state, scaled lr)")
        for k in ("lr", "optimizer", "weight_decay", "momentum", "scale_lr", "base_batch", "fused_optimizer",
                  "no_decay_norm_bias", "optimizer_state")},
@@ -546,6 +571,8 @@ _HF: dict[str, Place] = {
     "epochs": arg("`num_train_epochs`", lambda c: {"num_train_epochs": float(c.epochs)}),
     "max_steps": arg("`max_steps` (0: -1)", lambda c: {"max_steps": c.max_steps or -1}),
     "batch_size": arg("`per_device_train_batch_size`", lambda c: {"per_device_train_batch_size": c.batch_size}),
+    "token_batches": Place("`data_collator` (a `Trainer` keyword) for token rows (T39-T41); grouped also "
+                           "`group_by_length`", _hf_token_batches),
     "lr": arg("`learning_rate`", lambda c: {"learning_rate": learning_rate(c)}),
     "optimizer": arg("`optim` (adamw: `adamw_torch`; sgd: `sgd` with `optim_args` momentum)", _hf_optim),
     "weight_decay": arg("`weight_decay`", lambda c: {"weight_decay": c.weight_decay}),

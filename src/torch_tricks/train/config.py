@@ -19,6 +19,7 @@ from torch_tricks.errors import UserError, one_line
 __all__ = ["TrainConfig", "load_config", "DISTRIBUTED_MODES", "COMPILE_MODES", "why_not_in_backward"]
 
 DISTRIBUTED_MODES = ("auto", "ddp", "zero1", "fsdp", "off")  # TrainConfig.distributed (T18)
+TOKEN_BATCHES = ("padded", "grouped", "packed", "max")  # TrainConfig.token_batches (T39-T41; max: the baseline)
 # torch.compile's modes (T35; train.compile_modes says where each runs); here torch-free, for validate()
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # attention (T34): a transformers implementation, or one SDPA kernel (train.attention, train.sdpa_backend)
@@ -33,6 +34,7 @@ class TrainConfig:
     epochs: int = 10
     max_steps: int = 0  # optimizer steps; 0 = no limit besides epochs
     batch_size: int = 64  # used where the loop builds the loader (CLI, built-in data)
+    token_batches: str = "padded"  # rows of different lengths: padded (T39: to the batch's longest, x8) | grouped (T40) | packed (T41) | max (to the model's positions)
     lr: float = 1e-3
     optimizer: str = "adamw"  # sgd | adam | adamw
     weight_decay: float = 0.0
@@ -139,6 +141,8 @@ class TrainConfig:
              f"compile must be true, false or a mode ({', '.join(COMPILE_MODES[1:])}), not {self.compile!r}"),
             (self.fp32_matmul in ("", "ieee", "tf32", "bf16"),
              f"fp32_matmul must be ieee, tf32 or bf16 (or empty: the process's own), not {self.fp32_matmul!r}"),
+            (self.token_batches in TOKEN_BATCHES,
+             f"token_batches must be {', '.join(TOKEN_BATCHES[:-1])} or {TOKEN_BATCHES[-1]}, not {self.token_batches!r}"),
             (self.schedule in ("constant", "cosine", "linear"), f"schedule must be constant, cosine or linear, not {self.schedule!r}"),
             (0.0 < self.ema_decay < 1.0, "ema_decay must be between 0 and 1"),
             (0.0 <= self.swa_start < 1.0, "swa_start is a fraction of the epochs, in [0, 1)"),

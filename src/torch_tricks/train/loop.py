@@ -128,7 +128,8 @@ def fit(
     ``train_data``/``val_data`` are map-style datasets (the loop builds the loaders),
     iterables of ``(inputs, target)`` batches, e.g. DataLoaders, or a list of per-sample
     dicts as the transformers Trainer takes them (``{"input_ids": ids, "labels": ids}``,
-    tensors or lists of equal length; collated into batches of ``batch_size``). ``loss_fn(output,
+    tensors or lists of equal length; collated into batches of ``batch_size``; rows of ``input_ids`` alone may
+    differ in length: batched as ``token_batches`` says, T39-T41). ``loss_fn(output,
     target)`` must return the *mean* loss of its batch (default: ``--loss auto`` of
     :mod:`torch_tricks.outputs`: the output's own ``.loss``, else cross-entropy of the
     logits against class or token targets, mean squared error against float ones; the
@@ -153,6 +154,10 @@ def samples_dataset(data: Any) -> Any:
     """
     if not isinstance(data, (list, tuple)) or not data or not _is_sample(data[0]):
         return data
+    if all(isinstance(s, Mapping) and set(s) == {"input_ids"} for s in data):
+        from torch_tricks.data.token_batches import TokenRowList  # here: the data package costs ~85 ms
+
+        return TokenRowList(data)  # token rows, maybe of different lengths: batched as token_batches says
     return _Samples(data)
 
 
@@ -727,6 +732,9 @@ def _model_inputs(batch: Any) -> Any:
 def _set_epoch(loader: Any, epoch: int, seed: int) -> None:
     """Make this epoch's shuffle a function of (seed, epoch) so a resumed run replays it."""
     sampler = getattr(loader, "sampler", None)
+    batches = getattr(loader, "batch_sampler", None)
+    if hasattr(batches, "set_epoch"):  # token rows grouped by length or packed (T40, T41)
+        batches.set_epoch(epoch)
     if isinstance(sampler, DistributedSampler):
         sampler.set_epoch(epoch)
     elif isinstance(sampler, RandomSampler):

@@ -594,15 +594,40 @@ class Tricks:
         return EMA(self.unwrapped_model, decay=self.config.ema_decay)
 
     def _new_loader(self, data: Dataset, train: bool) -> DataLoader:
-        """A DataLoader of ``batch_size`` over ``data``: seeded shuffling, or a DistributedSampler under torchrun."""
+        """A DataLoader of ``batch_size`` over ``data``: seeded shuffling, or a DistributedSampler under torchrun;
+        token rows of different lengths batched as ``token_batches`` says (T39-T41)."""
+        from torch_tricks.data.token_batches import is_token_rows  # here: the data package costs ~85 ms
+
         cfg = self.config
         sampler = self._sampler(data, train) if self.dist is not None else None
+        if is_token_rows(data):
+            return self._token_loader(data, train, sampler)
         shuffle = train and sampler is None
         return DataLoader(
             data, batch_size=cfg.batch_size, shuffle=shuffle, sampler=sampler,
             generator=seeded_generator(cfg.seed) if shuffle else None,
             worker_init_fn=worker_init_fn, pin_memory=self.device.type == "cuda",
         )
+
+    def _token_loader(self, data: Dataset, train: bool, sampler: DistributedSampler | None) -> DataLoader:
+        from torch_tricks.data.token_batches import max_positions, pad_collate, packing_keywords, token_loader
+
+        cfg, model = self.config, self.unwrapped_model
+        pad_id = _pad_id(model)
+        if sampler is not None:
+            if cfg.token_batches in ("grouped", "packed"):
+                raise UserError(f"token_batches = {cfg.token_batches} is not built for torchrun yet (its batches are "
+                                "not split across ranks): use padded, or pass your own DataLoader")
+            pad_to = max_positions(model) if cfg.token_batches == "max" else None
+            return DataLoader(data, batch_size=cfg.batch_size, sampler=sampler, collate_fn=pad_collate(
+                pad_id=pad_id, pad_to=pad_to), pin_memory=self.device.type == "cuda")
+        keywords = packing_keywords(model) if cfg.token_batches == "packed" else None
+        trick = {"padded": "dynamic_padding", "grouped": "length_grouped", "packed": "packing"}.get(cfg.token_batches)
+        if trick is not None and trick not in self.applied:
+            self.applied.append(trick)
+        return token_loader(data, batch_size=cfg.batch_size, mode=cfg.token_batches, row_len=max_positions(model),
+                            pad_id=pad_id, seed=cfg.seed, shuffle=train, keywords=keywords,
+                            pin_memory=self.device.type == "cuda")
 
     def _sampler(self, dataset: Dataset, train: bool) -> DistributedSampler:
         return distributed_sampler(dataset, self.dist, shuffle=train, seed=self.config.seed)
@@ -881,6 +906,19 @@ def _same_side(what: str, saved: Any, here: Any, fix: str) -> None:
     if (saved is None) != (here is None):
         has, lacks = ("the saved state", "this Tricks") if saved is not None else ("this Tricks", "the saved state")
         raise UserError(f"{has} has {what} and {lacks} has none: resume with {fix}")
+
+
+def _pad_id(model: nn.Module) -> int:
+    """The id a transformers model pads with (its pad token, else its end-of-text token), else 0: padding is
+    masked out of attention and loss, so any id in the vocabulary serves."""
+    cfg = getattr(model, "config", None)
+    for key in ("pad_token_id", "eos_token_id"):
+        v = getattr(cfg, key, None)
+        v = v[0] if isinstance(v, list) and v else v
+        vocab = getattr(cfg, "vocab_size", None)
+        if isinstance(v, int) and v >= 0 and (not isinstance(vocab, int) or v < vocab):
+            return v
+    return 0
 
 
 def _first_loader(objs: list[Any]) -> Any:

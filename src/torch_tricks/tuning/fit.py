@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from torch_tricks import batches as B
 from torch_tricks.errors import UserError
+from torch_tricks.data.token_batches import max_positions
 
 __all__ = ["FitTarget", "parse_fit", "apply_fit", "sequence_length", "with_sequence_length", "tiled",
            "max_positions"]
@@ -107,16 +108,6 @@ def tiled(batch: Any, n: int) -> Any:
         reps = -(-n // t.shape[0])
         return t.repeat(reps, *([1] * (t.dim() - 1)))[:n]
     return B.map_tensors(batch, tile)
-
-
-def max_positions(model: nn.Module) -> int | None:
-    """The longest sequence a transformers model takes (its config's positions), None if it says none."""
-    cfg = getattr(model, "config", None)
-    for key in ("n_positions", "max_position_embeddings"):
-        v = getattr(cfg, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
 
 
 def _describe_inputs(batch: Any) -> str:
