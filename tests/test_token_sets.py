@@ -237,6 +237,6 @@ def test_train_on_a_token_set_says_what_it_read(tmp_path, capsys, monkeypatch):
                  "--no-progress", "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert ("train: long.jsonl (JSONL, input_ids): 4 rows read, 4 kept, 51 tokens, the longest 16; 2 rows cut to 16 "
+    assert ("data: long.jsonl (JSONL, input_ids): 4 rows read, 4 kept, 51 tokens, the longest 16; 2 rows cut to 16 "
             "tokens") in err
     assert json.loads(out)["steps"] == 1  # stdout holds only the history

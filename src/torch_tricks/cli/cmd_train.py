@@ -52,7 +52,13 @@ def add_commands(sub: Any) -> None:
                     help=f"{', '.join(LOSSES)} (default auto: the model's own .loss, else cross-entropy for class "
                          "or token logits, with next-token targets for token models, mse otherwise)")
     sp.add_argument("--data", metavar="PATH", help="also time the data loader on this data set (a pack, an ImageFolder "
-                                                   "tree or an HDF5 file): is the step data-bound?")
+                                                   "tree or an HDF5 file): is the step data-bound? Or a token set "
+                                                   "(a saved data set folder, FILE.jsonl, FILE.parquet) for a causal "
+                                                   "LM: tuned on its longest rows, and its ways to batch (padded, "
+                                                   "grouped, packed) measured in real tokens/s")
+    sp.add_argument("--tokenizer", metavar="PATH", help="a local tokenizer folder for a token set's text column")
+    sp.add_argument("--truncate", action="store_true",
+                    help="cut a token set's rows longer than the model's positions to them (counted)")
     sp.add_argument("--deploy", action="store_true", help="also measure the inference chain (fuse, int8, bf16 ...)")
     sp.add_argument("--budget-seconds", type=float, default=120.0, help="wall-clock budget (default 120)")
     sp.add_argument("--memory-limit", metavar="SIZE",
@@ -120,6 +126,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from torch_tricks.batches import example_batch
+    from torch_tricks.outputs import get_loss
     from torch_tricks.train.distributed import get_rank
     from torch_tricks.tuning import parse_size, tune
 
@@ -133,14 +140,21 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
         emit_lines({}, args.emit)
     model, inputs, specs = load_with_specs(args)
-    batch, loss_fn = example_batch(model, inputs, seed=args.seed, loss=args.loss)
+    rows = _tune_token_rows(args, model)
+    if rows is not None:  # the worst case first: the batch of the data's longest rows
+        batch, loss_fn = _longest_batch(rows, args.batch), get_loss(args.loss)
+    else:
+        batch, loss_fn = example_batch(model, inputs, seed=args.seed, loss=args.loss)
     rank = get_rank()  # under torchrun: rank 0 prints and writes
     report = tune(model, batch, loss_fn, optimizer=args.optimizer, lr=args.lr, device=args.device,
-                  budget_s=args.budget_seconds, memory_limit=limit, data=args.data, deploy=args.deploy,
+                  budget_s=args.budget_seconds, memory_limit=limit, data=rows if rows is not None else args.data,
+                  deploy=args.deploy,
                   seed=args.seed, progress=args.progress and rank == 0, name=args.model, skip=args.skip or (),
                   processes=args.processes, steps=args.steps, fit=args.fit)
     if rank != 0:
         return 0
+    if rows is not None:
+        report.notes.append(_longest_note(rows, batch))
     report.model_record = _model_record(args, specs, report)
     if args.emit:
         source = str(Path(args.out) / "tricks.toml") if args.out else None  # the lines name the file written
@@ -155,6 +169,36 @@ def cmd_tune(args: argparse.Namespace) -> int:
         text += "\nwritten: " + ", ".join(str(p) for p in paths.values())
     emit(args, data, text)
     return 0
+
+
+def _tune_token_rows(args: argparse.Namespace, model: Any) -> Any:
+    """The token set of ``--data`` (rows of different lengths), or None for any other --data."""
+    from torch_tricks.data.token_sets import is_token_set
+
+    if not args.data or not is_token_set(args.data):
+        if args.tokenizer is not None or args.truncate:
+            raise UserError(f"{'--tokenizer' if args.tokenizer is not None else '--truncate'} is for a token set "
+                            "(--data FOLDER, FILE.jsonl or FILE.parquet): give one, or leave the flag out")
+        return None
+    if args.input:
+        raise UserError("give --input or a token set in --data, not both: the tune's batch is the data's longest rows")
+    return _token_set(_Run(args.model, args.hf_config, None, None, args.data, False, True), model, args)
+
+
+def _longest_batch(rows: Any, batch: int) -> dict[str, Any]:
+    """The ``batch`` longest rows padded to the longest (x8): the largest batch the sampler can form, so a
+    batch said to fit fits for the whole epoch."""
+    from torch_tricks.data.token_batches import pad_collate
+
+    longest = sorted(range(len(rows)), key=lambda i: -rows.lengths[i])[:batch]
+    return pad_collate()([rows[i] for i in longest])
+
+
+def _longest_note(rows: Any, batch: dict[str, Any]) -> str:
+    n, width = batch["input_ids"].shape
+    return (f"tuned on the data's {n} longest rows, padded to {width} tokens (of {len(rows):,} rows, lengths "
+            f"{min(rows.lengths)}-{max(rows.lengths)}): the largest batch any sampler forms, so what fits here fits "
+            "the whole epoch")
 
 
 def cmd_ckpt_export(args: argparse.Namespace) -> int:
@@ -320,13 +364,13 @@ def _token_set(run: _Run, model: Any, args: argparse.Namespace) -> Any:
     from torch_tricks.tuning.fit import max_positions
 
     _need_causal_lm(run, model)
-    if args.seq is not None:
+    if getattr(args, "seq", None) is not None:
         raise UserError(f"--seq sets the window length of a 1-D token file; the rows of {run.data} keep their own "
                         "lengths (up to the model's positions, --truncate cuts longer ones): leave --seq out")
     rows = load_token_rows(run.data, tokenizer=args.tokenizer, max_positions=max_positions(model),
                            truncate=args.truncate, vocab_size=_vocab_size(model))
     if is_main_process():
-        print(f"train: {rows.summary()}", file=sys.stderr, flush=True)
+        print(f"data: {rows.summary()}", file=sys.stderr, flush=True)
     return rows
 
 

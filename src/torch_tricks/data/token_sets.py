@@ -116,9 +116,15 @@ def load_token_rows(ref: str | Path, *, tokenizer: Any = None, max_positions: in
 
 
 def is_token_set(ref: str | Path) -> bool:
-    """Whether ``ref`` names a token set (a ``.jsonl`` / ``.parquet`` file, or a folder, ``FOLDER:SPLIT`` too)."""
+    """Whether ``ref`` names a token set (a ``.jsonl`` / ``.parquet`` file, or a folder ``save_to_disk`` wrote,
+    ``FOLDER:SPLIT`` too). Another folder (an ImageFolder tree, a pack) is not one."""
     path, _ = _split_ref(ref)
-    return path.suffix.lower() in SUFFIXES or path.is_dir()
+    return path.suffix.lower() in SUFFIXES or (path.is_dir() and any(
+        (path / marker).is_file() for marker in _SAVED_MARKERS))
+
+
+# what datasets' save_to_disk writes at the top of a Dataset's folder, or of a DatasetDict's
+_SAVED_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
 
 
 # -- internals: where the rows come from -----------------------------------------------------------

@@ -157,6 +157,8 @@ def _left_out(trick: Trick, skip: set[str]) -> str:
     if trick.name == "compile_mode" and "compile" in skip:
         return "left out with compile by the caller (skip)"
     if trick.kind != "train":
+        if trick.name in TOKEN_TRICKS:
+            return "a data trick: measured with --data TOKENS (a token set), in real tokens a second"
         where = "--data" if trick.kind == "data" else "--deploy"
         return (f"a {trick.kind} trick: measured with {where}" if trick.name in _MEASURED_ELSEWHERE
                 else f"a {trick.kind} trick, not a switch of the training step")
@@ -192,6 +194,8 @@ def _with_caveat(cand: Candidate, ids: tuple[str, ...], why: str) -> Candidate:
 
 # What ``tune(data=...)`` (the loader-tune: workers, pinning, a pack's batched reads, the
 # decoder's rate) and ``tune(deploy=True)`` (the deploy chains) measure.
+# T39-T41: measured by the token phase (tuning.token_phase) on the rows given, not as a switch of the step
+TOKEN_TRICKS = frozenset({"dynamic_padding", "length_grouped", "packing"})
 _MEASURED_ELSEWHERE = {"packed_dataset", "loader_defaults", "fast_decode",
                        "fuse", "reparam", "int8", "int8-dynamic", "bf16", "fp16", "onnx", "onnx-int8"}
 

@@ -29,12 +29,12 @@ def _is_count(n: Any) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 1
 
 
-def _check_skip_and_data(skip: Sequence[str], data: str | None) -> None:
+def _check_skip_and_data(skip: Sequence[str], data: Any) -> None:
     """An unknown trick name to skip, or a data path that is not there: a UserError before anything is measured."""
     for name_ in skip:
         if name_.split(":")[0] != "threads":  # the intra-op threads: raced on a CPU, not a registered trick
             get_trick(name_.split(":")[0])  # an unknown name is a UserError listing the tricks
-    if data is not None and not Path(data).exists():
+    if data is not None and isinstance(data, (str, Path)) and not Path(data).exists():
         raise UserError(f"no data set at {str(data)!r} (--data takes a pack, an ImageFolder tree or an HDF5 file)")
 
 
@@ -114,3 +114,16 @@ def parse_size(text: str) -> int:
         raise UserError(f"the size {text!r} must be > 0")
     return value
 
+
+
+def token_rows_of(data: Any) -> Any:
+    """``data`` as token rows for the tune's token phase (a data set with ``lengths``, or a list of
+    ``{"input_ids": ...}`` rows), else None (a path: the loader phase)."""
+    from torch_tricks.data.token_batches import TokenRowList, is_token_rows
+
+    if is_token_rows(data):
+        return data
+    if isinstance(data, (list, tuple)) and data and all(isinstance(r, dict) and set(r) == {"input_ids"}
+                                                         for r in data):
+        return TokenRowList(data)
+    return None

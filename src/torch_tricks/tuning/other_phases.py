@@ -18,9 +18,11 @@ from torch_tricks.data.loader_tune import tune_loader_path
 from torch_tricks.errors import UserError, one_line
 from torch_tricks.inspect.peak import cached_peak, device_peak
 from torch_tricks.tuning import distributed as D
+from torch_tricks.tuning.candidates import TOKEN_TRICKS
 from torch_tricks.tuning.decide import DRIFT_TOLERANCE, MIN_EFFECT
 from torch_tricks.tuning.efficiency import efficiency, step_cost
 from torch_tricks.tuning.result import Result
+from torch_tricks.tuning.token_phase import measure_token_batches
 
 # MFU (issue 22): counting a step's FLOPs costs a few plain steps (the counter sees every operator); a machine's
 # first peak measurement (square matmuls up to 4096 in each dtype) some seconds, once
@@ -75,14 +77,18 @@ class OtherPhases:
             return None
         return lambda: device_peak(dev, refresh=True)
 
-    def _other_phases(self, data: str | None) -> None:
-        """7. the distributed rows, data and deploy, each in its share of the budget."""
+    def _other_phases(self, data: Any) -> None:
+        """7. the distributed rows, data (a loader, or token rows) and deploy, each in its share of the budget."""
         report = self.report
         if self.dist_world:
             report.distributed = self._timed_phase(f"{self.dist_world} processes", "distributed",
                                                    self._measure_distributed)
-        if data:
-            report.data = self._timed_phase("data", "data", lambda: self._measure_data(data))
+        if isinstance(data, (str, os.PathLike)):
+            report.data = self._timed_phase("data", "data", lambda: self._measure_data(str(data)))
+        elif data is not None:
+            report.tokens = self._timed_phase("token batches", "tokens", lambda: self._measure_tokens(data))
+            if report.tokens.get("status") == "measured":  # their rows are in the token table, not skipped
+                report.skipped = [s for s in report.skipped if s.name not in TOKEN_TRICKS]
         if self.deploy_start_share:
             report.deploy = self._timed_phase("deploy", "deploy", self._measure_deploy)
 
@@ -156,6 +162,19 @@ class OtherPhases:
         except Exception as exc:
             return {"path": path, "status": "failed", "reason": one_line(exc, with_type=True)}
         return _loader_against_step(path, lt, report.batch, report.best_throughput or report.baseline)
+
+    def _measure_tokens(self, data: Any) -> dict[str, Any]:
+        """T39-T41 on a sample of the token rows, in real tokens a second (tuning.token_phase)."""
+        left = self.deadline - self.deploy_start_share - time.perf_counter()
+        if left < 3:
+            return {"status": "skipped", "reason": "over --budget-seconds before the token batches could be timed"}
+        try:
+            return measure_token_batches(self.model, data, batch_size=self.report.batch,
+                                         device=torch.device(self.report.device), seconds=left,
+                                         seed=int(self.base_cfg.get("seed", 0)), min_effect=self.report.min_effect,
+                                         loss_fn=self.kw.get("loss_fn"))
+        except UserError as exc:
+            return {"status": "failed", "reason": one_line(exc)}
 
     def _measure_deploy(self) -> dict[str, Any]:
         """The inference chains (fuse, int8 ...) on an eval copy, each against eager fp32."""

@@ -78,6 +78,7 @@ class TuneReport(Explain, Payback, ReportText, ReportDistributed, ReportFiles, R
     drift_tolerance: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     data: dict[str, Any] | None = None
+    tokens: dict[str, Any] | None = None  # T39-T41: the ways to batch the token rows given, real tokens/s (token_phase)
     deploy: dict[str, Any] | None = None
     efficiency: dict[str, Any] | None = None  # MFU of plain and the recommendation (status, figures, or why not)
     emit: dict[str, Any] | None = None  # tune --emit: {"target", "title", "lines"} of the trainer it applies to
@@ -114,6 +115,8 @@ class TuneReport(Explain, Payback, ReportText, ReportDistributed, ReportFiles, R
             cfg["optimizer"] = self.optimizer
         if which == "throughput":  # T36: a larger micro-batch that keeps the effective batch, measured faster
             cfg.update(self._throughput_accumulate())
+        if (self.tokens or {}).get("choice"):  # T39-T41, measured on the rows given: decided either way
+            cfg["token_batches"] = self.tokens["choice"]
         batch = self._tuned_batch(which, best)
         mode = self.distributed_choice() if which == "throughput" else None
         if mode is not None:  # fit's batch_size is per rank: the ranks together take the tuned global batch
@@ -204,6 +207,8 @@ class TuneReport(Explain, Payback, ReportText, ReportDistributed, ReportFiles, R
         out = [k if cfg[k] is True else f"{k}={cfg[k]}" for k in TUNED_KEYS if cfg.get(k, plain[k]) != plain[k]]
         if cfg.get("distributed") not in (None, "off"):
             out.append(f"distributed={cfg['distributed']}")
+        if cfg.get("token_batches", "padded") != "padded":  # the loop's default for rows of different lengths
+            out.append(f"token_batches={cfg['token_batches']}")
         return out
 
     def tricks_toml(self, which: str = "throughput") -> str:
@@ -215,12 +220,21 @@ class TuneReport(Explain, Payback, ReportText, ReportDistributed, ReportFiles, R
                  f"# switched on: {', '.join(on) if on else 'nothing'}; [train] holds only the keys the tune "
                  "decided (a trainer keeps its own value of any other)",
                  *self._distributed_header(which),
-                 *(self._toml_reasons() + self._throughput_batch_comment() if which == "throughput" else []),
+                 *(self._toml_reasons() + self._throughput_batch_comment() + self._token_comment()
+                   if which == "throughput" else []),
                  *("# " + line if line else "#" for line in HOW_TO_APPLY.splitlines()),
                  "[train]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in cfg.items()]
         lines += model_table(self.model_record, self.model)  # after [train]: load_config reads [train] only
         return "\n".join(lines) + "\n"
+
+    def _token_comment(self) -> list[str]:
+        """token_batches' reason, with each way's real tokens a second, for tricks.toml."""
+        t = self.tokens or {}
+        if not t.get("choice"):
+            return []
+        ways = ", ".join(f"{w['way']} {w['real_tokens_per_s']:,.0f}" for w in t["ways"] if w.get("status") == "measured")
+        return [f"#   token_batches = {t['choice']}: {t['reason']} (real tokens/s: {ways})"]
 
     def _chosen_for(self, which: str) -> str:
         """'what it is chosen for: the configuration' (throughput, or the largest batch), for tricks.toml's header."""

@@ -56,7 +56,7 @@ class ReportFiles:
             "best_throughput": _name(self.best_throughput), "best_batch": _name(self.best_batch),
             "fits_with": self.fits_with,
             **self._recommendations(),
-            "notes": self.notes, "data": self.data, "deploy": self.deploy,
+            "notes": self.notes, "data": self.data, "tokens": self.tokens, "deploy": self.deploy,
             "efficiency": self.efficiency, "throughput_batch": self.throughput_batch, "mfu": {k: r["mfu"] for k, r in (self.efficiency or {}).get("rows", {}).items()},
             "distributed": _finite(self.distributed),
             "run_steps": self.run_steps, "run_steps_source": self.run_steps_source,

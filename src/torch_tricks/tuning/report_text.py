@@ -90,7 +90,7 @@ class ReportText:
         lines += self._efficiency_lines()
         lines += self._memory_lines() + self._throughput_batch_lines() + [f"note: {n}" for n in self.notes]
         lines += self.distributed_lines()
-        lines += self._data_lines() + self._deploy_lines()
+        lines += self._data_lines() + self._token_lines() + self._deploy_lines()
         return lines + [self._tricks_toml_line(), self._time_line()]
 
     def _setup_lines(self) -> list[str]:
@@ -243,6 +243,25 @@ class ReportText:
         if not self.data:
             return []
         return ["data: " + (self.data.get("summary") or f"{self.data.get('status')}: {self.data.get('reason', '')}")]
+
+    def _token_lines(self) -> list[str]:
+        """The ways to batch the token rows, each in real tokens a second against padding to the maximum."""
+        t = self.tokens
+        if not t:
+            return []
+        if t.get("status") != "measured":
+            return [f"token batches: {t.get('status')}: {t.get('reason', '')}"]
+        out = [f"token batches ({t['sample_rows']} rows of the data, {t['real_tokens']:,} tokens; real tokens/s, "
+               "padding not counted):"]
+        for w in t["ways"]:
+            if w.get("status") == "measured":
+                vs = f", {w['vs_max']:.2f}x padded-to-max" if w.get("vs_max") else ""
+                out.append(f"  {w['way']:<8} {w['real_tokens_per_s']:>10,.0f} tok/s ({w['real_share']:.0%} of the "
+                           f"tokens computed are data{vs}; at most {w['tokens_per_step']:,} tokens a step)")
+            else:
+                out.append(f"  {w['way']:<8} {w['status']}: {w.get('reason', '')}")
+        out.append(f"  token_batches = {t['choice']}: {t['reason']}" if t.get("choice") else f"  {t.get('reason')}")
+        return out
 
     def _deploy_lines(self) -> list[str]:
         if not self.deploy:

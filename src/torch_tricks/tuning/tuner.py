@@ -84,6 +84,7 @@ from torch_tricks.tuning.inputs import (
     _build_model,
     _check_budget_and_steps,
     _check_skip_and_data,
+    token_rows_of,
     _input_shapes,
     _memory_limit,
     _worlds,
@@ -123,7 +124,7 @@ def tune(
     device: str | torch.device = "cpu",
     budget_s: float = 120.0,
     memory_limit: int | None = None,
-    data: str | None = None,
+    data: Any = None,
     deploy: bool = False,
     seed: int = 0,
     progress: bool = True,
@@ -144,7 +145,9 @@ def tune(
     cross-entropy); ``optimizer_fn(params)`` builds the optimizer (default: the
     ``optimizer`` by name with ``fit``'s no-decay groups). ``memory_limit`` in bytes
     (default: CUDA's total memory, or 80% of the RAM available now). ``data``: a
-    dataset path for the loader measurement; ``deploy``: also measure the inference
+    dataset path for the loader measurement, or token rows of different lengths (a data set with
+    ``lengths``, or a list of ``{"input_ids": ...}``): the ways to batch them (T39-T41) measured in
+    real tokens a second (:mod:`~torch_tricks.tuning.token_phase`); ``deploy``: also measure the inference
     chain. ``skip``: trick names to leave out. Returns a :class:`TuneReport`; nothing
     is printed (the progress bar goes to stderr; ``progress=False`` hides it).
 
@@ -170,6 +173,7 @@ def tune(
     dev = resolve_device(device)
     parts = B.unpack(example_batch)  # a UserError for what is not a batch
     _check_skip_and_data(skip, data)
+    data = token_rows_of(data) if token_rows_of(data) is not None else data
     fit_t = fit_mod.parse_fit(fit)
     seed_everything(seed)
     model = _build_model(model_fn)
@@ -207,11 +211,11 @@ def tune(
 
     from tqdm.auto import tqdm
 
-    total = 4 + len(cands) + bool(data) + bool(deploy) + bool(dist_world)
+    total = 4 + len(cands) + (data is not None) + bool(deploy) + bool(dist_world)
     bar = tqdm(total=total, desc="tune", unit="phase", disable=not progress, leave=False)
     monitor = LoadMonitor().start()  # other processes' CPU use during the tune: said in the report's first line
     with new_objects_only(), _threads_kept():  # the collections around every memory measurement skip the caller's
-        _run_job(_Tune(model, batches, base_cfg, kw, limit, report, bar, t_start, float(budget_s), bool(data),
+        _run_job(_Tune(model, batches, base_cfg, kw, limit, report, bar, t_start, float(budget_s), data is not None,
                        bool(deploy), dist_world=dist_world, channel=_channel, fit=fit_t, monitor=monitor), cands, data)
     report.machine = _machine_record(monitor, dev)
     report.elapsed_s = time.perf_counter() - t_start
@@ -261,7 +265,7 @@ def _machine_record(monitor: LoadMonitor, dev: torch.device) -> dict[str, Any]:
     return out
 
 
-def _run_job(job: _Tune, cands: list[Candidate], data: str | None) -> None:
+def _run_job(job: _Tune, cands: list[Candidate], data: Any) -> None:
     """The job's plan with torch's warnings kept off the table; the progress bar is closed whatever happens."""
     try:
         with warnings.catch_warnings():
@@ -393,7 +397,7 @@ class _Tune(Clock, Builds, Contenders, Races, Decisions, Combining, UnderLimit, 
         self.later: Race | None = None  # the memory and cost tricks' race, after the speed question
         self.later_res: list[Result] = []
 
-    def run(self, cands: list[Candidate], data: str | None) -> None:
+    def run(self, cands: list[Candidate], data: Any) -> None:
         """The plan (see the module's docstring): the baselines, each candidate's drift and memory, the race,
         the combinations and the largest batch, compile, more rounds, then the distributed rows, data and deploy."""
         if not self._baselines(cands):

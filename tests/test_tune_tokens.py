@@ -1,0 +1,100 @@
+"""The tune's token phase (tuning.token_phase): T39-T41 measured on the user's rows, in real tokens a second."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_tricks.tuning.report import TuneReport
+from torch_tricks.tuning.token_phase import _decide, measure_token_batches
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2(positions=128):
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=positions, vocab_size=64,
+                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, loss_type="ForCausalLM")
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _rows(n=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.exp(torch.randn(n, generator=gen) * 0.8 + 3.0).clamp(4, 128).long()
+    return [{"input_ids": torch.randint(0, 64, (int(k),), generator=gen)} for k in lengths]
+
+
+def test_every_way_is_measured_on_the_same_rows_and_padding_is_not_counted():
+    rows = _rows()
+    out = measure_token_batches(_gpt2(), rows, batch_size=4, device=torch.device("cpu"), seconds=8.0)
+    assert out["status"] == "measured" and out["sample_rows"] == 16
+    ways = {w["way"]: w for w in out["ways"]}
+    assert set(ways) == {"max", "padded", "grouped", "packed"}
+    assert all(w["status"] == "measured" for w in ways.values()), ways
+    assert ways["max"]["real_share"] < ways["padded"]["real_share"] <= 1.0
+    assert ways["packed"]["real_share"] > 0.8  # packed rows hold almost no padding
+    assert ways["max"]["tokens_per_step"] == 4 * 128  # padded to the model's positions
+    assert out["packing_leak"] < 1e-4 and out["noise"] is not None
+    assert out["choice"] in ("padded", "grouped", "packed") and out["reason"]
+
+
+def test_packing_is_refused_for_a_model_that_lets_packed_sequences_see_each_other(monkeypatch):
+    import torch_tricks.tuning.token_phase as tp
+
+    monkeypatch.setattr(tp, "packing_keywords", lambda model: {})  # the cache stays on: transformers ignores packing
+    monkeypatch.setattr(tp, "_leak", lambda model, device: tp.packing_leak(model, vocab_size=64, keywords={}))
+    out = measure_token_batches(_gpt2(), _rows(), batch_size=4, device=torch.device("cpu"), seconds=4.0)
+    packed = next(w for w in out["ways"] if w["way"] == "packed")
+    assert packed["status"] == "refused" and "attend to each other" in packed["reason"]
+    assert out["choice"] != "packed"
+
+
+def test_the_choice_needs_a_gain_beyond_the_noise():
+    rows = [{"way": "max", "status": "measured", "real_tokens_per_s": 100.0},
+            {"way": "padded", "status": "measured", "real_tokens_per_s": 200.0},
+            {"way": "grouped", "status": "measured", "real_tokens_per_s": 206.0},
+            {"way": "packed", "status": "measured", "real_tokens_per_s": 240.0}]
+    times = {"max": [1.0, 1.0], "max (again)": [1.1, 1.1]}  # A/A: 9% noise
+    assert _decide(rows, times, 0.02)["choice"] == "packed"
+    rows[3]["real_tokens_per_s"] = 210.0  # 5%: inside the noise
+    d = _decide(rows, times, 0.02)
+    assert d["choice"] == "padded" and "no way beat padded beyond the noise" in d["reason"]
+
+
+def test_the_choice_reaches_tricks_toml_and_the_report():
+    report = TuneReport(model="gpt2", batch=4, device="cpu", optimizer="adamw", memory_limit=1 << 30,
+                        memory_limit_source="given", budget_s=60.0)
+    report.tokens = {"status": "measured", "sample_rows": 16, "real_tokens": 500, "choice": "packed",
+                     "reason": "packed 1.80x the real tokens a second of padded (beyond the noise, 2%)",
+                     "ways": [{"way": w, "status": "measured", "real_tokens_per_s": r, "real_share": 0.5,
+                               "vs_max": r / 100, "tokens_per_step": 512}
+                              for w, r in (("max", 100.0), ("padded", 150.0), ("grouped", 160.0), ("packed", 270.0))]}
+    assert report.recommended_config()["token_batches"] == "packed"
+    toml = report.tricks_toml()
+    assert 'token_batches = "packed"' in toml and "# token_batches = packed: packed 1.80x" in toml.replace("#   ", "# ")
+    text = "\n".join(report.summary_lines())
+    assert "token batches (16 rows" in text and "token_batches = packed" in text
+    report.tokens = {"status": "skipped", "reason": "over --budget-seconds"}
+    assert "token_batches" not in report.recommended_config()
+
+
+def test_cli_tune_on_a_token_set_tunes_the_longest_rows_and_writes_token_batches(tmp_path, monkeypatch, capsys):
+    import json
+
+    from torch_tricks.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with open("rows.jsonl", "w") as f:
+        for r in _rows(40):
+            f.write(json.dumps({"input_ids": r["input_ids"].tolist()}) + "\n")
+    longest = max(len(r["input_ids"]) for r in _rows(40))
+    code = main(["tune", "--model", "hf:gpt2", "--hf-config", "n_layer=1,n_embd=32,n_head=2,n_positions=128,"
+                 "vocab_size=64", "--data", "rows.jsonl", "--batch", "4", "--budget-seconds", "15", "--no-progress",
+                 "--out", "rep", "--skip", "compile"])
+    assert code == 0
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["inputs"][0][-1] == -(-longest // 8) * 8  # the batch of the longest rows, padded to x8
+    assert any("longest rows" in n for n in report["notes"])
+    assert report["tokens"]["status"] == "measured", report["tokens"]
+    assert f'token_batches = "{report["tokens"]["choice"]}"' in (tmp_path / "rep" / "tricks.toml").read_text()
+    assert "data: rows.jsonl" in capsys.readouterr().err
