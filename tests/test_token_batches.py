@@ -34,7 +34,8 @@ def test_pad_collate_pads_to_the_longest_row_rounded_to_8():
     assert batch["attention_mask"].sum(1).tolist() == [5, 17, 9]
     assert (batch["input_ids"][0, 5:] == 7).all()
     assert (batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all()
-    assert torch.equal(batch["labels"][1], batch["input_ids"][1][:24].masked_fill(torch.arange(24) >= 17, -100))
+    expected = batch["input_ids"][1].masked_fill((torch.arange(24) >= 17) | (torch.arange(24) == 0), -100)
+    assert torch.equal(batch["labels"][1], expected)  # the first token predicted by none, as in a packed row
     assert pad_collate(pad_to=32)(_rows((5, 9)))["input_ids"].shape == (2, 32)
     with pytest.raises(UserError, match="does not fit pad_to=8"):
         pad_collate(pad_to=8)(_rows((9,)))
@@ -208,3 +209,29 @@ def test_tricks_batch_token_rows_as_token_batches_says_and_fit_trains_on_them(mo
     assert history.steps == 2 and torch.isfinite(torch.tensor(history.final["train_loss"]))
     trick = {"padded": "dynamic_padding", "grouped": "length_grouped", "packed": "packing"}.get(mode)
     assert (trick in history.applied) if trick else not {"dynamic_padding", "packing"} & set(history.applied)
+
+
+def test_a_padded_token_batch_split_on_out_of_memory_keeps_the_per_token_mean():
+    """auto_micro_batch halves a batch whose rows hold different numbers of tokens: each half is weighted by its
+    tokens (labels that count), so the update equals the whole batch's (a half weighted by its rows would not)."""
+    from torch_tricks import fit
+
+    class OOMAbove(nn.Module):
+        def __init__(self, inner, limit):
+            super().__init__()
+            self.inner, self.limit = inner, limit
+
+        def forward(self, input_ids, labels=None, **kw):
+            if input_ids.shape[0] > self.limit:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return self.inner(input_ids=input_ids, labels=labels, **kw)
+
+    rows = _rows((3, 30, 4, 28, 5, 31, 2, 25))  # halves of very different token counts
+    cfg = {"batch_size": 8, "max_steps": 1, "optimizer": "sgd", "lr": 0.5, "momentum": 0.0, "progress": False,
+           "token_batches": "padded", "seed": 0}
+    split, whole = OOMAbove(_gpt2(), limit=4), _gpt2()
+    h = fit(split, rows, config={**cfg, "auto_micro_batch": True})
+    fit(whole, rows, config=cfg)
+    assert h.micro_batches == 2 and h.steps == 1
+    for p, q in zip(split.inner.parameters(), whole.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=2e-6)

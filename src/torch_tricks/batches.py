@@ -77,10 +77,17 @@ def call(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = None
     return model(*b.args, **kwargs)
 
 
+IGNORE_INDEX = -100  # a target the losses skip (torch's and transformers' ignore_index)
+
+
 def count(batch: Any) -> int:
-    """Samples (class targets) or tokens (sequence targets): the target's element count; the batch size without one."""
+    """Samples (class targets) or tokens (sequence targets): the target's element count less the ignored ones
+    (-100: padding, a packed sequence's first token); the batch size without one. Micro-batches are weighted
+    by it, so a padded token batch split under accumulation keeps its per-token mean."""
     y = unpack(batch).target
     if isinstance(y, torch.Tensor):
+        if not y.dtype.is_floating_point and y.dim() >= 2:
+            return int((y != IGNORE_INDEX).sum())
         return int(y.numel())
     return len(y) if y is not None else batch_size(batch)
 

@@ -126,6 +126,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from torch_tricks.batches import example_batch
+    from torch_tricks.data.token_batches import longest_batch
     from torch_tricks.outputs import get_loss
     from torch_tricks.train.distributed import get_rank
     from torch_tricks.tuning import parse_size, tune
@@ -142,7 +143,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     model, inputs, specs = load_with_specs(args)
     rows = _tune_token_rows(args, model)
     if rows is not None:  # the worst case first: the batch of the data's longest rows
-        batch, loss_fn = _longest_batch(rows, args.batch), get_loss(args.loss)
+        batch, loss_fn = longest_batch(rows, args.batch), get_loss(args.loss)
     else:
         batch, loss_fn = example_batch(model, inputs, seed=args.seed, loss=args.loss)
     rank = get_rank()  # under torchrun: rank 0 prints and writes
@@ -183,15 +184,6 @@ def _tune_token_rows(args: argparse.Namespace, model: Any) -> Any:
     if args.input:
         raise UserError("give --input or a token set in --data, not both: the tune's batch is the data's longest rows")
     return _token_set(_Run(args.model, args.hf_config, None, None, args.data, False, True), model, args)
-
-
-def _longest_batch(rows: Any, batch: int) -> dict[str, Any]:
-    """The ``batch`` longest rows padded to the longest (x8): the largest batch the sampler can form, so a
-    batch said to fit fits for the whole epoch."""
-    from torch_tricks.data.token_batches import pad_collate
-
-    longest = sorted(range(len(rows)), key=lambda i: -rows.lengths[i])[:batch]
-    return pad_collate()([rows[i] for i in longest])
 
 
 def _longest_note(rows: Any, batch: dict[str, Any]) -> str:

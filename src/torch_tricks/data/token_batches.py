@@ -35,14 +35,14 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from torch_tricks.batches import IGNORE_INDEX  # the label of a token no loss counts
 from torch_tricks.errors import UserError
 from torch_tricks.registry import register_trick
 
 __all__ = ["IGNORE_INDEX", "PadCollate", "PackCollate", "PackedBatchSampler", "LengthGroupedBatchSampler",
-           "pad_collate", "pack_collate", "length_grouped", "packed_attention_mask", "packing_keywords", "packing_leak", "row_lengths",
-           "real_tokens", "first_fit_decreasing", "token_loader", "is_token_rows", "max_positions", "TokenRowList"]
-
-IGNORE_INDEX = -100  # the label of a token no loss counts (torch's and transformers' ignore_index)
+           "pad_collate", "pack_collate", "length_grouped", "packed_attention_mask", "packing_keywords",
+           "packing_leak", "row_lengths", "real_tokens", "first_fit_decreasing", "token_loader", "is_token_rows",
+           "max_positions", "TokenRowList", "longest_batch"]
 
 
 @register_trick(
@@ -91,7 +91,9 @@ def length_grouped(lengths: Sequence[int], batch_size: int, *, seed: int = 0,
 
 
 class PadCollate:
-    """Pads ``input_ids`` with ``pad_id``; ``attention_mask`` 1 on the row's tokens; ``labels`` -100 on padding."""
+    """Pads ``input_ids`` with ``pad_id``; ``attention_mask`` 1 on the row's tokens; ``labels`` -100 on padding
+    and on each row's first token (as packed rows have it: every label left counts in the loss, so a
+    micro-batch's weight under accumulation, its labels counted, is exact)."""
 
     def __init__(self, *, multiple: int = 8, pad_id: int = 0, pad_to: int | None = None) -> None:
         if multiple < 1 or (pad_to is not None and pad_to < 1):
@@ -109,7 +111,9 @@ class PadCollate:
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
             ids[i, :len(r)], mask[i, :len(r)] = r, 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE_INDEX)}
+        labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+        labels[:, 0] = IGNORE_INDEX  # no token predicts a row's first (a causal LM shifts it out anyway)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 class PackCollate:
@@ -300,6 +304,15 @@ class TokenRowList(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.rows[i]}
+
+
+def longest_batch(data: Any, batch_size: int, *, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """The ``batch_size`` longest rows of ``data`` padded to the longest (x8): the largest batch any sampler of
+    ``data`` forms. A batch size searched on it fits every batch of the epoch; one searched on a typical batch
+    runs out of memory at the first long one (Lightning's batch-size finder, Unsloth users at step 120)."""
+    lengths = row_lengths(data)
+    longest = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:batch_size]
+    return pad_collate(pad_id=pad_id)([data[i] for i in longest])
 
 
 def is_token_rows(data: Any) -> bool:
