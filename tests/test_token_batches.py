@@ -235,3 +235,40 @@ def test_a_padded_token_batch_split_on_out_of_memory_keeps_the_per_token_mean():
     assert h.micro_batches == 2 and h.steps == 1
     for p, q in zip(split.inner.parameters(), whole.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("mode", ["grouped", "packed"])
+def test_the_trainer_takes_token_batches_through_the_mapping(tmp_path, mode):
+    """tricks.toml's token_batches in a real Trainer: the collator the mapping prints, the sampling strategy it
+    sets; each batch seen is the mode's (packed: positions restarting, no mask, no cache), and the loss is finite."""
+    transformers = pytest.importorskip("transformers")
+    from torch_tricks.data.token_batches import TokenRowList, max_positions, pack_collate
+    from torch_tricks.integrations.hf import TricksCallback, training_args_from
+    from torch_tricks.integrations.mapping import code_lines, config_of
+
+    cfg = {"token_batches": mode, "batch_size": 4, "max_steps": 3, "progress": False, "device": "cpu"}
+    assert "data_collator=" in code_lines(config_of(cfg), "hf")["token_batches"]
+    model = _gpt2()
+    collate = pad_collate() if mode == "grouped" else pack_collate(max_positions(model),
+                                                                   keywords=packing_keywords(model))
+    seen = []
+
+    def watched(examples):
+        batch = collate(examples)
+        seen.append({k: (v.shape if hasattr(v, "shape") else v) for k, v in batch.items()})
+        return batch
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], **training_args_from(cfg))
+    if mode == "grouped":
+        assert getattr(args, "train_sampling_strategy", None) == "group_by_length" or args.group_by_length
+    gen = torch.Generator().manual_seed(0)
+    rows = TokenRowList([{"input_ids": torch.randint(0, 100, (int(n),), generator=gen)}
+                         for n in torch.randint(3, 60, (24,), generator=gen)])
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, data_collator=watched,
+                                   callbacks=[TricksCallback(cfg)])
+    out = trainer.train()
+    assert trainer.state.global_step == 3 and torch.isfinite(torch.tensor(out.training_loss))
+    if mode == "packed":
+        assert all(s["use_cache"] is False and "attention_mask" not in s and s["input_ids"][1] == 64 for s in seen)
+    else:
+        assert all("attention_mask" in s and s["input_ids"][1] % 8 == 0 for s in seen)

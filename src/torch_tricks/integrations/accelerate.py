@@ -119,6 +119,7 @@ def trainer_lines(cfg: Any, source: str | None = None) -> list[str]:
             "tricks = tricks_for(cfg, accelerator)",
             *([code["sync_bn"]] if "sync_bn" in code else []),
             "model, optimizer = tricks.prepare(model, optimizer)  # yours (a scheduler of yours after them)",
+            *([code["token_batches"]] if "token_batches" in code else []),
             "model, optimizer, loader = accelerator.prepare(model, optimizer, loader)",
             *([code["resume"]] if "resume" in code else []),
             code.get("epochs", "for epoch in range(epochs):"),

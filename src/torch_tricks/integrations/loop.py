@@ -19,6 +19,8 @@ def trainer_lines(cfg: Any, source: str | None = None) -> list[str]:
             f"cfg = {source!r}" if source else f"cfg = {changed_keys(config)!r}",
             "tricks = torch_tricks.Tricks(cfg)",
             "model, optimizer = tricks.prepare(model, optimizer)  # yours; a scheduler of yours goes after them",
+            *(["loader = tricks.prepare_data(dataset)  # token rows (input_ids of different lengths) batched as "
+               f"token_batches = {config.token_batches!r} says"] if "token_batches" in config.given else []),
             f"for epoch in range({config.epochs if 'epochs' in config.given else 'epochs'}):",
             "    for batch in loader:",
             "        batch = tricks.to_device(batch)",

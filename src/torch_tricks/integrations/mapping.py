@@ -236,14 +236,11 @@ _LIGER = "Liger's `_apply_liger_kernel_to_instance` on the model (CUDA)"
 _TOKENS_IMPORT = "# from torch_tricks.data.token_batches import max_positions, packing_keywords, token_loader"
 
 
-def _token_loader_line(c: TrainConfig) -> str:
-    """The DataLoader line of an own loop (Lightning's, Accelerate's) over token rows batched as token_batches says."""
-    return (f"token_loader(dataset, batch_size={c.batch_size}, mode={c.token_batches!r}, "
-            f"row_len=max_positions(model), keywords=packing_keywords(model))  {_TOKENS_IMPORT}")
-
-
-_TOKEN_LOADER = Place("your DataLoader over token rows: `token_loader(..., mode=token_batches)` (T39-T41)",
-                      lambda c: Route("code", line=_token_loader_line(c)))
+def _token_loader(name: str) -> Place:
+    """The DataLoader line (``name = token_loader(...)``) of a script over token rows batched as token_batches says."""
+    return Place("your DataLoader over token rows: `token_loader(..., mode=token_batches)` (T39-T41)", lambda c: Route(
+        "code", line=f"{name} = token_loader(dataset, batch_size={c.batch_size}, mode={c.token_batches!r}, "
+                     f"row_len=max_positions(model), keywords=packing_keywords(model))  {_TOKENS_IMPORT}"))
 
 
 def _hf_token_batches(c: TrainConfig) -> Route:
@@ -252,8 +249,20 @@ def _hf_token_batches(c: TrainConfig) -> Route:
     collate = {"padded": "pad_collate()", "grouped": "pad_collate()",
                "packed": "pack_collate(max_positions(model), keywords=packing_keywords(model))",
                "max": "pad_collate(pad_to=max_positions(model))"}[c.token_batches]
-    kwargs = {"group_by_length": True} if c.token_batches == "grouped" else {}
+    kwargs = _hf_group_by_length() if c.token_batches == "grouped" else {}
     return Route("code", kwargs, line=f"Trainer(..., data_collator={collate})  {imp}")
+
+
+def _hf_group_by_length() -> dict[str, Any]:
+    """transformers 5's ``train_sampling_strategy="group_by_length"``; ``group_by_length=True`` before it."""
+    try:
+        import transformers
+    except ImportError:
+        return {"train_sampling_strategy": "group_by_length"}
+    names = {f.name for f in fields(transformers.TrainingArguments)}
+    if "train_sampling_strategy" in names:
+        return {"train_sampling_strategy": "group_by_length"}
+    return {"group_by_length": True}
 
 
 _PL = "lightning"
@@ -313,7 +322,7 @@ _LIGHTNING: dict[str, Place] = {
     "max_steps": arg("`max_steps` (0: -1)", lambda c: {"max_steps": c.max_steps or -1}),
     "batch_size": Place("your DataLoader's `batch_size`",
                         lambda c: Route("code", line=f"DataLoader(dataset, batch_size={c.batch_size}, shuffle=True)")),
-    "token_batches": _TOKEN_LOADER,
+    "token_batches": _token_loader("train_loader"),
     "lr": Place(_OPTIMIZERS, _pl_code("def configure_optimizers(self):\n    return optimizers_from(cfg, self)  "
                                       "# from torch_tricks.integrations.lightning import optimizers_from")),
     **{k: Place(_OPTIMIZERS, lambda c: Route("arg")) for k in (
@@ -421,7 +430,7 @@ _ACCELERATE: dict[str, Place] = {
                        _ac_code(lambda c: f"if tricks.step_count >= {c.max_steps}: break", lambda c: c.max_steps > 0)),
     "batch_size": Place("your DataLoader's `batch_size`",
                         _ac_code(lambda c: f"DataLoader(dataset, batch_size={c.batch_size}, shuffle=True)")),
-    "token_batches": _TOKEN_LOADER,
+    "token_batches": _token_loader("loader"),
     **{k: _ac_tricks("the optimizer it builds (no-decay groups, fused step, low-precision state, scaled lr)")
        for k in ("lr", "optimizer", "weight_decay", "momentum", "scale_lr", "base_batch", "fused_optimizer",
                  "no_decay_norm_bias", "optimizer_state")},
@@ -572,7 +581,8 @@ _HF: dict[str, Place] = {
     "max_steps": arg("`max_steps` (0: -1)", lambda c: {"max_steps": c.max_steps or -1}),
     "batch_size": arg("`per_device_train_batch_size`", lambda c: {"per_device_train_batch_size": c.batch_size}),
     "token_batches": Place("`data_collator` (a `Trainer` keyword) for token rows (T39-T41); grouped also "
-                           "`group_by_length`", _hf_token_batches),
+                           "`train_sampling_strategy=\"group_by_length\"` (`group_by_length` before transformers 5)",
+                           _hf_token_batches),
     "lr": arg("`learning_rate`", lambda c: {"learning_rate": learning_rate(c)}),
     "optimizer": arg("`optim` (adamw: `adamw_torch`; sgd: `sgd` with `optim_args` momentum)", _hf_optim),
     "weight_decay": arg("`weight_decay`", lambda c: {"weight_decay": c.weight_decay}),
