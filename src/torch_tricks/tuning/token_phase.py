@@ -28,6 +28,7 @@ from torch_tricks import batches as B
 from torch_tricks.data.token_batches import (TokenRowList, max_positions, packing_keywords, packing_leak,
                                              real_tokens, row_lengths, token_loader)
 from torch_tricks.outputs import get_loss
+from torch_tricks.tuning.measure import _Peak
 from torch_tricks.errors import one_line
 
 __all__ = ["measure_token_batches", "WAYS", "LEAK_TOLERANCE"]
@@ -61,6 +62,7 @@ def measure_token_batches(model: torch.nn.Module, data: Any, *, batch_size: int,
     epochs, failed = _epochs(step, rows, batch_size, seed, ways)
     times = _rounds(step, epochs, deadline=t0 + seconds, seed=seed)
     out["ways"] = _rows(epochs, times, out["real_tokens"], failed, leak)
+    _loss_and_memory(step, epochs, out["ways"], deadline=t0 + seconds)
     out.update(_decide(out["ways"], times, min_effect))
     return out
 
@@ -137,6 +139,49 @@ class _Step:
         if cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t
+
+
+def _loss_and_memory(step: "_Step", epochs: dict[str, list[Any]], rows: list[dict[str, Any]], *,
+                     deadline: float) -> None:
+    """Each way's loss over the sample (the per-token mean at the same weights: the same number for every way
+    where batching changes nothing it should not; a leak between packed sequences shows here) and the peak
+    of the tensor bytes a step allocates (activations, gradients) on its largest batch, where the time allows."""
+    losses = {way: _mean_loss(step, batches) for way, batches in epochs.items()}
+    ref = losses.get("padded")
+    for row in rows:
+        way = row["way"]
+        if way not in epochs:
+            continue
+        row["loss"] = losses[way]
+        row["loss_drift"] = abs(losses[way] - ref) / abs(ref) if ref else None
+        if time.perf_counter() < deadline:
+            row["peak_bytes"] = _peak(step, max(epochs[way], key=lambda b: b["input_ids"].numel()))
+
+
+def _mean_loss(step: "_Step", batches: list[Any]) -> float:
+    """The per-token mean loss over ``batches`` (each batch's mean weighted by the labels that count)."""
+    total, n = 0.0, 0
+    was = step.model.training
+    step.model.eval()
+    try:
+        with torch.no_grad():
+            for b in batches:
+                _, loss = B.forward(step.model, b, step.loss_fn)
+                k = B.count(b)
+                total, n = total + float(loss) * k, n + k
+    finally:
+        step.model.train(was)
+    return total / max(n, 1)
+
+
+def _peak(step: "_Step", batch: Any) -> int | None:
+    """Peak of the tensor bytes one step on ``batch`` allocates (CUDA: beyond what was allocated before it)."""
+    try:
+        with _Peak(step.device) as p:
+            step(batch)
+        return int(p.peak)
+    except Exception:
+        return None
 
 
 def _rows(epochs: dict[str, list[Any]], times: dict[str, list[float]], real: int, failed: dict[str, str],
