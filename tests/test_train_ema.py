@@ -53,6 +53,38 @@ def test_ema_equals_hand_computed_average():
     assert not any(p.requires_grad for p in ema.module.parameters())
 
 
+def test_ema_skips_parameters_frozen_all_along_and_averages_one_once_unfrozen():
+    model = _tiny()
+    model[0].requires_grad_(False)  # a frozen first layer (a LoRA model's base, a frozen backbone)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ema = EMA(model, decay=0.9, warmup=False)
+    frozen = ema.module[0].weight
+    _train_step(model, opt, 0)
+    ema.update(model)  # the first update copies every tensor
+    snaps, versions = [_state(model)], frozen._version
+    for step in range(1, 3):
+        _train_step(model, opt, step)
+        ema.update(model)
+        snaps.append(_state(model))
+    assert frozen._version == versions  # not written since: no pass over the frozen bytes per update
+    assert torch.equal(frozen, model[0].weight)
+    for key in ("3.weight", "1.running_mean"):  # trained weights and buffers: averaged as before
+        expected = snaps[0][key]
+        for s in snaps[1:]:
+            expected = 0.9 * expected + 0.1 * s[key]
+        torch.testing.assert_close(ema.module.state_dict()[key], expected, rtol=0, atol=1e-6, msg=key)
+
+    model[0].weight.requires_grad_(True)  # unfrozen: averaged from now on
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ema.update(model)
+    torch.testing.assert_close(frozen, 0.9 * snaps[-1]["0.weight"] + 0.1 * model[0].weight.detach())
+    model[0].weight.requires_grad_(False)  # frozen again: still averaged (its average is no longer its copy)
+    ema.update(model)
+    assert not torch.equal(frozen, model[0].weight)
+    assert frozen._version > versions
+
+
 def test_ema_decay_warmup():
     ema = EMA(nn.Linear(2, 2), decay=0.999, warmup=True)
     assert ema.current_decay() == pytest.approx(1 / 10)

@@ -17,7 +17,7 @@ __all__ = ["EXTRAS", "available", "install_hint", "require"]
 
 # the extras declared in pyproject.toml's [project.optional-dependencies]
 EXTRAS = frozenset({"data", "deploy", "digits", "plot", "onnx", "tensorboard", "hf", "lightning", "peers", "float8",
-                    "liger", "text", "dev"})
+                    "liger", "text", "lora", "dev"})
 
 
 def install_hint(extra: str) -> str:

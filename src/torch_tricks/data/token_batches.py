@@ -347,7 +347,10 @@ def packing_keywords(model: Any) -> dict[str, Any]:
     model in train mode still builds one unless told not to: the sequences would attend to each other)."""
     import inspect
 
-    forward = getattr(model, "forward", None)
+    inner = getattr(model, "_orig_mod", model)  # under torch.compile
+    if callable(getattr(type(inner), "get_base_model", None)):  # a peft model: forward(..., **kwargs) passes it on
+        inner = inner.get_base_model()
+    forward = getattr(inner, "forward", None)
     try:
         takes = "use_cache" in inspect.signature(forward).parameters if forward is not None else False
     except (TypeError, ValueError):

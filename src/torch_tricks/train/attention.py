@@ -124,8 +124,10 @@ def _sdpa_kernel_support(model: nn.Module, mode: str, device: torch.device | str
 
 
 def _hf_model(model: nn.Module) -> nn.Module | None:
-    """The transformers model ``model`` is, or holds (a wrapper's first PreTrainedModel), or None."""
+    """The transformers model ``model`` is, or holds (a wrapper's first PreTrainedModel), or None. The method is
+    looked up on the class: a peft ``PeftModel`` forwards unknown attributes to the model it wraps, but its class
+    has no ``_supports_*`` flags to read."""
     for m in model.modules():
-        if hasattr(m, "set_attn_implementation") and hasattr(m, "config"):
+        if hasattr(type(m), "set_attn_implementation") and hasattr(m, "config"):
             return m
     return None

@@ -18,6 +18,7 @@ statistics must be recomputed from data at the end (:meth:`SWA.update_bn`).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Iterable
 
 import torch
@@ -59,7 +60,12 @@ class EMA:
 
     Float parameters and buffers (BN running mean/var) are averaged; integer buffers (BN's
     ``num_batches_tracked``) are copied, since an average of counters, truncated to an
-    integer, would stay stuck at its first value.
+    integer, would stay stuck at its first value. A parameter frozen (``requires_grad=False``)
+    since the EMA was made is skipped: its average is its copy, exactly, and averaging it would
+    read and write its bytes every update for nothing (a LoRA model's whole base). It is still
+    copied, not shared: a shared tensor would let ``ema.module.to(...)``, a load or
+    ``merge_and_unload()`` on the average write into the trained model. Once unfrozen, it is
+    averaged from then on.
     """
 
     def __init__(
@@ -81,6 +87,8 @@ class EMA:
         inner = unwrap_model(model)
         self._model_type = type(inner)
         self.averaged = AveragedModel(inner, device=device, multi_avg_fn=self._multi_avg, use_buffers=True)
+        # per parameter (in parameters() order): frozen at every update so far, so its copy is its average
+        self._still_frozen = [not p.requires_grad for p in inner.parameters()]
         _freeze(self.averaged.module)
         self.averaged.module.eval()
 
@@ -102,7 +110,11 @@ class EMA:
                 f"EMA.update got a {type(inner).__name__} but averages a {self._model_type.__name__}: pass the trained model"
             )
         self._current_decay = self._decay_at(self.num_updates)
-        self.averaged.update_parameters(inner)
+        self._still_frozen = [was and not p.requires_grad for was, p in zip(self._still_frozen, inner.parameters())]
+        if self.num_updates and any(self._still_frozen):
+            self._update_unfrozen(inner)
+        else:
+            self.averaged.update_parameters(inner)
         self.num_updates += 1
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -135,6 +147,22 @@ class EMA:
         if self.warmup:
             return min(self.decay, (1.0 + n) / (10.0 + n))
         return self.decay
+
+    def _update_unfrozen(self, inner: nn.Module) -> None:
+        """``AveragedModel.update_parameters`` without the parameters frozen all along (see the class doc)."""
+        avg = self.averaged
+        skip = self._still_frozen + [False] * sum(1 for _ in inner.buffers())
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        pairs = zip(itertools.chain(avg.module.parameters(), avg.module.buffers()),
+                    itertools.chain(inner.parameters(), inner.buffers()), skip)
+        for e, c, frozen in pairs:
+            if not frozen:
+                ema, current = groups.setdefault((e.device, e.dtype), ([], []))
+                ema.append(e.detach())
+                current.append(c.detach().to(e.device))
+        for (device, _), (ema, current) in groups.items():
+            self._multi_avg(ema, current, avg.n_averaged.to(device))
+        avg.n_averaged += 1
 
     def _multi_avg(self, ema: list[torch.Tensor], current: list[torch.Tensor], n_averaged: Any) -> None:
         # AveragedModel groups tensors by device and dtype, so each call sees one dtype.

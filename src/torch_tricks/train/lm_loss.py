@@ -107,23 +107,26 @@ def chunk_lm_loss(model: nn.Module, *, chunk_tokens: int | None = None, check: b
     ``check``: first make sure, on a few random tokens in eval mode, that the loss and every
     gradient agree with the model's own (within 1e-4 relative); a :class:`UserError` otherwise,
     as for a model without a vocabulary head or whose loss does not go through transformers'
-    ``loss_function``. Calling it again on the same model changes nothing.
+    ``loss_function``. Calling it again on the same model changes nothing. A peft model (LoRA) is
+    served through the transformers model it wraps, whose forward computes the loss.
     """
     if is_chunked(model):
         return model
     why = why_not_chunkable(model)
     if why:
         raise UserError(f"chunked_lm_loss: {why}; switch chunked_lm_loss off")
+    lm = _loss_model(model)
     if check:
-        _check_agreement(model, chunk_tokens)
-    model._tt_chunk_tokens = chunk_tokens  # read by the hooks: a copy of the model carries it
-    model.register_forward_pre_hook(_enter, with_kwargs=True)
-    model.register_forward_hook(_leave, with_kwargs=True, always_call=True)
+        _check_agreement(lm, chunk_tokens)
+    lm._tt_chunk_tokens = chunk_tokens  # read by the hooks: a copy of the model carries it
+    lm.register_forward_pre_hook(_enter, with_kwargs=True)
+    lm.register_forward_hook(_leave, with_kwargs=True, always_call=True)
     return model
 
 
 def why_not_chunkable(model: nn.Module) -> str:
     """Why :func:`chunk_lm_loss` cannot serve ``model`` ('' if it can, as far as its code shows)."""
+    model = _loss_model(model)
     name = type(model).__name__
     if lm_head_of(model) is None:
         return (f"{name} has no vocabulary head (no get_output_embeddings() Linear, no Linear named lm_head): it is "
@@ -136,7 +139,17 @@ def why_not_chunkable(model: nn.Module) -> str:
 
 def is_chunked(model: nn.Module) -> bool:
     """Whether :func:`chunk_lm_loss` is switched on for ``model``."""
-    return hasattr(model, "_tt_chunk_tokens")
+    return hasattr(_loss_model(model), "_tt_chunk_tokens")
+
+
+def _loss_model(model: nn.Module) -> nn.Module:
+    """The module whose forward computes the loss: ``model``, or the transformers model a peft ``PeftModel`` wraps
+    (its forward hands ``labels`` on to that one, which applies its ``loss_function``)."""
+    if callable(getattr(type(model), "get_base_model", None)):
+        base = model.get_base_model()
+        if isinstance(base, nn.Module):
+            return base
+    return model
 
 
 # -- the hooks ------------------------------------------------------------------------------------

@@ -53,6 +53,13 @@ def _build_model(model_fn: Callable[[], nn.Module] | nn.Module) -> nn.Module:
     return model
 
 
+def _parameter_counts(model: nn.Module) -> dict[str, int]:
+    """The parameters that train and all of them (each once: tied weights count once): with LoRA or a frozen
+    backbone the optimizer's state and the gradients scale with the first, the weights with the second."""
+    params = list(model.parameters())
+    return {"trainable": sum(p.numel() for p in params if p.requires_grad), "total": sum(p.numel() for p in params)}
+
+
 def _input_shapes(inputs: tuple[Any, ...]) -> list[list[int]]:
     """The shape of each tensor input, without its batch dimension."""
     return [list(t.shape[1:]) for t in inputs if isinstance(t, torch.Tensor)]

@@ -58,6 +58,7 @@ class TuneReport(Explain, Payback, ReportText, ReportDistributed, ReportFiles, R
     memory_limit_source: str
     budget_s: float
     inputs: list[list[int]] = field(default_factory=list)
+    parameters: dict[str, int] | None = None  # {"trainable", "total"}: the model's parameters (each once)
     baseline: Result | None = None
     results: list[Result] = field(default_factory=list)
     combos: list[Result] = field(default_factory=list)

@@ -41,7 +41,8 @@ class ReportFiles:
     def to_dict(self) -> dict[str, Any]:
         verdicts = self.explain()
         return {
-            "model": self.model, "batch": self.batch, "inputs": self.inputs, "device": self.device,
+            "model": self.model, "batch": self.batch, "inputs": self.inputs, "parameters": self.parameters,
+            "device": self.device,
             "optimizer": self.optimizer, "memory_limit": self.memory_limit,
             "memory_limit_source": self.memory_limit_source, "budget_s": self.budget_s,
             "elapsed_s": self.elapsed_s, "rounds": self.rounds, "stop_reason": self.stop_reason,

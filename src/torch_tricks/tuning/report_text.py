@@ -97,9 +97,21 @@ class ReportText:
         """What was tuned, and the rule a verdict follows."""
         noise = "n/a" if math.isnan(self.noise) else f"±{self.noise:.1%}"
         return [f"{self.model}: batch {self.batch}, input {self.inputs}, {self.device}, {self.optimizer}; "
-                f"memory limit {human_bytes(self.memory_limit)} ({self.memory_limit_source})",
+                f"memory limit {human_bytes(self.memory_limit)} ({self.memory_limit_source})"
+                + self._trainable_text(),
                 f"{self.rounds} interleaved rounds; noise {noise} (plain vs plain, A/A); a trick is called faster or "
                 f"slower only beyond the larger of the noise, its own 95% interval and {self.min_effect:.0%}"]
+
+    def _trainable_text(self) -> str:
+        """"; N of M parameters train (x%)" where some are frozen (LoRA, a frozen backbone): the gradients and
+        the optimizer state the memory tricks cut are the trainable share's, the weights are all of them."""
+        counts = self.parameters or {}
+        n, total = counts.get("trainable", 0), counts.get("total", 0)
+        if not total or n >= total:
+            return ""
+        pct = 100 * n / total
+        return f"; {n:,} of {total:,} parameters train ({pct:.1f}%)" if pct >= 1 else \
+            f"; {n:,} of {total:,} parameters train ({pct:.2g}%)"
 
     def _race_lines(self) -> list[str]:
         """Who left the race early, and why it stopped."""
@@ -257,7 +269,8 @@ class ReportText:
             if w.get("status") == "measured":
                 vs = f", {w['vs_max']:.2f}x padded-to-max" if w.get("vs_max") else ""
                 out.append(f"  {w['way']:<8} {w['real_tokens_per_s']:>10,.0f} tok/s ({w['real_share']:.0%} of the "
-                           f"tokens computed are data{vs}; at most {w['tokens_per_step']:,} tokens a step)")
+                           f"tokens computed are data{vs}; at most {w['tokens_per_step']:,} tokens a step"
+                           f"{_token_extras(w)})")
             else:
                 out.append(f"  {w['way']:<8} {w['status']}: {w.get('reason', '')}")
         out.append(f"  token_batches = {t['choice']}: {t['reason']}" if t.get("choice") else f"  {t.get('reason')}")
@@ -384,3 +397,13 @@ def _size_text(r: dict[str, Any]) -> str:
         return f"{what}: {r['error']}"
     vs = f", {r['samples_vs_tuned']:.2f}x ±{r['half_ci']:.2f}" if "samples_vs_tuned" in r else " (tuned)"
     return f"{what}: {r['samples_per_s']:,.0f} samples/s{vs}"
+
+
+def _token_extras(w: dict[str, Any]) -> str:
+    """A token way's step peak and its loss against padded's (the same rows, the same weights)."""
+    out = ""
+    if w.get("peak_bytes"):
+        out += f", step peak {w['peak_bytes'] / 2**20:,.1f} MiB"
+    if w.get("loss_drift") is not None and w["way"] != "padded":
+        out += f", loss {w['loss_drift']:.1e} from padded's"
+    return out

@@ -87,6 +87,7 @@ from torch_tricks.tuning.inputs import (
     token_rows_of,
     _input_shapes,
     _memory_limit,
+    _parameter_counts,
     _worlds,
     parse_size,
 )
@@ -198,7 +199,7 @@ def tune(
                         optimizer="your optimizer_fn" if own_opt else optimizer, own_optimizer=own_opt,
                         memory_limit=limit, memory_limit_source=limit_source, budget_s=float(budget_s),
                         drift_tolerance=dict(DRIFT_TOLERANCE), min_effect=MIN_EFFECT,
-                        inputs=_input_shapes(inputs_t),
+                        inputs=_input_shapes(inputs_t), parameters=_parameter_counts(model),
                         run_steps=steps or ASSUMED_RUN_STEPS, run_steps_source="given" if steps else "assumed")
     batches = [B.to_device(example_batch, dev)]
     kw = {"loss_fn": loss_fn, "optimizer_fn": optimizer_fn}
