@@ -240,3 +240,15 @@ def test_train_on_a_token_set_says_what_it_read(tmp_path, capsys, monkeypatch):
     assert ("data: long.jsonl (JSONL, input_ids): 4 rows read, 4 kept, 51 tokens, the longest 16; 2 rows cut to 16 "
             "tokens") in err
     assert json.loads(out)["steps"] == 1  # stdout holds only the history
+
+
+def test_loader_tune_reads_a_token_set_and_says_the_rows_come_from_memory(tmp_path, capsys):
+    _jsonl(tmp_path / "rows.jsonl", [{"input_ids": list(range(1, n + 1))} for n in (3, 9, 4, 12, 7, 2, 5, 8)])
+    code = main(["loader-tune", str(tmp_path / "rows.jsonl"), "--batch", "4", "--workers", "0", "--seconds", "0.2",
+                 "--no-progress", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"] == "in-memory" and out["num_samples"] == 8
+    assert any("token_batches" in a for a in out["advice"])
+    code = main(["loader-tune", str(tmp_path), "--tokenizer", str(tmp_path), "--no-progress"])
+    assert code == 2 and "--tokenizer is for a token set" in capsys.readouterr().err

@@ -32,7 +32,9 @@ def add_commands(sub: Any) -> None:
     sp.set_defaults(func=cmd_pack)
 
     sp = sub.add_parser("loader-tune", help="time the data loader over workers x batch sizes; I/O- or decode-bound?")
-    sp.add_argument("path", help="a pack (from `torch-tricks pack`), an ImageFolder tree or an HDF5 file")
+    sp.add_argument("path", help="a pack (from `torch-tricks pack`), an ImageFolder tree, an HDF5 file, or a token "
+                                 "set (a saved data set folder, FILE.jsonl or FILE.parquet of input_ids or text)")
+    sp.add_argument("--tokenizer", metavar="PATH", help="a local tokenizer folder for a token set's text column")
     sp.add_argument("--batch", type=int, action="append", metavar="N", help="batch size to try (repeatable; default 64)")
     sp.add_argument("--workers", type=int, action="append", metavar="N",
                     help="worker count to try (repeatable; default 0, 1, 2, 4 ... up to the cores)")
@@ -59,6 +61,6 @@ def cmd_loader_tune(args: argparse.Namespace) -> int:
 
     r = tune_loader_path(args.path, batch_sizes=args.batch or (64,), workers=args.workers,
                          seconds_per_trial=args.seconds, device=args.device, progress=args.progress,
-                         cold_read=not args.warm)
+                         cold_read=not args.warm, tokenizer=args.tokenizer)
     emit(args, r.to_dict(), r.to_text())
     return 0

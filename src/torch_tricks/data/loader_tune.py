@@ -206,7 +206,11 @@ def tune_loader(
     ok = [t for t in trials if t.error is None]
     best = max(ok, key=lambda t: t.samples_per_s) if ok else None
     stored = sum(_size(f) for f in files) / n if files else None
-    verdict, reasons, advice = _verdict(best, trials, decode_rate, read_rate, stored, cpus, _pre_resized(dataset))
+    if getattr(dataset, "lengths", None) is not None and best is not None:  # token rows, held in memory
+        verdict, reasons, advice = _token_verdict(best, trials)
+    else:
+        verdict, reasons, advice = _verdict(best, trials, decode_rate, read_rate, stored, cpus,
+                                            _pre_resized(dataset))
     return LoaderTuneReport(
         trials=trials,
         best=best,
@@ -225,12 +229,24 @@ def tune_loader(
     )
 
 
-def tune_loader_path(path: str | os.PathLike[str], **kwargs: Any) -> LoaderTuneReport:
+def tune_loader_path(path: str | os.PathLike[str], *, tokenizer: str | None = None, **kwargs: Any) -> LoaderTuneReport:
     """:func:`tune_loader` on the dataset at ``path`` (see :func:`open_dataset`); for the CLI.
 
     A packed dataset is timed with its own ``collate_packed`` (batches read as one array),
-    as training would use it.
+    as training would use it; a token set (rows of token ids: ``tokenizer`` for a text
+    column) with the padding collate training uses by default (T39).
     """
+    from torch_tricks.data.token_sets import is_token_set
+
+    if is_token_set(path):
+        from torch_tricks.data.token_batches import pad_collate
+        from torch_tricks.data.token_sets import load_token_rows
+
+        kwargs.setdefault("collate_fn", pad_collate())
+        return tune_loader(load_token_rows(path, tokenizer=tokenizer), **kwargs)
+    if tokenizer is not None:
+        raise UserError(f"--tokenizer is for a token set (a saved data set folder, FILE.jsonl or FILE.parquet); "
+                        f"{str(path)!r} is not one: leave it out")
     dataset = open_dataset(path)
     if kwargs.get("collate_fn") is None and type(dataset).__name__ == "PackedDataset":
         from torch_tricks.data import dataset as packed
@@ -427,6 +443,22 @@ def _verdict(
         "make batches larger, or collate less",
         "check that the main process is not the bottleneck (transforms in the loop, .item() syncs)",
     ]
+
+
+def _token_verdict(best: LoaderTrial, trials: list[LoaderTrial]) -> tuple[str, list[str], list[str]]:
+    """Token rows are read from memory and padded: nothing to decode, so workers only cost their copies; what
+    decides the step's speed is how many of the tokens computed are padding (T39-T41), which ``tune`` measures."""
+    t, w = best.samples_per_s, best.num_workers
+    reasons = [f"best: {t:.1f} rows/s with batch {best.batch_size} and {w} workers (token rows in memory, each "
+               "batch padded to its longest row)"]
+    base = [x for x in trials if x.error is None and x.num_workers == 0 and x.batch_size == best.batch_size]
+    if base and base[0].samples_per_s > 0 and w > 0:
+        reasons.append(f"{t / base[0].samples_per_s:.2f}x the throughput without workers")
+    advice = ["num_workers=0 (rows come from memory: workers only add copies)" if w == 0 else
+              f"num_workers={w}: the collate of many rows is worth a process here",
+              "how the rows are batched (padded, grouped, packed: token_batches) decides the step's speed: "
+              "torch-tricks tune --data PATH measures it in real tokens a second"]
+    return "in-memory", reasons, advice
 
 
 def _io_bound(need: float, read_rate: float, reasons: list[str]) -> bool:
