@@ -24,9 +24,10 @@ ROWS = {"one process", "one rank", *MODES}
 _SKIP = ("compile", "ema", "deterministic", "checkpointing", "gradient_accumulation", "inplace_activations",
          "memory_efficient_bn", "mixed_precision", "channels_last")
 # the budget is a ceiling: alone, the race settles in 11-16 s; on a machine another test shares, the build of
-# the lanes took past its share (0.6 of 24 s) once and zero1 was skipped, which these tests must not see; at 40 s
-# ddp was skipped twice in four suites beside the token and LoRA tunes (session 19): 60 s
-TUNE = ["tune", "--model", "small_cnn", "--batch", "16", "--budget-seconds", "60", "--no-progress",
+# the lanes took past its share (0.6 of 24 s) once and zero1 was skipped; at 40 s (and at 60) a mode was skipped
+# so in three of five full suites of session 19, beside the other worker's tunes: the writing test tries again
+# once where a mode ran out of the phase's time (the product said so, rightly), rather than take longer always
+TUNE = ["tune", "--model", "small_cnn", "--batch", "16", "--budget-seconds", "40", "--no-progress",
         *(a for name in _SKIP for a in ("--skip", name))]
 
 
@@ -65,10 +66,13 @@ def _check_rows(d: dict, ranks: int = 2) -> dict:
 
 
 def test_tune_processes_2_writes_rows_for_ddp_zero1_fsdp(tmp_path, capsys):
-    code = main([*TUNE, "--processes", "2", "--out", str(tmp_path)])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    d = json.loads((tmp_path / "report.json").read_text())["distributed"]
+    for attempt in (1, 2):  # a second time only where the first ran out of its phase's time on a busy machine
+        code = main([*TUNE, "--processes", "2", "--out", str(tmp_path)])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        d = json.loads((tmp_path / "report.json").read_text())["distributed"]
+        if not any("over the budget" in r.get("reason", "") for r in d.get("rows", [])):
+            break
     _check_rows(d)
     assert d["launched_by"] == "tune --processes 2"
     cores = len(os.sched_getaffinity(0))
